@@ -1,0 +1,15 @@
+# One command sets up and runs the tests; one sets up and runs the main job on the bundled example.
+PYTHON ?= python3
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: install test bench
+
+install:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "torch==$(TORCH_VERSION)"
+	$(PYTHON) -m pip install -e ".[dev]"
+
+test: install
+	$(PYTHON) -m pytest -q tests
+
+bench: install
+	$(PYTHON) benchmarks/bench_model_vs_hf.py

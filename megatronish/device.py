@@ -1,0 +1,64 @@
+"""The one place that touches ``torch.cuda``: device choice, backend choice and RNG state by device.
+
+Everything else asks this module, so one code path runs on CPU (gloo) and CUDA (NCCL).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def device_type() -> str:
+    """``"cuda"`` when a GPU is usable (and not disabled by ``MEGATRONISH_DEVICE=cpu``), else ``"cpu"``."""
+    forced = os.environ.get("MEGATRONISH_DEVICE")
+    if forced:
+        return forced
+    return "cuda" if cuda_available() else "cpu"
+
+
+def current_device() -> torch.device:
+    if device_type() == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def set_device_for_local_rank(local_rank: int) -> None:
+    if device_type() == "cuda":
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+
+
+def default_backend() -> str:
+    """NCCL on CUDA, gloo on CPU (``--distributed-backend`` may override)."""
+    return "nccl" if device_type() == "cuda" else "gloo"
+
+
+def get_rng_state() -> torch.Tensor:
+    """RNG state of the generator that dropout on the current device draws from."""
+    if device_type() == "cuda":
+        return torch.cuda.get_rng_state()
+    return torch.get_rng_state()
+
+
+def set_rng_state(state: torch.Tensor) -> None:
+    if device_type() == "cuda":
+        torch.cuda.set_rng_state(state)
+    else:
+        torch.set_rng_state(state)
+
+
+def manual_seed(seed: int) -> None:
+    """Seed the current device's generator (the CPU one is seeded by the caller)."""
+    if device_type() == "cuda":
+        torch.cuda.manual_seed(seed)
+    else:
+        torch.manual_seed(seed)
+
+
+def synchronize() -> None:
+    if device_type() == "cuda":
+        torch.cuda.synchronize()

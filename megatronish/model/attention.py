@@ -1,0 +1,60 @@
+"""Causal self-attention with grouped-query support on a fused, column-parallel QKV projection.
+
+Fused QKV layout (Megatron's): the output dim is ``num_query_groups`` blocks, each holding that group's
+``heads/groups`` query heads, then its key head, then its value head, ``kv_channels`` rows each. A
+contiguous TP split along that dim gives every rank whole groups.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..parallel import groups
+from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
+from ..parallel.random import get_rng_tracker
+from .rope import apply_rotary
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig, sequence_parallel: bool, output_init_std: float,
+                 params_dtype=torch.float32, device=None):
+        super().__init__()
+        tp = groups.get_tensor_model_parallel_world_size()
+        c = config
+        self.heads_per_group = c.num_attention_heads // c.num_query_groups
+        self.local_groups = c.num_query_groups // tp
+        self.kv_channels = c.kv_channels
+        self.dropout = c.attention_dropout
+        qkv_out = (c.num_attention_heads + 2 * c.num_query_groups) * c.kv_channels
+        self.linear_qkv = ColumnParallelLinear(c.hidden_size, qkv_out, bias=c.qkv_bias, gather_output=False,
+                                               sequence_parallel=sequence_parallel, init_std=c.init_method_std,
+                                               params_dtype=params_dtype, device=device)
+        self.linear_proj = RowParallelLinear(c.num_attention_heads * c.kv_channels, c.hidden_size,
+                                             bias=c.add_bias_linear, input_is_parallel=True, skip_bias_add=True,
+                                             sequence_parallel=sequence_parallel, init_std=output_init_std,
+                                             params_dtype=params_dtype, device=device)
+
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None):
+        qkv, _ = self.linear_qkv(x)  # [s, b, groups/t * (heads/groups + 2) * d]
+        s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, self.local_groups, self.heads_per_group + 2, self.kv_channels)
+        q = qkv[:, :, :, : self.heads_per_group].reshape(s, b, -1, self.kv_channels)  # [s, b, heads/t, d]
+        k = qkv[:, :, :, self.heads_per_group]  # [s, b, groups/t, d]
+        v = qkv[:, :, :, self.heads_per_group + 1]  # [s, b, groups/t, d]
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+        dropout = self.dropout if self.training else 0.0
+        # Dropout of the local heads' probabilities is inside the TP region: model-parallel RNG stream.
+        rng = get_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext()
+        with rng:
+            ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
+                                                 scale=1.0 / math.sqrt(self.kv_channels),
+                                                 enable_gqa=self.heads_per_group > 1)
+        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, heads/t * d]
+        return self.linear_proj(ctx)  # (out, bias)

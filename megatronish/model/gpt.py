@@ -1,0 +1,145 @@
+"""GPTModel: embedding -> transformer layers -> final norm -> output layer -> vocab-parallel loss.
+
+One pipeline stage of the model: ``pre_process`` (first stage) owns the embedding, ``post_process`` (last
+stage) the final norm, output layer and loss; ``first_layer``/``num_local_layers`` say which global layers
+this stage holds. Parameter names are global (``decoder.layers.<global number>...``) through
+:meth:`GPTModel.global_name`, which is what initialization and checkpoints key on.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..parallel import groups
+from ..parallel.cross_entropy import vocab_parallel_cross_entropy
+from ..parallel.init import TensorDesc, initialize_slice, set_desc
+from ..parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
+from ..parallel.mappings import scatter_to_sequence_parallel_region
+from ..parallel.random import get_rng_tracker
+from .rope import RotaryEmbedding
+from .transformer import TransformerBlock
+
+WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
+
+
+class Embedding(nn.Module):
+    """Word (+ learned position) embeddings and dropout; returns ``[s, b, h]`` (``[s/t, b, h]`` under SP)."""
+
+    def __init__(self, config: ModelConfig, padded_vocab: int, sequence_parallel: bool,
+                 params_dtype=torch.float32, device=None):
+        super().__init__()
+        c = config
+        self.sequence_parallel = sequence_parallel
+        self.dropout = c.hidden_dropout
+        self.word_embeddings = VocabParallelEmbedding(padded_vocab, c.hidden_size, vocab_size=c.vocab_size,
+                                                      sequence_parallel=sequence_parallel,
+                                                      init_std=c.init_method_std, params_dtype=params_dtype,
+                                                      device=device)
+        self.position_embeddings = None
+        if c.position_embedding_type == "learned_absolute":
+            w = nn.Parameter(torch.empty(c.max_position_embeddings, c.hidden_size, dtype=params_dtype,
+                                         device=device))
+            self.position_embeddings = nn.Embedding.from_pretrained(w, freeze=False)
+            set_desc(self.position_embeddings.weight,
+                     TensorDesc((c.max_position_embeddings, c.hidden_size), None, 1, "normal", c.init_method_std))
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+        x = self.word_embeddings(input_ids)  # [s, b, h] ([s/t, b, h] under SP)
+        if self.position_embeddings is not None:
+            if position_ids is None:
+                position_ids = torch.arange(input_ids.size(1), device=input_ids.device).expand_as(input_ids)
+            pos = self.position_embeddings(position_ids).transpose(0, 1)  # [b, s, h] -> [s, b, h]
+            if self.sequence_parallel:
+                pos = scatter_to_sequence_parallel_region(pos)  # this rank's chunk; bwd all-gathers the grad
+            x = x + pos
+        rng = get_rng_tracker().fork() if self.sequence_parallel and self.training and self.dropout > 0 \
+            else contextlib.nullcontext()
+        with rng:
+            return F.dropout(x, p=self.dropout, training=self.training)
+
+
+class GPTModel(nn.Module):
+    def __init__(self, config: ModelConfig, *, sequence_parallel: bool = False, pre_process: bool = True,
+                 post_process: bool = True, first_layer: int = 0, num_local_layers: int | None = None,
+                 label_smoothing: float = 0.0, params_dtype=torch.float32, device=None):
+        super().__init__()
+        c = config
+        tp = groups.get_tensor_model_parallel_world_size()
+        self.config, self.pre_process, self.post_process = c, pre_process, post_process
+        self.sequence_parallel = sequence_parallel and tp > 1
+        self.label_smoothing = label_smoothing
+        self.padded_vocab_size = c.padded_vocab_size(tp)
+        self.first_layer = first_layer
+        num_local_layers = c.num_layers if num_local_layers is None else num_local_layers
+        self.tied = not c.untie_embeddings_and_output_weights
+        self.input_tensor: torch.Tensor | None = None  # hidden states from the previous pipeline stage
+
+        self.embedding = Embedding(c, self.padded_vocab_size, self.sequence_parallel, params_dtype, device) \
+            if pre_process else None
+        self.rotary = RotaryEmbedding(c.kv_channels, c.rotary_percent, c.rotary_base) \
+            if c.position_embedding_type == "rope" else None
+        self.decoder = TransformerBlock(c, first_layer, num_local_layers, post_process, self.sequence_parallel,
+                                        params_dtype, device)
+        self.output_layer = None
+        if post_process:
+            # Tied and on the embedding's stage: reuse its weight. Tied on a later stage: own a copy that has
+            # the embedding's global name, so it starts equal (and the embedding group keeps it equal).
+            self.output_layer = ColumnParallelLinear(
+                c.hidden_size, self.padded_vocab_size, bias=False, gather_output=False,
+                sequence_parallel=self.sequence_parallel, init_std=c.init_method_std,
+                skip_weight_param_allocation=self.tied and pre_process, params_dtype=params_dtype, device=device)
+            if self.output_layer.weight is not None:
+                d = self.output_layer.weight.desc
+                set_desc(self.output_layer.weight, TensorDesc(d.global_shape, 0, 1, "normal", d.std,
+                                                              valid_rows=c.vocab_size))
+
+    # ---- global description -------------------------------------------------------------------
+    def global_name(self, local_name: str) -> str:
+        """``decoder.layers.<local i>.`` -> ``decoder.layers.<global i>.``; a tied output layer on a stage
+        without the embedding is the word embedding."""
+        m = re.match(r"decoder\.layers\.(\d+)\.(.*)", local_name)
+        if m:
+            return f"decoder.layers.{self.first_layer + int(m.group(1))}.{m.group(2)}"
+        if local_name == "output_layer.weight" and self.tied:
+            return WORD_EMBEDDINGS
+        return local_name
+
+    def named_global_parameters(self):
+        for name, p in self.named_parameters():
+            yield self.global_name(name), p
+
+    def init_parameters(self, seed: int) -> None:
+        """Fill every parameter with its slice of the global value given by ``(seed, global name)``."""
+        tp_rank = groups.get_tensor_model_parallel_rank()
+        tp = groups.get_tensor_model_parallel_world_size()
+        for name, p in self.named_global_parameters():
+            initialize_slice(p, p.desc, seed, name, tp_rank, tp)
+
+    def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
+        self.input_tensor = tensor
+
+    # ---- forward ---------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None):
+        """``input_ids``/``labels``: ``[b, s]``. Returns the per-token loss ``[b, s]`` (fp32) if ``labels``
+        are given on the last stage, else logits ``[b, s, V_padded/t]``; earlier stages return hidden
+        states ``[s, b, h]``."""
+        x = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor
+        rotary = None
+        if self.rotary is not None:
+            s = x.size(0) * (groups.get_tensor_model_parallel_world_size() if self.sequence_parallel else 1)
+            rotary = self.rotary(s, device=x.device)
+        x = self.decoder(x, rotary)
+        if not self.post_process:
+            return x
+        weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
+        logits, _ = self.output_layer(x, weight)  # [s, b, V/t]
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.label_smoothing, self.config.vocab_size)
+        return loss.t().contiguous()  # [b, s]

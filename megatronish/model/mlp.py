@@ -1,0 +1,39 @@
+"""The MLP: column-parallel fc1, GELU or SwiGLU, row-parallel fc2.
+
+With SwiGLU, fc1's global weight is ``[gate; up]`` (``2 * ffn`` rows); it is split with stride 2 so each TP
+rank holds its slice of the gate rows followed by its slice of the up rows.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, sequence_parallel: bool, output_init_std: float,
+                 params_dtype=torch.float32, device=None):
+        super().__init__()
+        c = config
+        self.swiglu, self.openai_gelu = c.swiglu, c.openai_gelu
+        fc1_out = c.ffn_hidden_size * (2 if c.swiglu else 1)
+        self.linear_fc1 = ColumnParallelLinear(c.hidden_size, fc1_out, bias=c.add_bias_linear,
+                                               sequence_parallel=sequence_parallel, init_std=c.init_method_std,
+                                               stride=2 if c.swiglu else 1, params_dtype=params_dtype,
+                                               device=device)
+        self.linear_fc2 = RowParallelLinear(c.ffn_hidden_size, c.hidden_size, bias=c.add_bias_linear,
+                                            input_is_parallel=True, skip_bias_add=True,
+                                            sequence_parallel=sequence_parallel, init_std=output_init_std,
+                                            params_dtype=params_dtype, device=device)
+
+    def forward(self, x: torch.Tensor):
+        h, _ = self.linear_fc1(x)  # [s, b, ffn/t] (x2 with SwiGLU)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh" if self.openai_gelu else "none")
+        return self.linear_fc2(h)  # (out, bias)

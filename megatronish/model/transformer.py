@@ -1,0 +1,89 @@
+"""Pre-norm transformer layer and the block of this pipeline stage's layers."""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..parallel.random import checkpoint, get_rng_tracker
+from .attention import SelfAttention
+from .mlp import MLP
+from .norms import build_norm
+
+
+def _bias_dropout_add(x, bias, residual, p, training):
+    if bias is not None:
+        x = x + bias
+    return residual + F.dropout(x, p=p, training=training)
+
+
+class TransformerLayer(nn.Module):
+    """``x + drop(attn(norm(x)))`` then ``x + drop(mlp(norm(x)))``; ``layer_number`` is global (0-based)."""
+
+    def __init__(self, config: ModelConfig, layer_number: int, sequence_parallel: bool,
+                 params_dtype=torch.float32, device=None):
+        super().__init__()
+        c = config
+        self.layer_number = layer_number
+        self.hidden_dropout = c.hidden_dropout
+        # Megatron's scaled init for the two output projections: std / sqrt(2 * num_layers).
+        out_std = c.init_method_std / math.sqrt(2.0 * c.num_layers)
+        norm = lambda: build_norm(c.normalization, c.hidden_size, c.norm_epsilon, sequence_parallel,  # noqa: E731
+                                  params_dtype, device)
+        self.input_layernorm = norm()
+        self.self_attention = SelfAttention(c, sequence_parallel, out_std, params_dtype, device)
+        self.pre_mlp_layernorm = norm()
+        self.mlp = MLP(c, sequence_parallel, out_std, params_dtype, device)
+
+    def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
+        out, bias = self.self_attention(self.input_layernorm(x), rotary)
+        x = _bias_dropout_add(out, bias, x, self.hidden_dropout, self.training)
+        out, bias = self.mlp(self.pre_mlp_layernorm(x))
+        return _bias_dropout_add(out, bias, x, self.hidden_dropout, self.training)
+
+
+class TransformerBlock(nn.Module):
+    """This stage's layers (global numbers ``first_layer ...``), plus the final norm on the last stage.
+
+    Under sequence parallelism the hidden states are sequence-sharded, so every dropout here draws from the
+    model-parallel RNG stream (different per TP rank), as in Megatron.
+    """
+
+    def __init__(self, config: ModelConfig, first_layer: int, num_layers: int, post_process: bool,
+                 sequence_parallel: bool, params_dtype=torch.float32, device=None):
+        super().__init__()
+        self.config = config
+        self.sequence_parallel = sequence_parallel
+        self.layers = nn.ModuleList(TransformerLayer(config, first_layer + i, sequence_parallel, params_dtype,
+                                                     device) for i in range(num_layers))
+        self.final_layernorm = build_norm(config.normalization, config.hidden_size, config.norm_epsilon,
+                                          sequence_parallel, params_dtype, device) if post_process else None
+
+    def _run(self, start, end, x, rotary):
+        for layer in self.layers[start:end]:
+            x = layer(x, rotary)
+        return x
+
+    def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
+        rng = get_rng_tracker().fork() if self.sequence_parallel and self.training else contextlib.nullcontext()
+        c = self.config
+        n = len(self.layers)
+        with rng:
+            if c.recompute_granularity != "full" or not self.training:
+                x = self._run(0, n, x, rotary)
+            elif c.recompute_method == "uniform":  # checkpoint every `recompute_num_layers` layers as a chunk
+                k = c.recompute_num_layers
+                for start in range(0, n, k):
+                    x = checkpoint(lambda h, s=start: self._run(s, min(s + k, n), h, rotary), x)
+            else:  # "block": checkpoint the first `recompute_num_layers` layers of this stage one by one
+                k = min(c.recompute_num_layers, n)
+                for i in range(n):
+                    x = checkpoint(lambda h, i=i: self._run(i, i + 1, h, rotary), x) if i < k \
+                        else self._run(i, i + 1, x, rotary)
+        if self.final_layernorm is not None:
+            x = self.final_layernorm(x)
+        return x

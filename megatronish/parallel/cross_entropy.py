@@ -1,0 +1,89 @@
+"""Vocab-parallel cross entropy: the loss from logits split over TP along the vocabulary, never gathered.
+
+Megatron's algorithm (max, target logit, sum of exponentials, each reduced over TP), with two differences:
+- the target logit, the sum of exponentials and (for label smoothing) the sum of logits travel in one
+  all-reduce, so a call costs two collectives instead of three;
+- logits of padded vocabulary entries (``>= vocab_size``) are excluded, so the padding rows are never
+  predicted and the loss does not depend on how far the vocabulary was padded (that is, on TP);
+- label smoothing uses the mean log-probability over the whole vocabulary (Megatron's averages only the
+  local slice, which makes its smoothed loss depend on TP). The target distribution is Megatron's:
+  ``1 - alpha`` on the target, ``alpha / (V - 1)`` on every other token.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import groups
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, label_smoothing, vocab_size, group):
+        world = 1 if group is None else dist.get_world_size(group)
+        rank = 0 if group is None else dist.get_rank(group)
+        part = logits.size(-1)
+        start = rank * part
+        total_vocab = part * world if vocab_size is None else vocab_size
+        vocab_parallel_logits_dtype = logits.dtype
+        logits = logits.float()  # [s, b, V/t], a copy for 16-bit inputs
+        valid = None
+        if total_vocab < part * world:  # mask padded entries of this slice
+            valid = torch.arange(start, start + part, device=logits.device) < total_vocab
+            logits = logits.masked_fill(~valid, float("-inf"))
+        logits_max = logits.max(dim=-1).values
+        if world > 1:
+            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - logits_max.unsqueeze(-1)
+
+        outside = (target < start) | (target >= start + part)
+        local_target = (target - start).masked_fill(outside, 0)
+        predicted = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        exp = shifted.exp()  # padded entries: exp(-inf) = 0
+        stats = [predicted, exp.sum(dim=-1)]
+        if label_smoothing > 0:
+            finite = shifted if valid is None else shifted.masked_fill(~valid, 0.0)
+            stats.append(finite.sum(dim=-1))
+        stats = torch.stack(stats)
+        if world > 1:
+            dist.all_reduce(stats, group=group)
+        predicted, sum_exp = stats[0], stats[1]
+        log_sum_exp = sum_exp.log()
+        loss = log_sum_exp - predicted
+        smoothing = 0.0
+        if label_smoothing > 0:
+            if not 0.0 < label_smoothing < 1.0:
+                raise ValueError(f"--label-smoothing must be in (0, 1), got {label_smoothing}")
+            smoothing = label_smoothing * total_vocab / (total_vocab - 1)
+            mean_log_probs = stats[2] / total_vocab - log_sum_exp
+            loss = (1.0 - smoothing) * loss - smoothing * mean_log_probs
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_target, outside, valid)
+        ctx.smoothing, ctx.total_vocab, ctx.in_dtype = smoothing, total_vocab, vocab_parallel_logits_dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_target, outside, valid = ctx.saved_tensors
+        grad = softmax.clone()
+        hit = (~outside).to(grad.dtype) * (1.0 - ctx.smoothing)
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -hit.unsqueeze(-1))
+        if ctx.smoothing > 0:
+            delta = ctx.smoothing / ctx.total_vocab
+            grad -= delta if valid is None else delta * valid.to(grad.dtype)
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad.to(ctx.in_dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
+                                 label_smoothing: float = 0.0, vocab_size: int | None = None,
+                                 group=None) -> torch.Tensor:
+    """Per-token loss ``[s, b]`` (fp32) from logits ``[s, b, V/t]`` and targets ``[s, b]``.
+
+    ``vocab_size`` is the true (unpadded) vocabulary; entries past it are never predicted. The gradient
+    w.r.t. the logits is returned in their dtype.
+    """
+    if group is None and groups.is_initialized():
+        group = groups.get_tensor_model_parallel_group()
+    loss = _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing, vocab_size, group)
+    return loss

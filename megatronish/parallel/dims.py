@@ -1,0 +1,342 @@
+"""Parallel degrees, rank <-> coordinate arithmetic and the rank lists of every process group.
+
+Pure arithmetic: nothing here touches ``torch.distributed``, so every layout can be checked without processes.
+
+Ranks are laid out in the order ``tp-cp-ep-dp-pp`` with tensor parallelism fastest (adjacent ranks, usually the
+same node)::
+
+    rank = tp + cp*TP + dp*TP*CP + pp*TP*CP*DP
+
+Expert parallelism lives inside data parallelism (as in Megatron-LM): the data-parallel index ``dp`` is split as
+``dp = ep + EP * edp``, where ``ep = dp % EP`` is the expert-parallel index and ``edp = dp // EP`` the index inside
+the expert-data-parallel group. Megatron-LM rejects EP together with CP, and so do we.
+
+Every group list is produced by one helper, :func:`masked_rank_groups`: the axes of the order get strides that are
+prefix products of their sizes; a group fixes the coordinates on the unmasked axes and enumerates the masked ones.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass
+from typing import ClassVar, Sequence
+
+__all__ = ["ConfigError", "ParallelDims", "masked_rank_groups"]
+
+
+class ConfigError(ValueError):
+    """A user configuration error; the message names the flag and the fix."""
+
+
+_TP = "--tensor-model-parallel-size"
+_PP = "--pipeline-model-parallel-size"
+_CP = "--context-parallel-size"
+_EP = "--expert-model-parallel-size"
+_VP = "--num-virtual-stages-per-pipeline-rank (or --num-layers-per-virtual-pipeline-stage)"
+_WORLD = "the world size {n} (torchrun --nproc-per-node x --nnodes)"
+
+
+@functools.lru_cache(maxsize=256)
+def _masked_rank_groups(sizes: tuple[int, ...], mask: tuple[bool, ...]) -> tuple[tuple[int, ...], ...]:
+    strides = list(itertools.accumulate((1,) + sizes[:-1], lambda a, b: a * b))
+
+    def offsets(axes: list[int]) -> list[int]:
+        # Every sum of coord*stride over `axes`, the first axis varying fastest.
+        out = [0]
+        for a in axes:
+            out = [o + c * strides[a] for c in range(sizes[a]) for o in out]
+        return out
+
+    inner = offsets([a for a, m in enumerate(mask) if m])
+    outer = offsets([a for a, m in enumerate(mask) if not m])
+    groups = sorted((tuple(sorted(base + o for o in inner)) for base in outer), key=lambda g: g[0])
+    return tuple(groups)
+
+
+def masked_rank_groups(sizes: Sequence[int], mask: Sequence[bool]) -> list[list[int]]:
+    """Rank groups over a grid of ``sizes`` (first axis fastest): ranks sharing every unmasked coordinate.
+
+    ``mask[i]`` True means axis ``i`` varies inside a group. Groups are sorted ascending and ordered by their
+    smallest rank.
+    """
+    if len(sizes) != len(mask):
+        raise ValueError(f"sizes {list(sizes)} and mask {list(mask)} differ in length")
+    return [list(g) for g in _masked_rank_groups(tuple(int(s) for s in sizes), tuple(bool(m) for m in mask))]
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The parallel degrees of a run. ``dp`` is derived: ``world_size // (tp * cp * pp)``.
+
+    ``vp`` is the number of virtual pipeline stages (model chunks) per pipeline rank; 1 means no interleaving.
+    ``tie_embeddings`` is False under ``--untie-embeddings-and-output-weights``; it decides whether the last
+    pipeline rank joins the embedding group.
+    """
+
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+    vp: int = 1
+    cp: int = 1
+    ep: int = 1
+    tie_embeddings: bool = True
+
+    order: ClassVar[str] = "tp-cp-ep-dp-pp"
+    # Internal axes of the rank grid; the user-facing token "dp" spans ("ep", "edp").
+    _AXES: ClassVar[tuple[str, ...]] = ("tp", "cp", "ep", "edp", "pp")
+    _TOKENS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "tp": ("tp",), "cp": ("cp",), "ep": ("ep",), "dp": ("ep", "edp"), "edp": ("edp",), "pp": ("pp",),
+    }
+
+    # ------------------------------------------------------------------ validation
+    def __post_init__(self) -> None:
+        flags = {"world_size": "the world size (torchrun --nproc-per-node x --nnodes)", "tp": _TP, "pp": _PP,
+                 "vp": _VP, "cp": _CP, "ep": _EP}
+        for name, flag in flags.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{flag} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ConfigError(f"tie_embeddings must be a bool (--untie-embeddings-and-output-weights), "
+                              f"got {self.tie_embeddings!r}")
+        model = self.tp * self.pp * self.cp
+        if self.world_size % model:
+            raise ConfigError(
+                f"{_TP} {self.tp} x {_PP} {self.pp} x {_CP} {self.cp} = {model} does not divide "
+                f"{_WORLD.format(n=self.world_size)}; change these degrees so that their product divides the "
+                f"world size, or launch a multiple of {model} processes")
+        if self.ep > 1 and self.cp > 1:
+            raise ConfigError(
+                f"{_EP} {self.ep} together with {_CP} {self.cp} is not supported (as in Megatron-LM); "
+                f"set one of them to 1")
+        if self.dp % self.ep:
+            raise ConfigError(
+                f"{_EP} {self.ep} does not divide the data-parallel size {self.dp} "
+                f"(= world size {self.world_size} / ({_TP} {self.tp} x {_PP} {self.pp} x {_CP} {self.cp})); "
+                f"expert parallelism lives inside data parallelism, so choose {_EP} dividing {self.dp}")
+        if self.vp > 1 and self.pp == 1:
+            raise ConfigError(
+                f"{_VP} gives {self.vp} virtual stages per pipeline rank, which needs pipeline parallelism, but "
+                f"{_PP} is 1; raise {_PP} above 1 or drop the virtual-stage flag")
+
+    def validate_model(self, *, num_layers: int, num_attention_heads: int, num_query_groups: int | None = None,
+                       seq_length: int | None = None, sequence_parallel: bool = False,
+                       hidden_size: int | None = None, ffn_hidden_size: int | None = None) -> None:
+        """Check model shapes against the degrees; raise :class:`ConfigError` naming the flag at fault.
+
+        ``--sequence-parallel`` at TP 1 is accepted and is a no-op (Megatron-LM silently turns it off).
+        ``hidden_size`` is checked against the head count because the head dimension (``--kv-channels``) is
+        derived from it; pass ``hidden_size=None`` when ``--kv-channels`` is given explicitly.
+        """
+        tp, cp = self.tp, self.cp
+        for flag, value in (("--num-layers", num_layers), ("--num-attention-heads", num_attention_heads),
+                            ("--num-query-groups", num_query_groups), ("--seq-length", seq_length),
+                            ("--hidden-size", hidden_size), ("--ffn-hidden-size", ffn_hidden_size)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{flag} must be an integer >= 1, got {value!r}")
+        if num_attention_heads % tp:
+            raise ConfigError(
+                f"--num-attention-heads {num_attention_heads} is not divisible by {_TP} {tp}; "
+                f"choose a tensor-parallel size that divides the head count")
+        if num_query_groups is not None:
+            if num_query_groups % tp:
+                raise ConfigError(
+                    f"--num-query-groups {num_query_groups} is not divisible by {_TP} {tp}; "
+                    f"choose a tensor-parallel size that divides the number of query groups")
+            if num_attention_heads % num_query_groups:
+                raise ConfigError(
+                    f"--num-attention-heads {num_attention_heads} is not divisible by "
+                    f"--num-query-groups {num_query_groups}; each query group must hold the same number of heads")
+        if hidden_size is not None and hidden_size % num_attention_heads:
+            raise ConfigError(
+                f"--hidden-size {hidden_size} is not divisible by --num-attention-heads {num_attention_heads}; "
+                f"change one of them (or set --kv-channels explicitly)")
+        if ffn_hidden_size is not None and ffn_hidden_size % tp:
+            raise ConfigError(
+                f"--ffn-hidden-size {ffn_hidden_size} is not divisible by {_TP} {tp}; "
+                f"choose an FFN size that is a multiple of the tensor-parallel size")
+        if seq_length is not None:
+            if cp > 1 and seq_length % (2 * cp):
+                raise ConfigError(
+                    f"--seq-length {seq_length} is not divisible by 2 x {_CP} {cp} = {2 * cp} (context parallelism "
+                    f"splits the sequence into 2*CP chunks for load balance); change --seq-length or {_CP}")
+            if sequence_parallel and tp > 1 and seq_length % (tp * cp):
+                per_cp = f" x {_CP} {cp}" if cp > 1 else ""
+                raise ConfigError(
+                    f"--seq-length {seq_length} is not divisible by {_TP} {tp}{per_cp} under --sequence-parallel; "
+                    f"change --seq-length or {_TP}, or drop --sequence-parallel")
+        stages = self.pp * self.vp
+        if num_layers % stages:
+            virtual = f" x {_VP} {self.vp}" if self.vp > 1 else ""
+            raise ConfigError(
+                f"--num-layers {num_layers} is not divisible by {_PP} {self.pp}{virtual} = {stages}; "
+                f"every (virtual) pipeline stage must hold the same number of layers")
+
+    # ------------------------------------------------------------------ degrees and coordinates
+    @property
+    def dp(self) -> int:
+        """Data-parallel size (without CP)."""
+        return self.world_size // (self.tp * self.cp * self.pp)
+
+    @property
+    def expert_dp(self) -> int:
+        """Size of an expert-data-parallel group (``dp // ep``)."""
+        return self.dp // self.ep
+
+    @property
+    def _sizes(self) -> tuple[int, ...]:
+        return (self.tp, self.cp, self.ep, self.expert_dp, self.pp)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Coordinates of ``rank``: ``dict(tp=, cp=, ep=, dp=, pp=)``, with ``ep = dp % ep``."""
+        self._check_rank(rank)
+        tp = rank % self.tp
+        cp = rank // self.tp % self.cp
+        dp = rank // (self.tp * self.cp) % self.dp
+        pp = rank // (self.tp * self.cp * self.dp)
+        return dict(tp=tp, cp=cp, ep=dp % self.ep, dp=dp, pp=pp)
+
+    def rank_of(self, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
+        """Global rank at the given coordinates (inverse of :meth:`coords`)."""
+        for name, value, size in (("tp", tp, self.tp), ("cp", cp, self.cp), ("dp", dp, self.dp), ("pp", pp, self.pp)):
+            if not 0 <= value < size:
+                raise ValueError(f"{name} coordinate {value} out of range [0, {size})")
+        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} out of range [0, {self.world_size})")
+
+    # ------------------------------------------------------------------ groups
+    def _groups(self, spec: str) -> list[list[int]]:
+        """Groups whose members differ only along the axes named in ``spec`` (e.g. ``"tp-pp"``)."""
+        varying: set[str] = set()
+        for token in spec.split("-"):
+            if token not in self._TOKENS:
+                raise ValueError(f"unknown axis {token!r} in {spec!r}; known: {sorted(self._TOKENS)}")
+            varying.update(self._TOKENS[token])
+        return masked_rank_groups(self._sizes, [axis in varying for axis in self._AXES])
+
+    def tp_groups(self) -> list[list[int]]:
+        """Tensor-parallel groups."""
+        return self._groups("tp")
+
+    def pp_groups(self) -> list[list[int]]:
+        """Pipeline-parallel groups, each listed from the first stage to the last."""
+        return self._groups("pp")
+
+    def dp_groups(self) -> list[list[int]]:
+        """Data-parallel groups without context parallelism."""
+        return self._groups("dp")
+
+    def dp_cp_groups(self) -> list[list[int]]:
+        """Data x context parallel groups (gradient reduction when CP > 1)."""
+        return self._groups("cp-dp")
+
+    def cp_groups(self) -> list[list[int]]:
+        """Context-parallel groups."""
+        return self._groups("cp")
+
+    def mp_groups(self) -> list[list[int]]:
+        """Model-parallel groups (tp x pp): all ranks sharing the dp and cp coordinates."""
+        return self._groups("tp-pp")
+
+    def tp_dp_groups(self) -> list[list[int]]:
+        """Tensor x data parallel groups (FP8 amax reduction)."""
+        return self._groups("tp-dp")
+
+    def tp_dp_cp_groups(self) -> list[list[int]]:
+        """Tensor x data x context parallel groups (FP8 amax reduction with CP)."""
+        return self._groups("tp-cp-dp")
+
+    def tp_cp_groups(self) -> list[list[int]]:
+        """Tensor x context parallel groups."""
+        return self._groups("tp-cp")
+
+    def ep_groups(self) -> list[list[int]]:
+        """Expert-parallel groups: same tp, cp, pp and ``dp // ep``; differing in the ep index."""
+        return self._groups("ep")
+
+    def expert_dp_groups(self) -> list[list[int]]:
+        """Expert-data-parallel groups: same tp, cp, pp and ep index; differing in ``dp // ep``."""
+        return self._groups("edp")
+
+    def embedding_groups(self) -> list[list[int]]:
+        """Per pipeline group: ``[first, last]`` when embeddings are tied and PP > 1, else ``[first]``."""
+        if self.tie_embeddings and self.pp > 1:
+            return [[g[0], g[-1]] for g in self.pp_groups()]
+        return [[g[0]] for g in self.pp_groups()]
+
+    def position_embedding_groups(self) -> list[list[int]]:
+        """Per pipeline group: ``[first]`` (learned absolute positions live on the first stage)."""
+        return [[g[0]] for g in self.pp_groups()]
+
+    GROUP_KINDS: ClassVar[tuple[str, ...]] = (
+        "tp", "pp", "dp", "dp_cp", "cp", "mp", "tp_dp", "tp_dp_cp", "tp_cp", "ep", "expert_dp",
+        "embedding", "position_embedding",
+    )
+
+    def groups(self, kind: str) -> list[list[int]]:
+        """All groups of ``kind`` (one of :attr:`GROUP_KINDS`; ``-`` may replace ``_``)."""
+        key = kind.replace("-", "_")
+        if key not in self.GROUP_KINDS:
+            raise ValueError(f"unknown group kind {kind!r}; known: {', '.join(self.GROUP_KINDS)}")
+        return getattr(self, f"{key}_groups")()
+
+    def group_of(self, kind: str, rank: int) -> list[int]:
+        """The group of ``kind`` that contains ``rank``; ``[]`` if none does (only embedding kinds, middle stages)."""
+        self._check_rank(rank)
+        for group in self.groups(kind):
+            if rank in group:
+                return group
+        return []
+
+    # ------------------------------------------------------------------ pipeline helpers
+    def is_first_stage(self, rank: int, vp_stage: int | None = None) -> bool:
+        """First pipeline stage; with ``vp_stage`` given and VP > 1, also the first virtual stage."""
+        first = self.coords(rank)["pp"] == 0
+        return first and (vp_stage is None or self.vp == 1 or vp_stage == 0)
+
+    def is_last_stage(self, rank: int, vp_stage: int | None = None) -> bool:
+        """Last pipeline stage; with ``vp_stage`` given and VP > 1, also the last virtual stage."""
+        last = self.coords(rank)["pp"] == self.pp - 1
+        return last and (vp_stage is None or self.vp == 1 or vp_stage == self.vp - 1)
+
+    def next_pipeline_rank(self, rank: int) -> int:
+        """Rank of the next pipeline stage (ring: the last stage's next is the first)."""
+        group = self.group_of("pp", rank)
+        return group[(group.index(rank) + 1) % self.pp]
+
+    def prev_pipeline_rank(self, rank: int) -> int:
+        """Rank of the previous pipeline stage (ring: the first stage's previous is the last)."""
+        group = self.group_of("pp", rank)
+        return group[(group.index(rank) - 1) % self.pp]
+
+    def is_in_embedding_group(self, rank: int, vp_stage: int | None = None) -> bool:
+        """Whether ``rank`` (and, if given, its virtual stage) holds a tied/input embedding copy."""
+        group = self.group_of("embedding", rank)
+        if rank not in group or vp_stage is None:
+            return rank in group
+        return ((rank == group[0] and self.is_first_stage(rank, vp_stage))
+                or (rank == group[-1] and self.is_last_stage(rank, vp_stage)))
+
+    def layer_range(self, num_layers: int, pp_rank: int, vp_stage: int = 0) -> range:
+        """Global layer indices of virtual stage ``vp_stage`` on pipeline rank ``pp_rank``.
+
+        Chunk ``c`` on rank ``r`` holds layers ``c*L/v + r*L/(p*v)`` onward, ``L/(p*v)`` of them.
+        """
+        stages = self.pp * self.vp
+        if num_layers % stages:
+            raise ConfigError(f"--num-layers {num_layers} is not divisible by {_PP} {self.pp} x virtual stages "
+                              f"{self.vp} = {stages}")
+        if not (0 <= pp_rank < self.pp and 0 <= vp_stage < self.vp):
+            raise ValueError(f"pp_rank {pp_rank} / vp_stage {vp_stage} out of range ({self.pp}, {self.vp})")
+        per = num_layers // stages
+        start = vp_stage * num_layers // self.vp + pp_rank * per
+        return range(start, start + per)
+
+    def describe(self) -> str:
+        """One line for the log, e.g. ``world 16 = tp 2 x cp 1 x dp 2 x pp 4 (ep 1, vp 1)``."""
+        return (f"world {self.world_size} = tp {self.tp} x cp {self.cp} x dp {self.dp} x pp {self.pp} "
+                f"(ep {self.ep}, vp {self.vp}, tied embeddings {self.tie_embeddings})")

@@ -1,0 +1,156 @@
+"""Tensor-parallel layers: column- and row-parallel linear, vocab-parallel embedding.
+
+Each parameter is allocated at its local shape and carries its global :class:`TensorDesc`; values are filled
+later by :func:`megatronish.parallel.init.initialize_slice` from ``(seed, global name)``.
+Activations are ``[s, b, h]``; under sequence parallelism the ``s`` of inputs/outputs outside the TP region
+is this rank's ``s/t`` chunk.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import groups
+from .init import TensorDesc, local_shape, set_desc
+from .mappings import (copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
+                       gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
+                       reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_model_parallel_region)
+
+
+def _new_param(desc: TensorDesc, tp: int, dtype, device) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(local_shape(desc, tp), dtype=dtype, device=device))
+    return set_desc(p, desc)
+
+
+def _tp_world() -> int:
+    return groups.get_tensor_model_parallel_world_size()
+
+
+class ColumnParallelLinear(nn.Module):
+    """``Y = X A^T + b`` with ``A`` split along its output dim: weight ``[out/t, in]``, bias ``[out/t]``.
+
+    Input is replicated over TP (or, with ``sequence_parallel``, sequence-sharded and all-gathered here);
+    output is this rank's ``out/t`` columns unless ``gather_output``. ``stride > 1`` splits each of ``stride``
+    equal output blocks separately (e.g. SwiGLU's ``[gate; up]``), so every rank holds a slice of each block.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool = True, gather_output: bool = False,
+                 skip_bias_add: bool = False, sequence_parallel: bool = False, init_std: float = 0.02,
+                 stride: int = 1, skip_weight_param_allocation: bool = False, params_dtype=torch.float32,
+                 device=None):
+        super().__init__()
+        tp = _tp_world()
+        if output_size % (tp * stride):
+            raise ValueError(f"output size {output_size} is not divisible by stride {stride} x TP {tp}")
+        if gather_output and sequence_parallel:
+            raise ValueError("ColumnParallelLinear: gather_output is not supported with sequence parallelism")
+        self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
+        self.sequence_parallel = sequence_parallel and tp > 1
+        self.weight = None if skip_weight_param_allocation else _new_param(
+            TensorDesc((output_size, input_size), 0, stride, "normal", init_std), tp, params_dtype, device)
+        self.bias = _new_param(TensorDesc((output_size,), 0, stride, "zeros"), tp, params_dtype, device) \
+            if bias else None
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None):
+        """``weight`` overrides the layer's own (a tied output layer passes the embedding's)."""
+        weight = self.weight if weight is None else weight
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True)  # [s/t,b,h] -> [s,b,h]
+        else:
+            x = copy_to_tensor_model_parallel_region(x)
+        bias = None if self.skip_bias_add else self.bias
+        out = F.linear(x, weight, bias)  # [s, b, out/t]
+        if self.gather_output:
+            out = gather_from_tensor_model_parallel_region(out)  # [s, b, out]
+        return out, (self.bias if self.skip_bias_add else None)
+
+
+class RowParallelLinear(nn.Module):
+    """``Y = X A^T + b`` with ``A`` split along its input dim: weight ``[out, in/t]``, bias ``[out]`` replicated.
+
+    Partial products are all-reduced over TP (or reduce-scattered along ``s`` under sequence parallelism);
+    the bias is added after the reduction. Under sequence parallelism the bias sees sequence-sharded outputs,
+    so its gradient is all-reduced over TP by the caller (it is marked ``sequence_parallel``).
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool = True, input_is_parallel: bool = True,
+                 skip_bias_add: bool = False, sequence_parallel: bool = False, init_std: float = 0.02,
+                 params_dtype=torch.float32, device=None):
+        super().__init__()
+        tp = _tp_world()
+        if input_size % tp:
+            raise ValueError(f"input size {input_size} is not divisible by TP {tp}")
+        self.sequence_parallel = sequence_parallel and tp > 1
+        if self.sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence parallelism needs input_is_parallel=True")
+        self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
+        self.weight = _new_param(TensorDesc((output_size, input_size), 1, 1, "normal", init_std), tp,
+                                 params_dtype, device)
+        self.bias = _new_param(TensorDesc((output_size,), None, 1, "zeros",
+                                          sequence_parallel=self.sequence_parallel), tp, params_dtype, device) \
+            if bias else None
+
+    def forward(self, x: torch.Tensor):
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_model_parallel_region(x)
+        out = F.linear(x, self.weight)  # partial sums [s, b, out]
+        if self.sequence_parallel:
+            out = reduce_scatter_to_sequence_parallel_region(out)  # [s/t, b, out]
+        else:
+            out = reduce_from_tensor_model_parallel_region(out)
+        if self.skip_bias_add:
+            return out, self.bias
+        return (out + self.bias if self.bias is not None else out), None
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding with the (padded) vocabulary split over TP: this rank holds rows ``[r*V/t, (r+1)*V/t)``.
+
+    Takes ids ``[b, s]`` and returns ``[s, b, h]`` (``[s/t, b, h]`` under sequence parallelism: the partial
+    lookups are reduce-scattered along ``s`` instead of all-reduced). Rows ``>= vocab_size`` are padding:
+    zero at init and never looked up.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, vocab_size: int | None = None,
+                 sequence_parallel: bool = False, init_std: float = 0.02, params_dtype=torch.float32, device=None):
+        super().__init__()
+        tp = _tp_world()
+        if num_embeddings % tp:
+            raise ValueError(f"padded vocabulary {num_embeddings} is not divisible by TP {tp}")
+        self.num_embeddings, self.per_rank = num_embeddings, num_embeddings // tp
+        self.sequence_parallel = sequence_parallel and tp > 1
+        self.weight = _new_param(TensorDesc((num_embeddings, embedding_dim), 0, 1, "normal", init_std,
+                                            valid_rows=vocab_size), tp, params_dtype, device)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        ids = input_ids.t()  # [b, s] -> [s, b]
+        if _tp_world() > 1:
+            start = groups.get_tensor_model_parallel_rank() * self.per_rank
+            outside = (ids < start) | (ids >= start + self.per_rank)
+            local = (ids - start).masked_fill(outside, 0)
+            out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)  # [s, b, h] partial
+        else:
+            return F.embedding(ids, self.weight)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(out)  # [s/t, b, h]
+        return reduce_from_tensor_model_parallel_region(out)
+
+
+def allreduce_sequence_parallel_grads(module: nn.Module) -> None:
+    """Sum over TP the gradients of parameters that are replicated across TP but see only this rank's
+    sequence chunk under sequence parallelism (norm weights and biases, row-parallel biases): one
+    all-reduce of a flat buffer."""
+    group = groups.get_tensor_model_parallel_group() if groups.is_initialized() else None
+    if group is None or _tp_world() == 1:
+        return
+    grads = [p.grad for p in module.parameters()
+             if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    torch.distributed.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()

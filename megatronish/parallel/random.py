@@ -1,0 +1,153 @@
+"""Megatron's RNG streams and activation checkpointing that replays them.
+
+Streams (Megatron's seeds, so runs compare with Megatron's):
+- the *default* stream of each device: ``seed + 100 * pp_rank`` — the same on every TP rank, used for dropout
+  outside tensor-parallel regions;
+- ``model-parallel-rng``: ``seed + 2718 + tp_rank`` — different per TP rank, used for dropout inside
+  tensor-parallel regions (attention probabilities of the local heads) and under sequence parallelism;
+- ``data-parallel-rng``: ``seed``.
+
+The tracker keeps each named stream's generator state and :meth:`RNGStatesTracker.fork` swaps it in for the
+current device's default generator (CPU or CUDA, whichever the model runs on).
+"""
+from __future__ import annotations
+
+import contextlib
+import random
+
+import numpy as np
+import torch
+
+from .. import device
+
+MODEL_PARALLEL_RNG = "model-parallel-rng"
+DATA_PARALLEL_RNG = "data-parallel-rng"
+EXPERT_PARALLEL_RNG = "expert-parallel-rng"
+
+
+class RNGStatesTracker:
+    """Named generator states; ``fork(name)`` runs a block on that stream and saves where it left off."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+        self._active: str | None = None  # the stream currently swapped in, if any
+
+    def add(self, name: str, seed: int) -> None:
+        if seed in self.seeds_:
+            raise ValueError(f"seed {seed} already used by another RNG stream")
+        if name in self.states_:
+            raise ValueError(f"RNG stream {name!r} already exists")
+        self.seeds_.add(seed)
+        saved = device.get_rng_state()
+        device.manual_seed(seed)
+        self.states_[name] = device.get_rng_state()
+        device.set_rng_state(saved)
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.states_.items()}
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self.states_ = {k: v.clone() for k, v in states.items()}
+
+    @contextlib.contextmanager
+    def fork(self, name: str = MODEL_PARALLEL_RNG):
+        if name not in self.states_:
+            raise KeyError(f"RNG stream {name!r} was never added; call model_parallel_manual_seed() first")
+        if self._active == name:  # nested fork of the stream already in use: keep drawing from it
+            yield
+            return
+        saved, outer = device.get_rng_state(), self._active
+        device.set_rng_state(self.states_[name])
+        self._active = name
+        try:
+            yield
+        finally:
+            self.states_[name] = device.get_rng_state()
+            device.set_rng_state(saved)
+            self._active = outer
+
+
+_TRACKER = RNGStatesTracker()
+
+
+def get_rng_tracker() -> RNGStatesTracker:
+    return _TRACKER
+
+
+def model_parallel_manual_seed(seed: int, tp_rank: int = 0, ep_rank: int = 0) -> None:
+    """Seed the device's default stream with ``seed`` and add the named streams (Megatron's offsets)."""
+    device.manual_seed(seed)
+    _TRACKER.reset()
+    _TRACKER.add(DATA_PARALLEL_RNG, seed)
+    _TRACKER.add(MODEL_PARALLEL_RNG, seed + 2718 + tp_rank)
+    _TRACKER.add(EXPERT_PARALLEL_RNG, seed + 1024 + 100 * ep_rank + tp_rank)
+
+
+def set_random_seed(seed: int, pp_rank: int = 0, tp_rank: int = 0, ep_rank: int = 0,
+                    dp_rank: int = 0, data_parallel_random_init: bool = False) -> int:
+    """Megatron's ``_set_random_seed``: ``seed + 100*pp_rank`` (``+ 10*dp_rank`` with
+    ``--data-parallel-random-init``) seeds python, numpy, torch and the tracker. Returns the seed used."""
+    s = seed + 100 * pp_rank
+    if data_parallel_random_init:
+        s += 10 * dp_rank
+    random.seed(s)
+    np.random.seed(s % 2**32)
+    torch.manual_seed(s)
+    model_parallel_manual_seed(s, tp_rank=tp_rank, ep_rank=ep_rank)
+    return s
+
+
+# ---- activation checkpointing --------------------------------------------------------------------
+def _capture_rng():
+    return torch.get_rng_state(), device.get_rng_state(), _TRACKER.get_states(), _TRACKER._active
+
+
+def _restore_rng(states):
+    cpu, dev, tracker, active = states
+    torch.set_rng_state(cpu)
+    device.set_rng_state(dev)
+    _TRACKER.set_states(tracker)
+    _TRACKER._active = active  # recompute sees the same fork nesting as the forward did
+
+
+class CheckpointFunction(torch.autograd.Function):
+    """Run ``function(*args)`` without keeping activations; in backward, restore every RNG state seen at
+    forward time (CPU, device, tracker streams), recompute with grad, and backpropagate. Recomputed dropout
+    masks are therefore identical to the forward ones."""
+
+    @staticmethod
+    def forward(ctx, function, *args):
+        ctx.function = function
+        ctx.rng_states = _capture_rng()
+        with torch.no_grad():
+            outputs = function(*args)
+        ctx.save_for_backward(*[a if torch.is_tensor(a) else None for a in args])
+        ctx.non_tensor = [None if torch.is_tensor(a) else a for a in args]
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        saved = ctx.saved_tensors
+        inputs = [ctx.non_tensor[i] if t is None else t.detach().requires_grad_(t.requires_grad)
+                  for i, t in enumerate(saved)]
+        now = _capture_rng()
+        _restore_rng(ctx.rng_states)
+        try:
+            with torch.enable_grad():
+                outputs = ctx.function(*inputs)
+        finally:
+            _restore_rng(now)
+        if torch.is_tensor(outputs):
+            outputs = (outputs,)
+        pairs = [(o, g) for o, g in zip(outputs, grads) if torch.is_tensor(o) and o.requires_grad]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None, *[x.grad if torch.is_tensor(x) else None for x in inputs])
+
+
+def checkpoint(function, *args):
+    """Activation checkpointing of ``function(*args)`` with RNG replay (see :class:`CheckpointFunction`)."""
+    return CheckpointFunction.apply(function, *args)
