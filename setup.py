@@ -5,7 +5,7 @@ from setuptools import setup
 ext_modules = [
     Pybind11Extension(
         "megatronish._C",
-        sorted(["csrc/module.cpp", "csrc/helpers.cpp"]),
+        sorted(["csrc/module.cpp", "csrc/helpers.cpp", "csrc/indexed_builder.cpp"]),
         cxx_std=17,
         extra_compile_args=["-O3"],
     ),

@@ -1,0 +1,536 @@
+"""GPT dataset over indexed datasets: Megatron-LM's sample order, splits, blending and caching.
+
+Index construction (one ``numpy.random.RandomState(seed)`` used in this order):
+
+1. document index: the split's sequence ids tiled ``num_epochs`` times, shuffled (with a separate
+   final epoch when it would contribute fewer than 80% of an epoch's samples: the first
+   ``num_epochs - 1`` epochs shuffled together, then the last one on its own);
+2. sample index: ``helpers.build_sample_idx`` (C++), samples of ``seq_length + 1`` tokens that
+   overlap by the one label token;
+3. shuffle index: a permutation of the samples (again two ranges with a separate final epoch).
+
+The three arrays are cached as ``.npy`` under md5-of-description names and memory-mapped.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import os
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy
+import torch
+
+from megatronish.data import helpers
+from megatronish.data.blending import (
+    BlendError,
+    BlendedDataset,
+    convert_split_vector_to_split_matrix,
+    get_blend_from_list,
+    normalize,
+    parse_and_normalize_split,
+)
+from megatronish.data.index_cache import IndexCache
+from megatronish.data.indexed_dataset import IndexedDataset, get_bin_path, get_idx_path
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "Split",
+    "GPTDatasetConfig",
+    "GPTDataset",
+    "MockGPTDataset",
+    "build_gpt_datasets",
+    "BlendError",
+]
+
+_PAD_TOKEN_ID = -1
+
+
+class Split(enum.Enum):
+    train = 0
+    valid = 1
+    test = 2
+
+
+@dataclass
+class GPTDatasetConfig:
+    """What identifies a GPT dataset (the cache key) plus how its items are shaped."""
+
+    random_seed: int
+    sequence_length: int
+    blend: Optional[Tuple[List[str], Optional[List[float]]]] = None
+    blend_per_split: Optional[List[Optional[Tuple[List[str], Optional[List[float]]]]]] = None
+    split: Optional[str] = None
+    path_to_cache: Optional[str] = None
+    eod_id: Optional[int] = None
+    pad_id: int = _PAD_TOKEN_ID
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+    create_attention_mask: bool = False
+    drop_last_partial_validation_sequence: bool = True
+    add_extra_token_to_sequence: bool = True
+    mid_level_dataset_surplus: float = 0.005
+    mmap_bin_files: bool = True
+    split_matrix: Optional[List[Optional[Tuple[float, float]]]] = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.sequence_length is None or int(self.sequence_length) < 2:
+            raise ValueError(f"--seq-length must be at least 2, got {self.sequence_length}")
+        if self.blend_per_split is not None and any(self.blend_per_split):
+            if self.blend is not None:
+                raise BlendError("give either --data-path or --train/valid/test-data-path, not both")
+            self.split_matrix = None
+        else:
+            if self.split is None:
+                raise BlendError("--split is required with --data-path (e.g. '969,30,1')")
+            self.split_matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(self.split))
+        if (self.reset_position_ids or self.reset_attention_mask or self.eod_mask_loss) and self.eod_id is None:
+            raise ValueError("--reset-position-ids/--reset-attention-mask/--eod-mask-loss need the "
+                             "tokenizer's eod id (pass eod_id)")
+
+    @property
+    def tokenizer_identifiers(self) -> Dict[str, object]:
+        return {"eod": self.eod_id, "pad": self.pad_id}
+
+
+def _get_ltor_masks_and_position_ids(
+    tokens: torch.Tensor,
+    eod_token: Optional[int],
+    reset_position_ids: bool,
+    reset_attention_mask: bool,
+    eod_mask_loss: bool,
+    create_attention_mask: bool,
+):
+    """Causal attention mask (True = masked), loss mask and position ids of one sample."""
+    seq_length = tokens.numel()
+    attention_mask = None
+    if create_attention_mask:
+        attention_mask = torch.tril(torch.ones((seq_length, seq_length))).unsqueeze(0)
+    loss_mask = torch.ones(seq_length, dtype=torch.float)
+    if eod_mask_loss:
+        loss_mask[tokens == eod_token] = 0.0
+    position_ids = torch.arange(seq_length, dtype=torch.long)
+    if reset_position_ids or reset_attention_mask:
+        eod_positions = torch.nonzero(tokens == eod_token).flatten().tolist()
+        prev = 0
+        for i in eod_positions:
+            if reset_attention_mask and attention_mask is not None:
+                attention_mask[0, i + 1:, : i + 1] = 0
+            if reset_position_ids:
+                position_ids[i + 1:] -= i + 1 - prev
+                prev = i + 1
+    if attention_mask is not None:
+        attention_mask = attention_mask < 0.5
+    return attention_mask, loss_mask, position_ids
+
+
+class GPTDataset(torch.utils.data.Dataset):
+    """Fixed-length samples from the sequences ``indexed_indices`` of ``indexed_dataset``.
+
+    ``num_samples`` is the minimum number of samples wanted (None: one epoch). Item ``i`` is a dict
+    of ``tokens``, ``labels`` (int64), ``loss_mask`` (float32), ``position_ids`` (int64) and, with
+    ``create_attention_mask``, ``attention_mask``.
+    """
+
+    def __init__(
+        self,
+        indexed_dataset: IndexedDataset,
+        dataset_path: Optional[str],
+        indexed_indices: numpy.ndarray,
+        num_samples: Optional[int],
+        index_split: Split,
+        config: GPTDatasetConfig,
+    ) -> None:
+        self.dataset = indexed_dataset
+        self.dataset_path = dataset_path
+        self.indices = indexed_indices
+        self.num_samples = num_samples
+        self.index_split = index_split
+        self.config = config
+        self._extra = 1 if config.add_extra_token_to_sequence else 0
+
+        ids = OrderedDict()
+        ids["class"] = type(self).__name__
+        ids["dataset_path"] = dataset_path
+        ids["num_samples"] = num_samples
+        ids["index_split"] = index_split.name
+        ids["random_seed"] = config.random_seed
+        ids["sequence_length"] = config.sequence_length
+        ids["split"] = config.split
+        ids["split_matrix"] = config.split_matrix
+        ids["tokenizer"] = config.tokenizer_identifiers
+        ids["add_extra_token_to_sequence"] = config.add_extra_token_to_sequence
+        self.unique_identifiers = ids
+
+        self._pad_token_id = config.pad_id
+        if config.eod_id is not None and self._pad_token_id == config.eod_id:
+            self._pad_token_id = _PAD_TOKEN_ID  # a pad that is also eod would unmask real tokens
+
+        path_to_cache = config.path_to_cache
+        if path_to_cache is None and dataset_path is not None:
+            path_to_cache = os.path.join(dataset_path, "cache", f"{type(self).__name__}_indices")
+        cache = IndexCache.for_description(path_to_cache, type(self).__name__, index_split.name, ids)
+        self.unique_description = cache.description
+        self.unique_description_hash = cache.hash
+        self.document_index, self.sample_index, self.shuffle_index = cache.load_or_build(
+            ("document_index", "sample_index", "shuffle_index"), self._build_indices
+        )
+        self._cached_masks = None
+        # plain ndarray views (memmap-backed on a cache hit) index faster than numpy.memmap objects
+        self._documents = numpy.asarray(self.document_index).view(numpy.ndarray)
+        self._sample = numpy.asarray(self.sample_index).view(numpy.ndarray)
+        self._shuffle = numpy.asarray(self.shuffle_index).view(numpy.ndarray)
+
+    # ----------------------------------------------------------------------------------- indices
+    def _num_tokens_per_epoch(self) -> int:
+        return int(numpy.sum(self.dataset.sequence_lengths[self.indices], dtype=numpy.int64))
+
+    def _num_epochs(self, tokens_per_epoch: int) -> int:
+        if self.num_samples is None:
+            return 1
+        requested = self.num_samples * self.config.sequence_length + self._extra
+        if tokens_per_epoch <= 0:
+            raise ValueError(
+                f"the {self.index_split.name} split of '{self.dataset_path}' holds no tokens; "
+                f"change --split or add data"
+            )
+        return max(1, -(-requested // tokens_per_epoch))
+
+    def _build_indices(self) -> Tuple[numpy.ndarray, numpy.ndarray, numpy.ndarray]:
+        seq_length = self.config.sequence_length
+        extra = self._extra
+        tokens_per_epoch = self._num_tokens_per_epoch()
+        if tokens_per_epoch <= extra:
+            raise ValueError(
+                f"the {self.index_split.name} split of '{self.dataset_path}' has {tokens_per_epoch} "
+                f"tokens, too few for one sample of --seq-length {seq_length}; change --split or add data"
+            )
+        num_epochs = self._num_epochs(tokens_per_epoch)
+        separate_final_epoch = False
+        samples_sans_final = None
+        if num_epochs > 1:
+            samples_sans_final = ((num_epochs - 1) * tokens_per_epoch - extra) // seq_length
+            samples_from_final = self.num_samples - samples_sans_final
+            samples_per_epoch = (tokens_per_epoch - extra) // seq_length
+            assert 0 <= samples_from_final <= samples_per_epoch + 1
+            separate_final_epoch = samples_from_final < int(0.80 * samples_per_epoch)
+
+        rng = numpy.random.RandomState(self.config.random_seed)
+        document_index = _build_document_index(self.indices, num_epochs, rng, separate_final_epoch)
+
+        drop_last = True
+        if self.index_split == Split.valid:
+            drop_last = self.config.drop_last_partial_validation_sequence
+        sizes = self.dataset.sequence_lengths
+        if len(document_index) * 2 > len(sizes):
+            sizes = numpy.array(sizes)  # dense access: read the lengths into memory once
+        sample_index = helpers.build_sample_idx(
+            sizes, document_index, seq_length, num_epochs, tokens_per_epoch, drop_last, extra
+        )
+        num_samples_total = sample_index.shape[0] - 1
+        if separate_final_epoch:
+            shuffle_index = _build_shuffle_index(samples_sans_final, num_samples_total, rng)
+        else:
+            shuffle_index = _build_shuffle_index(num_samples_total, num_samples_total, rng)
+        return document_index, sample_index, shuffle_index
+
+    # ----------------------------------------------------------------------------------- items
+    def __len__(self) -> int:
+        return int(self.sample_index.shape[0]) - 1
+
+    def _query(self, idx: int) -> Tuple[numpy.ndarray, bool]:
+        """Tokens of sample ``idx`` (seq_length + extra of them) as int64, and whether it was padded."""
+        j = int(self._shuffle[idx])
+        doc_beg, off_beg = self._sample[j].tolist()
+        doc_end, off_end = self._sample[j + 1].tolist()
+        want = self.config.sequence_length + self._extra
+        get = self.dataset.get
+        if doc_beg == doc_end:
+            part = get(int(self._documents[doc_beg]), off_beg, off_end - off_beg + self._extra)
+            if part.shape[0] == want:
+                return part.astype(numpy.int64), False
+            parts = [part]
+        else:
+            parts = []
+            for i in range(doc_beg, doc_end + 1):
+                offset = off_beg if i == doc_beg else 0
+                length = off_end + self._extra if i == doc_end else None
+                parts.append(get(int(self._documents[i]), offset, length))
+        out = numpy.empty(want, dtype=numpy.int64)
+        n = 0
+        for p in parts:
+            out[n:n + p.shape[0]] = p
+            n += p.shape[0]
+        if n < want:
+            out[n:] = self._pad_token_id
+        return out, n < want
+
+    def __getitem__(self, idx: Optional[int]) -> Dict[str, torch.Tensor]:
+        array, padded = self._query(0 if idx is None else idx)
+        text = torch.from_numpy(array)
+        if self._extra:
+            tokens = text[:-1].contiguous()
+            labels = text[1:].contiguous()
+        else:
+            tokens = text
+            labels = torch.roll(text, shifts=-1, dims=0)
+            labels[-1] = self._pad_token_id
+        cfg = self.config
+        cacheable = not (cfg.reset_position_ids or cfg.reset_attention_mask or cfg.eod_mask_loss)
+        if cacheable and self._cached_masks is not None:
+            attention_mask, loss_mask, position_ids = self._cached_masks
+            loss_mask = loss_mask.clone()
+        else:
+            attention_mask, loss_mask, position_ids = _get_ltor_masks_and_position_ids(
+                tokens, cfg.eod_id, cfg.reset_position_ids, cfg.reset_attention_mask,
+                cfg.eod_mask_loss, cfg.create_attention_mask,
+            )
+            if cacheable:
+                self._cached_masks = (attention_mask, loss_mask.clone(), position_ids)
+        pad = self._pad_token_id
+        if padded or pad >= 0:  # pad ids can only appear in padded samples or as real tokens
+            pad_labels = labels == pad
+            loss_mask[pad_labels] = 0.0
+            labels[pad_labels] = 0
+            tokens[tokens == pad] = 0
+        if idx is None:
+            loss_mask = torch.zeros_like(loss_mask)
+        item = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
+        if cfg.create_attention_mask:
+            item["attention_mask"] = attention_mask
+        return item
+
+
+def _build_document_index(
+    documents: numpy.ndarray, num_epochs: int, rng: numpy.random.RandomState, separate_final_epoch: bool
+) -> numpy.ndarray:
+    if not separate_final_epoch or num_epochs == 1:
+        document_index = numpy.tile(numpy.asarray(documents, dtype=numpy.int32), num_epochs)
+        rng.shuffle(document_index)
+        return document_index
+    first = _build_document_index(documents, num_epochs - 1, rng, False)
+    last = _build_document_index(documents, 1, rng, False)
+    return numpy.concatenate((first, last))
+
+
+def _build_shuffle_index(num_samples: int, total_size: int, rng: numpy.random.RandomState) -> numpy.ndarray:
+    dtype = numpy.uint32 if total_size < numpy.iinfo(numpy.uint32).max - 1 else numpy.int64
+    first = numpy.arange(0, num_samples, dtype=dtype)
+    rng.shuffle(first)
+    if num_samples == total_size:
+        return first
+    last = numpy.arange(num_samples, total_size, dtype=dtype)
+    rng.shuffle(last)
+    return numpy.concatenate((first, last))
+
+
+class MockGPTDataset(torch.utils.data.Dataset):
+    """``--mock-data``: deterministic synthetic samples for any tokenizer (ids in [0, vocab_size),
+    documents of pseudo-random length ended by eod)."""
+
+    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, eod_id: int, seed: int = 1234,
+                 split: Split = Split.train) -> None:
+        self.num_samples = int(num_samples)
+        self.seq_length = int(seq_length)
+        self.vocab_size = int(vocab_size)
+        self.eod_id = int(eod_id)
+        self.seed = int(seed) + 1000 * split.value
+        self.index_split = split
+        self.dataset_path = None
+        self.unique_identifiers = OrderedDict(
+            [("class", type(self).__name__), ("num_samples", num_samples), ("seq_length", seq_length),
+             ("vocab_size", vocab_size), ("seed", self.seed)]
+        )
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, idx: int) -> Dict[str, torch.Tensor]:
+        rng = numpy.random.default_rng([self.seed, int(idx)])
+        text = rng.integers(0, self.vocab_size, size=self.seq_length + 1, dtype=numpy.int64)
+        doc_len = int(rng.integers(self.seq_length // 4 + 1, self.seq_length + 2))
+        text[doc_len - 1::doc_len] = self.eod_id
+        text = torch.from_numpy(text)
+        return {
+            "tokens": text[:-1].contiguous(),
+            "labels": text[1:].contiguous(),
+            "loss_mask": torch.ones(self.seq_length, dtype=torch.float),
+            "position_ids": torch.arange(self.seq_length, dtype=torch.long),
+        }
+
+
+# ------------------------------------------------------------------------------------ builder
+def _check_prefix(prefix: str, flag: str) -> None:
+    missing = [p for p in (get_idx_path(prefix), get_bin_path(prefix)) if not os.path.isfile(p)]
+    if missing:
+        raise BlendError(
+            f"{flag}: no dataset at prefix '{prefix}' (missing {', '.join(missing)}); give path "
+            f"prefixes without the .bin/.idx suffix, e.g. data/corpus_text_document"
+        )
+
+
+def _is_dist() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _rank0_first(fn: Callable, *args):
+    """Build on rank 0 (writing the index cache), then on the other ranks (reading it)."""
+    if not _is_dist():
+        return fn(*args)
+    rank = torch.distributed.get_rank()
+    result = fn(*args) if rank == 0 else None
+    torch.distributed.barrier()
+    if rank != 0:
+        result = fn(*args)
+    return result
+
+
+def _size_per_split_per_dataset(weights: List[float], sizes: Sequence[Optional[int]], surplus: float = 0.0):
+    return [
+        [None if s is None else int(math.ceil(math.ceil(s * w) * (1 + surplus))) for s in sizes]
+        for w in weights
+    ]
+
+
+class _Builder:
+    def __init__(self, sizes: Sequence[Optional[int]], config: GPTDatasetConfig) -> None:
+        self.sizes = list(sizes)
+        self.config = config
+        self._low_level: Dict[str, IndexedDataset] = {}
+
+    def _indexed(self, prefix: str) -> IndexedDataset:
+        if prefix not in self._low_level:
+            self._low_level[prefix] = IndexedDataset(prefix, mmap=self.config.mmap_bin_files)
+        return self._low_level[prefix]
+
+    def _splits_of(self, prefix: str, split_matrix, sizes) -> List[Optional[GPTDataset]]:
+        ds = self._indexed(prefix)
+        n = ds.sequence_lengths.shape[0]
+        out: List[Optional[GPTDataset]] = []
+        for i, s in enumerate(Split):
+            if split_matrix[i] is None:
+                out.append(None)
+                continue
+            beg = int(round(split_matrix[i][0] * float(n)))
+            end = int(round(split_matrix[i][1] * float(n)))
+            indices = numpy.arange(beg, end, dtype=numpy.int32)
+            out.append(_rank0_first(GPTDataset, ds, prefix, indices, sizes[i], s, self.config))
+        return out
+
+    def _blend(self, prefixes, weights, split_matrix, sizes, only: Optional[int] = None):
+        """Datasets of each split for a multi-prefix blend (``only``: build just that split)."""
+        if weights is not None:
+            weights = normalize(weights)
+            target = _size_per_split_per_dataset(weights, sizes)
+            buffered = _size_per_split_per_dataset(weights, sizes, self.config.mid_level_dataset_surplus)
+        else:
+            buffered = [[None] * 3 for _ in prefixes]
+        per_split: List[List[GPTDataset]] = [[], [], []]
+        for k, prefix in enumerate(prefixes):
+            for i, d in enumerate(self._splits_of(prefix, split_matrix, buffered[k])):
+                per_split[i].append(d)
+        result: List[Optional[BlendedDataset]] = [None, None, None]
+        for i in range(3):
+            if split_matrix[i] is None or (only is not None and i != only):
+                continue
+            if weights is not None:
+                if sizes[i] is None:
+                    raise BlendError("a weighted blend needs a sample count for every split it builds")
+                w_i, size_i = weights, sum(row[i] for row in target)
+            else:
+                w_i = [len(d) for d in per_split[i]]
+                size_i = None if sizes[i] is None else min(sizes[i], sum(w_i))
+            result[i] = _rank0_first(BlendedDataset, per_split[i], w_i, size_i, self.config)
+        return result
+
+    def build(self):
+        cfg = self.config
+        if cfg.blend_per_split is None or not any(cfg.blend_per_split):
+            prefixes, weights = cfg.blend
+            if len(prefixes) == 1 and weights is None:
+                return self._splits_of(prefixes[0], cfg.split_matrix, self.sizes)
+            return self._blend(prefixes, weights, cfg.split_matrix, self.sizes)
+        result = [None, None, None]
+        for i in range(3):
+            blend = cfg.blend_per_split[i]
+            if blend is None:
+                continue
+            prefixes, weights = blend
+            split_spoof = [None, None, None]
+            split_spoof[i] = (0.0, 1.0)
+            sizes_spoof = [0, 0, 0]
+            sizes_spoof[i] = self.sizes[i]
+            if len(prefixes) == 1:
+                result[i] = self._splits_of(prefixes[0], split_spoof, sizes_spoof)[i]
+            else:
+                result[i] = self._blend(prefixes, weights, split_spoof, sizes_spoof, only=i)[i]
+        return result
+
+
+def build_gpt_datasets(
+    data_path: Optional[Sequence[str]],
+    split: Optional[str],
+    seq_length: int,
+    seed: int,
+    num_samples: Sequence[Optional[int]],
+    cache_dir: Optional[str] = None,
+    eod_id: Optional[int] = None,
+    pad_id: int = _PAD_TOKEN_ID,
+    train_data_path: Optional[Sequence[str]] = None,
+    valid_data_path: Optional[Sequence[str]] = None,
+    test_data_path: Optional[Sequence[str]] = None,
+    reset_position_ids: bool = False,
+    reset_attention_mask: bool = False,
+    eod_mask_loss: bool = False,
+    create_attention_mask: bool = False,
+    mid_level_dataset_surplus: float = 0.005,
+):
+    """(train, valid, test) datasets, each None where its split is empty.
+
+    ``data_path`` is ``--data-path`` as a list (``[prefix]``, ``[w1, p1, w2, p2, ...]`` or
+    ``[p1, p2, ...]``); ``train/valid/test_data_path`` replace it and ``split``. ``num_samples`` is
+    (train, valid, test) sample counts (None: one epoch). ``cache_dir`` is ``--data-cache-path``.
+    Call it on every rank: under torch.distributed, rank 0 builds the index cache first.
+    """
+    if len(num_samples) != 3:
+        raise ValueError("num_samples must be a (train, valid, test) tuple")
+    per_split = [train_data_path, valid_data_path, test_data_path]
+    if any(p is not None for p in per_split):
+        if data_path:
+            raise BlendError("give either --data-path or --train-data-path/--valid-data-path/--test-data-path")
+        flags = ("--train-data-path", "--valid-data-path", "--test-data-path")
+        blend_per_split = [get_blend_from_list(p, f) for p, f in zip(per_split, flags)]
+        for b, f in zip(blend_per_split, flags):
+            if b is not None:
+                for prefix in b[0]:
+                    _check_prefix(prefix, f)
+        blend = None
+    else:
+        if not data_path:
+            raise BlendError("no data: pass --data-path (or --train-data-path ...), or --mock-data")
+        blend = get_blend_from_list(data_path, "--data-path")
+        for prefix in blend[0]:
+            _check_prefix(prefix, "--data-path")
+        blend_per_split = None
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=split if blend is not None else None,
+        path_to_cache=cache_dir,
+        eod_id=eod_id,
+        pad_id=pad_id,
+        reset_position_ids=reset_position_ids,
+        reset_attention_mask=reset_attention_mask,
+        eod_mask_loss=eod_mask_loss,
+        create_attention_mask=create_attention_mask,
+        mid_level_dataset_surplus=mid_level_dataset_surplus,
+    )
+    datasets = _Builder(num_samples, config).build()
+    return tuple(datasets)

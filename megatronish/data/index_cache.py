@@ -1,0 +1,76 @@
+"""On-disk cache of dataset index arrays, named by the md5 of the dataset's JSON description.
+
+Files: ``{md5}-{Class}-{split}-description.txt`` and ``{md5}-{Class}-{split}-{name}.npy``. Each
+``.npy`` is written under a temporary name and renamed, and the description is written last, so
+a cache hit (every file present) never sees a half-written array. Hits are memory-mapped.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from typing import Callable, Optional, Sequence, Tuple
+
+import numpy
+
+__all__ = ["IndexCache"]
+
+
+class IndexCache:
+    def __init__(self, directory: Optional[str], base: str, description: str, digest: str) -> None:
+        self.directory = directory
+        self.base = base
+        self.description = description
+        self.hash = digest
+
+    @classmethod
+    def for_description(cls, directory: Optional[str], class_name: str, split_name: str, identifiers) -> "IndexCache":
+        description = json.dumps(identifiers, indent=4, default=lambda obj: obj.unique_identifiers)
+        digest = hashlib.md5(description.encode("utf-8")).hexdigest()
+        return cls(directory, f"{digest}-{class_name}-{split_name}", description, digest)
+
+    def path(self, affix: str) -> str:
+        assert self.directory is not None
+        return os.path.join(self.directory, f"{self.base}-{affix}")
+
+    def hit(self, names: Sequence[str]) -> bool:
+        if self.directory is None:
+            return False
+        files = [self.path("description.txt")] + [self.path(f"{n}.npy") for n in names]
+        return all(os.path.isfile(f) for f in files)
+
+    def load(self, names: Sequence[str]) -> Tuple[numpy.ndarray, ...]:
+        return tuple(numpy.load(self.path(f"{n}.npy"), allow_pickle=True, mmap_mode="r") for n in names)
+
+    def load_or_build(self, names: Sequence[str], build: Callable[[], Tuple[numpy.ndarray, ...]]):
+        if self.hit(names):
+            return self.load(names)
+        arrays = build()
+        if self.directory is not None:
+            self._save(names, arrays)
+        return arrays
+
+    def _save(self, names: Sequence[str], arrays: Sequence[numpy.ndarray]) -> None:
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            for name, arr in zip(names, arrays):
+                self._atomic_write(f"{name}.npy", lambda f, a=arr: numpy.save(f, a, allow_pickle=True))
+            self._atomic_write("description.txt", lambda f: f.write(self.description.encode("utf-8")))
+        except OSError as err:
+            raise OSError(
+                f"cannot write dataset index cache in '{self.directory}' ({err}); pass a writable "
+                f"directory with --data-cache-path"
+            ) from err
+
+    def _atomic_write(self, affix: str, write) -> None:
+        final = self.path(affix)
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.base}-{affix}.", dir=self.directory)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                write(f)
+            os.replace(tmp, final)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise

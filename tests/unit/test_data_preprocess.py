@@ -1,0 +1,209 @@
+"""Tokenizers and tools/preprocess_data.py: round trips, worker/partition invariance, bad input."""
+import gzip
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "data"))
+import tokenizer_files as tf  # noqa: E402
+
+from megatronish.data.indexed_dataset import IndexedDataset  # noqa: E402
+from megatronish.data.tokenizers import TokenizerError, build_tokenizer  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "tools"))
+import preprocess_data  # noqa: E402
+
+NULL_TEXTS = ["1 2 3", "999 0 5 5", "7"]
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    return str(d), tf.tokenizer_configs(str(d))
+
+
+def texts_for(name):
+    return NULL_TEXTS if name == "NullTokenizer" else tf.TEXTS
+
+
+def write_jsonl(path, texts, key="text"):
+    with open(path, "w", encoding="utf-8") as f:
+        for t in texts:
+            f.write(json.dumps({key: t, "other": 1}) + "\n")
+
+
+def test_tokenizer_attributes(tok_dir):
+    _, configs = tok_dir
+    toks = {name: build_tokenizer(name, **kw) for name, kw, _ in configs}
+    gpt2 = toks["GPT2BPETokenizer"]
+    assert (gpt2.vocab_size, gpt2.eod, gpt2.pad) == (50257, 50256, -1)
+    assert gpt2.tokenize("Hello world") == [15496, 995]  # GPT-2's published ids
+    null = toks["NullTokenizer"]
+    assert (null.vocab_size, null.eod, null.pad) == (1001, 1000, -1)
+    sp = toks["SentencePieceTokenizer"]
+    assert sp.eod == sp.vocab["<EOD>"] and sp.vocab_size == 400 + 4  # <CLS> <SEP> <EOD> <MASK> added
+    assert sp.pad == 3  # the model's own pad piece
+    assert toks["GPTSentencePieceTokenizer"].eod == 2 and toks["Llama2Tokenizer"].eod == 2
+    assert toks["Llama2Tokenizer"].tokenize("Short.")[0] == 1  # bos prepended
+    tk = toks["TikTokenizer"]
+    assert (tk.eod, tk.pad, tk.vocab_size) == (2, 4, 1000 + 262)
+    hf = toks["HuggingFaceTokenizer"]
+    assert hf.eod == hf.vocab["<|endoftext|>"]
+
+
+def test_tokenizer_round_trip(tok_dir):
+    _, configs = tok_dir
+    for name, kw, _ in configs:
+        tok = build_tokenizer(name, **kw)
+        for text in texts_for(name):
+            ids = tok.tokenize(text)
+            assert all(0 <= i < tok.vocab_size for i in ids), name
+            assert tok.detokenize(ids) == text, name
+        assert tok.tokenize_batch(texts_for(name)) == [tok.tokenize(t) for t in texts_for(name)], name
+
+
+def test_bad_tokenizer_files(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    v, m = tf.gpt2_files()
+    with pytest.raises(TokenizerError, match="--vocab-file '/nope.json' does not exist"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file="/nope.json", merge_file=m)
+    with pytest.raises(TokenizerError, match=r"--vocab-file '.*bad.json' is not a GPT-2 encoder.json"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=str(bad), merge_file=m)
+    with pytest.raises(TokenizerError, match="needs --merge-file"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=v)
+    with pytest.raises(TokenizerError, match="is not a SentencePiece model"):
+        build_tokenizer("SentencePieceTokenizer", tokenizer_model=str(bad))
+    with pytest.raises(TokenizerError, match="is not a Hugging Face tokenizer.json"):
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(bad))
+    with pytest.raises(TokenizerError, match="is not a tiktoken ranks file"):
+        build_tokenizer("TikTokenizer", tokenizer_model=str(bad))
+    with pytest.raises(TokenizerError, match="needs --vocab-size"):
+        build_tokenizer("NullTokenizer")
+    with pytest.raises(TokenizerError, match="not supported"):
+        build_tokenizer("BertWordPieceCase")
+
+
+def run_tool(*argv):
+    return preprocess_data.main([str(a) for a in argv])
+
+
+def read_docs(prefix):
+    ds = IndexedDataset(prefix)
+    di = ds.document_indices
+    return [np.concatenate([ds[j] for j in range(di[k], di[k + 1])] or [np.zeros(0, ds.index.dtype)])
+            for k in range(len(di) - 1)]
+
+
+def test_preprocess_round_trip_every_tokenizer(tok_dir, tmp_path):
+    _, configs = tok_dir
+    for name, kw, flags in configs:
+        texts = texts_for(name)
+        src = tmp_path / f"{name}.jsonl"
+        write_jsonl(src, texts)
+        prefix = tmp_path / name
+        assert run_tool("--input", src, "--output-prefix", prefix, "--tokenizer-type", name, *flags,
+                        "--workers", 1, "--append-eod") == 0
+        tok = build_tokenizer(name, **kw)
+        docs = read_docs(f"{prefix}_text_document")
+        assert len(docs) == len(texts)
+        for doc, text in zip(docs, texts):
+            assert int(doc[-1]) == tok.eod, name
+            assert tok.detokenize(doc[:-1].tolist()) == text, name
+            assert doc[:-1].tolist() == tok.tokenize(text), name
+
+
+def test_workers_and_partitions_give_identical_bytes(tmp_path):
+    v, m = tf.gpt2_files()
+    rng = np.random.default_rng(0)
+    words = "alpha beta gamma delta epsilon zeta eta theta. Iota kappa! Lambda?".split()
+    texts = [" ".join(rng.choice(words, rng.integers(1, 60))) for _ in range(700)]
+    src = tmp_path / "in.jsonl.gz"
+    with gzip.open(src, "wt", encoding="utf-8") as f:
+        for t in texts:
+            f.write(json.dumps({"text": t, "title": t[:10]}) + "\n")
+    outs = {}
+    for w, p in [(1, 1), (2, 1), (2, 2)]:
+        prefix = tmp_path / f"w{w}p{p}"
+        assert run_tool("--input", src, "--output-prefix", prefix, "--tokenizer-type", "GPT2BPETokenizer",
+                        "--vocab-file", v, "--merge-file", m, "--workers", w, "--partitions", p,
+                        "--append-eod", "--json-keys", "text", "title", "--split-sentences") == 0
+        outs[(w, p)] = {k: [open(f"{prefix}_{k}_sentence{e}", "rb").read() for e in (".bin", ".idx")]
+                        for k in ("text", "title")}
+    assert outs[(1, 1)] == outs[(2, 1)] == outs[(2, 2)]
+    assert not [f for f in os.listdir(tmp_path) if "_0_" in f or "_1_" in f]  # partition files removed
+    ds = IndexedDataset(str(tmp_path / "w1p1_text_sentence"))
+    assert len(ds.document_indices) == 701 and len(ds) > 700  # several sentences per document
+
+
+def test_sentence_split_keeps_text():
+    text = "First one. Second one! Third?  Fourth\n\nNew para. end"
+    parts = preprocess_data.split_sentences(text, keep_newlines=True)
+    assert parts == ["First one. ", "Second one! ", "Third?  ", "Fourth\n\n", "New para. end"]
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{not json", "invalid JSON"),
+    ('{"other": 1}', "missing key(s) ['text']"),
+    ("[1, 2]", "expected a JSON object"),
+])
+def test_bad_line_reported_with_file_and_line(tmp_path, capsys, line, message):
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"text": "1 2"}\n{"text": "3"}\n' + line + "\n")
+    prefix = tmp_path / "out"
+    rc = run_tool("--input", src, "--output-prefix", prefix, "--tokenizer-type", "NullTokenizer",
+                  "--vocab-size", 10, "--workers", 1)
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert f"{src}:3: " in err and message in err and "--skip-bad-lines" in err
+    assert not os.path.exists(f"{prefix}_text_document.idx")
+    assert not os.path.exists(f"{prefix}_text_document.bin")
+    rc = run_tool("--input", src, "--output-prefix", prefix, "--tokenizer-type", "NullTokenizer",
+                  "--vocab-size", 10, "--workers", 2, "--skip-bad-lines")
+    assert rc == 0
+    assert [d.tolist() for d in read_docs(f"{prefix}_text_document")] == [[1, 2], [3]]
+
+
+def test_cli_errors_without_traceback(tmp_path):
+    tool = os.path.join(REPO, "tools", "preprocess_data.py")
+    cases = [
+        (["--input", str(tmp_path / "none*.jsonl"), "--workers", "1", "--tokenizer-type", "NullTokenizer",
+          "--vocab-size", "5"], "matches no file"),
+        (["--input", tool, "--workers", "3", "--partitions", "2", "--tokenizer-type", "NullTokenizer",
+          "--vocab-size", "5"], "must be a multiple of --partitions"),
+        (["--input", tool, "--workers", "1", "--tokenizer-type", "GPT2BPETokenizer",
+          "--vocab-file", "/missing/encoder.json", "--merge-file", "/missing/vocab.bpe"], "/missing/encoder.json"),
+    ]
+    for argv, message in cases:
+        r = subprocess.run([sys.executable, tool, "--output-prefix", str(tmp_path / "o"), *argv],
+                           capture_output=True, text=True)
+        assert r.returncode == 1, r.stderr
+        assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_interrupted_run_leaves_no_valid_index(tmp_path, monkeypatch):
+    src = tmp_path / "in.jsonl"
+    write_jsonl(src, ["1 2 3"] * 600)
+    prefix = tmp_path / "out"
+    # a stale, valid dataset from an earlier run at the same prefix
+    assert run_tool("--input", src, "--output-prefix", prefix, "--tokenizer-type", "NullTokenizer",
+                    "--vocab-size", 10, "--workers", 1) == 0
+    calls = {"n": 0}
+    real = preprocess_data.Encoder.encode_chunk
+
+    def interrupted(self, chunk):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real(self, chunk)
+
+    monkeypatch.setattr(preprocess_data.Encoder, "encode_chunk", interrupted)
+    assert run_tool("--input", src, "--output-prefix", prefix, "--tokenizer-type", "NullTokenizer",
+                    "--vocab-size", 10, "--workers", 1) == 130
+    assert not os.path.exists(f"{prefix}_text_document.idx")
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
