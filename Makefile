@@ -2,7 +2,7 @@
 PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install test bench
+.PHONY: install test quickstart bench
 
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "torch==$(TORCH_VERSION)"
@@ -10,6 +10,9 @@ install:
 
 test: install
 	$(PYTHON) -m pytest -q tests
+
+quickstart: install
+	PYTHON=$(PYTHON) bash examples/quickstart.sh
 
 bench: install
 	$(PYTHON) benchmarks/bench_model_vs_hf.py

@@ -94,3 +94,121 @@ def llama(**kw) -> ModelConfig:
                 untie_embeddings_and_output_weights=True)
     base.update(kw)
     return ModelConfig(**base)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Run configuration built from the command line (``megatronish.arguments.configs_from_args``).
+# ---------------------------------------------------------------------------------------------------------------
+from dataclasses import field  # noqa: E402
+
+from .parallel.dims import ParallelDims  # noqa: E402
+
+
+@dataclass
+class TrainingConfig:
+    """Batch sizes, iterations, evaluation, seeds and the process-group settings."""
+
+    micro_batch_size: int
+    global_batch_size: int
+    train_iters: int | None = None  # with --train-samples: train_samples // global_batch_size (as Megatron)
+    train_samples: int | None = None
+    eval_iters: int = 100
+    eval_interval: int | None = 1000
+    skip_train: bool = False
+    seed: int = 1234
+    log_interval: int = 100
+    distributed_backend: str | None = None  # None: nccl on CUDA, gloo on CPU
+    distributed_timeout_minutes: int = 10
+    use_cpu_initialization: bool = False
+
+
+@dataclass
+class OptimizerConfig:
+    """Optimizer, LR / weight-decay schedules and gradient reduction (Megatron flag names)."""
+
+    optimizer: str = "adam"  # adam (AdamW: decoupled weight decay) | sgd
+    lr: float = 1e-4
+    min_lr: float = 0.0
+    lr_decay_style: str = "linear"
+    lr_decay_iters: int | None = None
+    lr_decay_samples: int | None = None
+    lr_warmup_fraction: float | None = None
+    lr_warmup_iters: int = 0
+    lr_warmup_samples: int = 0
+    lr_warmup_init: float = 0.0
+    lr_wsd_decay_style: str = "exponential"
+    lr_wsd_decay_iters: int | None = None
+    lr_wsd_decay_samples: int | None = None
+    weight_decay: float = 0.01
+    start_weight_decay: float = 0.01  # = weight_decay under --weight-decay-incr-style constant
+    end_weight_decay: float = 0.01
+    weight_decay_incr_style: str = "constant"
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.9
+    override_opt_param_scheduler: bool = False
+    use_checkpoint_opt_param_scheduler: bool = False
+    overlap_grad_reduce: bool = False
+    ddp_bucket_size: int | None = None  # None: DDP's default (Megatron's rule)
+
+
+@dataclass
+class LoggingConfig:
+    """Console log line, JSON-lines metrics file, TensorBoard and W&B."""
+
+    log_interval: int = 100
+    log_throughput: bool = False
+    log_params_norm: bool = False
+    tensorboard_dir: str | None = None
+    wandb_project: str = ""
+    wandb_entity: str = ""
+    wandb_exp_name: str = ""
+    wandb_save_dir: str = ""
+    timing_log_level: int = 0
+    metrics_file: str | None = None
+
+
+@dataclass
+class DataConfig:
+    """Training data and tokenizer. ``vocab_size`` is the tokenizer's true vocabulary size (before padding)."""
+
+    seq_length: int
+    vocab_size: int
+    mock_data: bool = False
+    data_path: list[str] = field(default_factory=list)
+    split: str = "969, 30, 1"
+    train_data_path: list[str] | None = None
+    valid_data_path: list[str] | None = None
+    test_data_path: list[str] | None = None
+    data_cache_path: str | None = None
+    num_workers: int = 2
+    tokenizer_type: str | None = None
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    tokenizer_model: str | None = None
+    vocab_size_flag: int | None = None  # --vocab-size as given (NullTokenizer: vocab_size = this + 1)
+    vocab_extra_ids: int = 0
+    eod_mask_loss: bool = False
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+
+
+@dataclass
+class RunConfig:
+    """Everything ``pretrain()`` needs, validated before any process group starts."""
+
+    model: ModelConfig
+    parallel: ParallelDims
+    sequence_parallel: bool  # False at TP 1 (a no-op there, as in Megatron)
+    train: TrainingConfig
+    optim: OptimizerConfig
+    logging: LoggingConfig
+    data: DataConfig
+    num_microbatches: int  # global_batch_size // (micro_batch_size * dp)
+
+    @property
+    def parallel_backend(self) -> str | None:
+        """``--distributed-backend`` (None: nccl on CUDA, gloo on CPU)."""
+        return self.train.distributed_backend

@@ -62,3 +62,10 @@ def manual_seed(seed: int) -> None:
 def synchronize() -> None:
     if device_type() == "cuda":
         torch.cuda.synchronize()
+
+
+def device_name() -> str | None:
+    """The accelerator's name (for MFU), None on CPU."""
+    if device_type() == "cuda":
+        return torch.cuda.get_device_name()
+    return None

@@ -97,6 +97,13 @@ class GPTModel(nn.Module):
                 d = self.output_layer.weight.desc
                 set_desc(self.output_layer.weight, TensorDesc(d.global_shape, 0, 1, "normal", d.std,
                                                               valid_rows=c.vocab_size))
+        # Copies of the tied word embedding on the first and last stage: their grads are summed over the
+        # embedding group so they stay equal.
+        if self.tied:
+            if pre_process:
+                self.embedding.word_embeddings.weight.shared_embedding = True
+            if post_process and not pre_process:
+                self.output_layer.weight.shared_embedding = True
 
     # ---- global description -------------------------------------------------------------------
     def global_name(self, local_name: str) -> str:

@@ -69,8 +69,9 @@ class TransformerBlock(nn.Module):
         return x
 
     def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
-        rng = get_rng_tracker().fork() if self.sequence_parallel and self.training else contextlib.nullcontext()
         c = self.config
+        dropout = self.training and (c.hidden_dropout > 0 or c.attention_dropout > 0)
+        rng = get_rng_tracker().fork() if self.sequence_parallel and dropout else contextlib.nullcontext()
         n = len(self.layers)
         with rng:
             if c.recompute_granularity != "full" or not self.training:

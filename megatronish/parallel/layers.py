@@ -137,15 +137,15 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_tensor_model_parallel_region(out)
 
 
-def allreduce_sequence_parallel_grads(module: nn.Module) -> None:
+def allreduce_sequence_parallel_grads(module: nn.Module, grad_attr: str = "grad") -> None:
     """Sum over TP the gradients of parameters that are replicated across TP but see only this rank's
     sequence chunk under sequence parallelism (norm weights and biases, row-parallel biases): one
-    all-reduce of a flat buffer."""
+    all-reduce of a flat buffer. ``grad_attr="main_grad"`` reduces the DDP buffers instead of ``.grad``."""
     group = groups.get_tensor_model_parallel_group() if groups.is_initialized() else None
     if group is None or _tp_world() == 1:
         return
-    grads = [p.grad for p in module.parameters()
-             if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    grads = [getattr(p, grad_attr, None) for p in module.parameters() if getattr(p, "sequence_parallel", False)]
+    grads = [g for g in grads if g is not None]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

@@ -1,0 +1,1 @@
+"""Optimizer, gradient clipping and the LR / weight-decay schedule (``lr_schedule``)."""

@@ -1,0 +1,52 @@
+"""Global gradient norm across TP, PP and DP, counting every parameter of the global model once."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..parallel import groups
+
+
+def _grad(p):
+    g = getattr(p, "main_grad", None)
+    return p.grad if g is None else g
+
+
+def counts_once(p, tp_rank: int) -> bool:
+    """False for copies: a TP-replicated parameter off TP rank 0, and the tied word embedding's copy on
+    the last pipeline stage (its first-stage original is counted)."""
+    if getattr(p, "shared_embedding", False) and groups.is_initialized() and not groups.is_pipeline_first_stage():
+        return False
+    return bool(getattr(p, "tensor_model_parallel", False)) or tp_rank == 0
+
+
+def global_norm(params, use_grad: bool = True) -> float:
+    """L2 norm over the whole model of the grads (or the values) of ``params`` (this rank's share).
+    Grads are DP-identical after the reduction, so the sum runs over the model-parallel group only."""
+    tp_rank = groups.get_tensor_model_parallel_rank() if groups.is_initialized() else 0
+    tensors = [(_grad(p) if use_grad else p) for p in params if counts_once(p, tp_rank)]
+    tensors = [t for t in tensors if t is not None]
+    device = tensors[0].device if tensors else torch.device("cpu")
+    sq = torch.zeros((), dtype=torch.float32, device=device)
+    for t in tensors:
+        sq += t.detach().float().pow(2).sum()
+    if groups.is_initialized():
+        dist.all_reduce(sq, group=groups.get_model_parallel_group())
+    return math.sqrt(sq.item())
+
+
+def clip_grad_norm(params, max_norm: float) -> float:
+    """Scale every grad by ``max_norm / (norm + 1e-6)`` when the global norm exceeds ``max_norm``; returns
+    the norm before clipping."""
+    params = list(params)
+    norm = global_norm(params)
+    if max_norm > 0 and math.isfinite(norm):
+        coeff = max_norm / (norm + 1e-6)
+        if coeff < 1.0:
+            for p in params:
+                g = _grad(p)
+                if g is not None:
+                    g.mul_(coeff)
+    return norm

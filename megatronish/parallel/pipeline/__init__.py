@@ -1,0 +1,1 @@
+"""Pipeline schedules (and, with pipeline parallelism, point-to-point communication)."""

@@ -1,0 +1,155 @@
+"""Point-to-point communication between adjacent pipeline ranks.
+
+Activations travel forward (rank r -> r+1) and their gradients backward (r+1 -> r), always as tensors of
+one fixed shape ``(s [/t under sequence parallelism], b, h)`` in the pipeline dtype. Every call posts all of
+its sends and receives in one ``torch.distributed.batch_isend_irecv`` and waits for them, which works on
+gloo (CPU) and NCCL (GPU).
+
+Neighbours form a ring (the first rank's previous is the last): the interleaved schedule sends the last
+rank's chunk-c output to the first rank's chunk c+1. With two pipeline ranks the next and previous rank are
+the same process, so one batch may carry an activation and a gradient to the same peer. They stay apart
+because (a) activations use tag 0 and gradients tag 1 (gloo matches on tags), and (b) every batch lists its
+ops in one fixed order — send activation, send gradient, recv activation, recv gradient — so the i-th send
+to a peer meets that peer's i-th receive from us even where tags are ignored (NCCL).
+
+Two kinds of methods:
+
+- ``recv_forward``, ``recv_backward``, ``send_forward``, ``send_backward``, ``send_forward_recv_backward``,
+  ``send_backward_recv_forward`` (the 1F1B schedule) skip what the pipeline's ends do not do: the first
+  stage receives no activation and sends no gradient, the last stage sends no activation and receives no
+  gradient; they return ``None`` there.
+- ``send_forward_recv_forward``, ``send_backward_recv_backward``,
+  ``send_forward_backward_recv_forward_backward`` (the interleaved schedule) do what they are told: a
+  ``None`` tensor is not sent, a ``False`` flag receives nothing. The schedule knows which virtual stage is
+  first or last.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import groups
+from .timeline import span
+
+__all__ = ["P2PCommunicator"]
+
+_TAG_ACTIVATION, _TAG_GRADIENT = 0, 1
+_READY_GROUPS: list = []  # groups that have run one collective (held, so no id is reused)
+
+
+class P2PCommunicator:
+    """Sends and receives this rank's pipeline tensors. Defaults come from :mod:`megatronish.parallel.groups`.
+
+    ``tensor_shape``: ``(s, b, h)`` (``s`` already divided by TP under sequence parallelism and by CP).
+    ``timeline``: an optional :class:`~megatronish.parallel.pipeline.timeline.PipelineTimeline`.
+    """
+
+    def __init__(self, tensor_shape, dtype=torch.float32, device=None, *, group=None, timeline=None):
+        self.tensor_shape = tuple(int(d) for d in tensor_shape)
+        if len(self.tensor_shape) != 3:
+            raise ValueError(f"pipeline tensors are [s, b, h]; got shape {self.tensor_shape}")
+        self.dtype = dtype
+        if device is None:
+            from ... import device as _device
+
+            device = _device.current_device()
+        self.device = torch.device(device)
+        self.group = group if group is not None else groups.get_pipeline_model_parallel_group()
+        self.pp_rank = groups.get_pipeline_model_parallel_rank()
+        self.pp_size = groups.get_pipeline_model_parallel_world_size()
+        self.next_rank = groups.get_pipeline_model_parallel_next_rank()
+        self.prev_rank = groups.get_pipeline_model_parallel_prev_rank()
+        self.timeline = timeline
+        self._ensure_ready()
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def _ensure_ready(self) -> None:
+        # NCCL wants the first op on a group that batches p2p to involve every member: run one collective.
+        if self.pp_size == 1 or any(g is self.group for g in _READY_GROUPS):
+            return
+        dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
+        _READY_GROUPS.append(self.group)
+
+    # ---- the one transport -------------------------------------------------------------------------------
+    def _check(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        if tuple(t.shape) != self.tensor_shape:
+            raise ValueError(f"pipeline {what} has shape {tuple(t.shape)} but the pipeline tensor shape is "
+                             f"{self.tensor_shape} ([seq / (TP under --sequence-parallel) / CP, micro batch, "
+                             f"hidden]); every stage must output [s, b, h] of that shape")
+        if t.dtype != self.dtype:
+            raise ValueError(f"pipeline {what} has dtype {t.dtype} but the pipeline dtype is {self.dtype}; "
+                             f"build the communicator with the model's activation dtype")
+        return t.detach().contiguous()
+
+    def _communicate(self, name: str, send_next=None, send_prev=None, recv_prev: bool = False,
+                     recv_next: bool = False):
+        """Post every send/recv in one batch (fixed order, see the module docstring); wait; return
+        ``(received from prev, received from next)``."""
+        ops, from_prev, from_next = [], None, None
+        if send_next is not None:
+            ops.append(dist.P2POp(dist.isend, self._check(send_next, "activation"), self.next_rank, self.group,
+                                  _TAG_ACTIVATION))
+        if send_prev is not None:
+            ops.append(dist.P2POp(dist.isend, self._check(send_prev, "gradient"), self.prev_rank, self.group,
+                                  _TAG_GRADIENT))
+        if recv_prev:
+            from_prev = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device)
+            ops.append(dist.P2POp(dist.irecv, from_prev, self.prev_rank, self.group, _TAG_ACTIVATION))
+        if recv_next:
+            from_next = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device)
+            ops.append(dist.P2POp(dist.irecv, from_next, self.next_rank, self.group, _TAG_GRADIENT))
+        if ops:
+            with span(self.timeline, name, "comm"):
+                for req in dist.batch_isend_irecv(ops):
+                    req.wait()
+        if from_prev is not None:
+            from_prev.requires_grad_(True)  # the next chunk's input: backward leaves its gradient in .grad
+        return from_prev, from_next
+
+    # ---- 1F1B (pipeline ends skipped) --------------------------------------------------------------------
+    def recv_forward(self):
+        """Activation from the previous stage (``None`` on the first stage)."""
+        return None if self.is_first_stage else self._communicate("recv_forward", recv_prev=True)[0]
+
+    def recv_backward(self):
+        """Gradient from the next stage (``None`` on the last stage)."""
+        return None if self.is_last_stage else self._communicate("recv_backward", recv_next=True)[1]
+
+    def send_forward(self, output) -> None:
+        if not self.is_last_stage and output is not None:
+            self._communicate("send_forward", send_next=output)
+
+    def send_backward(self, input_grad) -> None:
+        if not self.is_first_stage and input_grad is not None:
+            self._communicate("send_backward", send_prev=input_grad)
+
+    def send_forward_recv_backward(self, output):
+        """Send an activation on, receive the gradient of an earlier one (``None`` on the last stage)."""
+        if self.is_last_stage:
+            return None
+        return self._communicate("send_forward_recv_backward", send_next=output, recv_next=True)[1]
+
+    def send_backward_recv_forward(self, input_grad):
+        """Send a gradient back, receive the next activation (``None`` on the first stage)."""
+        if self.is_first_stage:
+            return None
+        return self._communicate("send_backward_recv_forward", send_prev=input_grad, recv_prev=True)[0]
+
+    # ---- interleaved (the schedule decides what is sent and received) ------------------------------------
+    def send_forward_recv_forward(self, output, recv_prev: bool):
+        return self._communicate("send_forward_recv_forward", send_next=output, recv_prev=recv_prev)[0]
+
+    def send_backward_recv_backward(self, input_grad, recv_next: bool):
+        return self._communicate("send_backward_recv_backward", send_prev=input_grad, recv_next=recv_next)[1]
+
+    def send_forward_backward_recv_forward_backward(self, output, input_grad, recv_prev: bool, recv_next: bool):
+        """Returns ``(activation from prev, gradient from next)``."""
+        return self._communicate("send_forward_backward_recv_forward_backward", send_next=output,
+                                 send_prev=input_grad, recv_prev=recv_prev, recv_next=recv_next)

@@ -1,0 +1,1 @@
+"""The training loop: set-up, iterations, evaluation, metrics."""

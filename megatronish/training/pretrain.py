@@ -1,0 +1,212 @@
+"""``pretrain(cfg)``: the training loop behind ``pretrain_gpt.py``.
+
+Set-up order (fixed): distributed init -> process groups -> RNG seeds -> model (layout-invariant init) ->
+DDP wrapper -> optimizer and LR/WD scheduler -> datasets. Then each iteration runs the schedule over
+``num_microbatches`` microbatches, finalizes gradients (DP, SP, embedding group), clips, steps, and logs.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .. import device
+from ..model import GPTModel
+from ..optim.clip_grads import clip_grad_norm, global_norm
+from ..optim.lr_schedule import OptimizerParamScheduler, scheduler_steps_from_config
+from ..optim.optimizer import build_optimizer, use_main_grads
+from ..parallel import groups
+from ..parallel.ddp import DistributedDataParallel, finalize_model_grads
+from ..parallel.pipeline.schedules import forward_backward_no_pipelining
+from ..parallel.random import set_random_seed
+from .flops import device_peak_tflops, num_floating_point_operations
+from .metrics import MetricsWriter, print_rank_last, train_log_line
+from .mock_data import MockGPTDataset, collate, global_batch_indices
+
+
+@dataclass
+class TrainState:
+    iteration: int = 0
+    consumed_samples: int = 0
+    history: list = field(default_factory=list)  # (iteration, lm loss) of every iteration, for callers
+    valid_history: list = field(default_factory=list)
+    valid_consumed_samples: int = 0  # evaluations continue through the validation set, as Megatron's do
+
+
+def init_distributed(backend: str | None, timeout_minutes: float) -> None:
+    """Initialize ``torch.distributed`` from torchrun's environment (no-op if already initialized)."""
+    if dist.is_initialized():
+        return
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device.set_device_for_local_rank(local_rank)
+    if "RANK" not in os.environ:  # plain `python pretrain_gpt.py`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29500"))
+    dist.init_process_group(backend or device.default_backend(), timeout=timedelta(minutes=timeout_minutes))
+
+
+def _is_logging_rank() -> bool:
+    return (groups.is_pipeline_last_stage() and groups.get_tensor_model_parallel_rank() == 0
+            and groups.get_data_parallel_rank(with_context_parallel=True) == 0)
+
+
+def _dp_average(x: torch.Tensor) -> torch.Tensor:
+    group = groups.get_data_parallel_group(with_context_parallel=True)
+    if dist.get_world_size(group) > 1:
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        x /= dist.get_world_size(group)
+    return x
+
+
+def _microbatches(dataset, consumed: int, mbs: int, num_mb: int, dev):
+    dp_size = groups.get_data_parallel_world_size(with_context_parallel=True)
+    dp_rank = groups.get_data_parallel_rank(with_context_parallel=True)
+    for idx in global_batch_indices(consumed, mbs, dp_size, dp_rank, num_mb):
+        batch = collate([{k: torch.as_tensor(v) for k, v in dataset[i].items()} for i in idx])
+        yield {k: v.to(dev) for k, v in batch.items()}
+
+
+def _forward_step(reset_position_ids: bool):
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        position_ids = batch["position_ids"].long() if reset_position_ids else None
+        output = model(batch["tokens"].long(), position_ids=position_ids, labels=batch["labels"].long())
+        mask = batch["loss_mask"].float()
+
+        def loss_func(losses):  # per-token losses [b, s] -> masked token mean
+            total = (losses.float() * mask).sum()
+            num_tokens = mask.sum().clamp(min=1)
+            loss = total / num_tokens
+            return loss, {"lm loss": loss.detach()}
+
+        return output, loss_func
+
+    return forward_step
+
+
+def build_datasets(cfg):
+    """Train and validation datasets. ``--mock-data`` here; files through the data package."""
+    d = cfg.data
+    if d.mock_data:
+        return (MockGPTDataset(cfg.model.vocab_size, cfg.model.seq_length, seed=cfg.train.seed),
+                MockGPTDataset(cfg.model.vocab_size, cfg.model.seq_length, seed=cfg.train.seed + 1))
+    from .data_wiring import build_file_datasets  # the data package, loaded only when files are used
+
+    return build_file_datasets(cfg)
+
+
+def evaluate(model, dataset, cfg, state: TrainState, forward_step, dev) -> float:
+    """Mean validation loss over ``--eval-iters`` global batches (DP-averaged)."""
+    t = cfg.train
+    model.eval()
+    losses = []
+    with torch.no_grad():
+        for _ in range(t.eval_iters):
+            it = _microbatches(dataset, state.valid_consumed_samples, t.micro_batch_size, cfg.num_microbatches, dev)
+            state.valid_consumed_samples += t.global_batch_size
+            stats = forward_backward_no_pipelining(forward_step, it, model, cfg.num_microbatches, forward_only=True)
+            losses.append(torch.stack([s["lm loss"] for s in stats]).mean())
+    model.train()
+    return _dp_average(torch.stack(losses).mean()).item() if losses else float("nan")
+
+
+def pretrain(cfg) -> TrainState:
+    """Train (and evaluate) as configured by a :class:`megatronish.config.RunConfig`."""
+    t, o, lg = cfg.train, cfg.optim, cfg.logging
+    init_distributed(t.distributed_backend, t.distributed_timeout_minutes)
+    if not groups.is_initialized():
+        groups.initialize_model_parallel(cfg.parallel, timeout_minutes=t.distributed_timeout_minutes)
+    dev = device.current_device()
+    set_random_seed(t.seed, pp_rank=groups.get_pipeline_model_parallel_rank(),
+                    tp_rank=groups.get_tensor_model_parallel_rank())
+
+    model = GPTModel(cfg.model, sequence_parallel=cfg.sequence_parallel, device=dev)
+    model.init_parameters(t.seed)
+    ddp = DistributedDataParallel(model, overlap_grad_reduce=o.overlap_grad_reduce, bucket_size=o.ddp_bucket_size)
+    optimizer = build_optimizer(model.named_parameters(), o.optimizer, o.lr, o.weight_decay, o.adam_beta1,
+                                o.adam_beta2, o.adam_eps, o.sgd_momentum)
+    scheduler = OptimizerParamScheduler(optimizer, **scheduler_steps_from_config(cfg))
+    train_ds, valid_ds = build_datasets(cfg)
+    forward_step = _forward_step(cfg.data.reset_position_ids)
+
+    logging_rank = _is_logging_rank()
+    writer = MetricsWriter(logging_rank, lg.metrics_file, lg.tensorboard_dir, lg.wandb_project or None,
+                           lg.wandb_entity or None, lg.wandb_exp_name or None, lg.wandb_save_dir or None)
+    state = TrainState()
+    train_iters = t.train_iters
+    flops_per_iter = num_floating_point_operations(cfg.model, t.global_batch_size)
+    peak = device_peak_tflops(device.device_name())
+    tokens_per_iter = t.global_batch_size * cfg.model.seq_length
+    skipped = nan_iters = 0
+    window_losses, window_start, window_iters = [], time.perf_counter(), 0
+
+    if t.skip_train:
+        train_iters = 0
+    while state.iteration < train_iters:
+        ddp.zero_grad_buffer()
+        it = _microbatches(train_ds, state.consumed_samples, t.micro_batch_size, cfg.num_microbatches, dev)
+        stats = forward_backward_no_pipelining(forward_step, it, ddp, cfg.num_microbatches)
+        finalize_model_grads([ddp])
+        grad_norm = clip_grad_norm(model.parameters(), o.clip_grad)
+        loss = _dp_average(torch.stack([s["lm loss"] for s in stats]).mean()).item()
+        if math.isfinite(grad_norm):
+            use_main_grads(optimizer)
+            optimizer.step()
+        else:
+            skipped += 1
+            nan_iters += 1
+        scheduler.step(increment=t.global_batch_size)
+        state.iteration += 1
+        state.consumed_samples += t.global_batch_size
+        state.history.append((state.iteration, loss))
+        window_losses.append(loss)
+        window_iters += 1
+
+        if state.iteration % lg.log_interval == 0 or state.iteration == train_iters:
+            device.synchronize()
+            elapsed = (time.perf_counter() - window_start) / window_iters
+            world = dist.get_world_size()
+            tflops = flops_per_iter / elapsed / world / 1e12
+            avg_loss = sum(window_losses) / len(window_losses)
+            params_norm = global_norm(model.parameters(), use_grad=False) if lg.log_params_norm else None
+            lr = optimizer.param_groups[0]["lr"]
+            record = {"iteration": state.iteration, "consumed_samples": state.consumed_samples, "lm_loss": avg_loss,
+                      "lr": lr, "grad_norm": grad_norm, "loss_scale": 1.0, "elapsed_ms": elapsed * 1e3,
+                      "tokens_per_sec": tokens_per_iter / elapsed, "tflops": tflops,
+                      "skipped_iterations": skipped, "nan_iterations": nan_iters}
+            if params_norm is not None:
+                record["params_norm"] = params_norm
+            writer.write(record, state.iteration)
+            print_rank_last(logging_rank, train_log_line(
+                iteration=state.iteration, train_iters=train_iters, consumed_samples=state.consumed_samples,
+                elapsed_ms=elapsed * 1e3, tflops=tflops, tokens_per_sec=tokens_per_iter / elapsed, lr=lr,
+                global_batch_size=t.global_batch_size, loss=avg_loss, grad_norm=grad_norm, loss_scale=1.0,
+                skipped=skipped, nan=nan_iters, params_norm=params_norm,
+                mfu=(tflops / peak) if peak else None))
+            window_losses, window_start, window_iters = [], time.perf_counter(), 0
+
+        if t.eval_interval and t.eval_iters and state.iteration % t.eval_interval == 0 \
+                and state.iteration < train_iters:
+            _run_eval(model, valid_ds, cfg, state, forward_step, dev, writer, logging_rank)
+            window_start = time.perf_counter()
+
+    if t.eval_iters:
+        _run_eval(model, valid_ds, cfg, state, forward_step, dev, writer, logging_rank)
+    writer.close()
+    return state
+
+
+def _run_eval(model, dataset, cfg, state, forward_step, dev, writer, logging_rank) -> None:
+    loss = evaluate(model, dataset, cfg, state, forward_step, dev)
+    ppl = math.exp(min(20.0, loss))
+    state.valid_history.append((state.iteration, loss))
+    writer.write({"split": "valid", "iteration": state.iteration, "lm_loss": loss, "ppl": ppl}, state.iteration)
+    bar = "-" * 100
+    print_rank_last(logging_rank, f"{bar}\n validation loss at iteration {state.iteration} | lm loss value: "
+                                  f"{loss:.6E} | lm loss PPL: {ppl:.6E} |\n{bar}")

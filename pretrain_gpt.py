@@ -1,0 +1,17 @@
+"""Pretrain a GPT model with Megatron-LM's flags: ``torchrun --nproc-per-node N pretrain_gpt.py <flags>``."""
+import os
+
+from megatronish.arguments import configs_from_args, exit_on_config_error, parse_args
+
+
+def main(argv=None):
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    # Every flag is validated here, before any process group starts; a bad flag is one line, exit 2.
+    cfg = exit_on_config_error(lambda: configs_from_args(parse_args(argv), world_size))
+    from megatronish.training.pretrain import pretrain
+
+    pretrain(cfg)
+
+
+if __name__ == "__main__":
+    main()

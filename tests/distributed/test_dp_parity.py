@@ -1,0 +1,107 @@
+"""Data parallelism (with and without overlapped, bucketed reduction) and gradient accumulation give the
+single-process losses; the global grad norm under TP x DP equals the single-process norm."""
+import pytest
+import torch
+
+from harness import run_distributed
+from megatronish.arguments import configs_from_args, parse_args
+from megatronish.config import gpt2
+from megatronish.model import GPTModel
+from megatronish.optim.clip_grads import global_norm
+from megatronish.parallel import groups
+from megatronish.parallel.ddp import DistributedDataParallel, finalize_model_grads
+from megatronish.parallel.dims import ParallelDims
+from megatronish.training.pretrain import pretrain
+
+ITERS = 10
+BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--max-position-embeddings", "16", "--vocab-size", "96", "--tokenizer-type", "NullTokenizer", "--mock-data",
+        "--global-batch-size", "8", "--train-iters", str(ITERS), "--lr", "3e-3", "--min-lr", "3e-4",
+        "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--weight-decay", "0.1", "--clip-grad", "1.0",
+        "--attention-dropout", "0", "--hidden-dropout", "0", "--eval-iters", "0", "--log-interval", "100",
+        "--seed", "11"]
+
+
+def _losses(argv, world):
+    cfg = configs_from_args(parse_args(BASE + argv), world)
+    return [loss for _, loss in pretrain(cfg).history]
+
+
+def _worker(rank, world, cases):
+    out = {}
+    for name, argv in cases.items():
+        groups.destroy_model_parallel()
+        out[name] = _losses(argv, world)
+    return out
+
+
+def _reference(argv):
+    groups.destroy_model_parallel()
+    # single process: run in one forked rank so the parent stays free of process groups
+    return run_distributed(_worker, 1, {"ref": argv})[0]["ref"]
+
+
+# Adam is nearly invariant to a gradient's scale; SGD (with clipping off) is not, so a wrong DP average
+# or a missed reduction shows up in its losses.
+OPTIMIZERS = {"adam": ["--optimizer", "adam"], "sgd": ["--optimizer", "sgd", "--lr", "0.5", "--clip-grad", "0"]}
+
+
+@pytest.fixture(scope="module", params=sorted(OPTIMIZERS))
+def opt(request):
+    return OPTIMIZERS[request.param]
+
+
+@pytest.fixture(scope="module")
+def reference(opt):
+    return _reference(["--micro-batch-size", "8"] + opt)
+
+
+def _assert_losses(got, ref, what):
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=0,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def test_loss_falls_and_accumulation_parity(reference, opt):
+    assert reference[-1] < reference[0] - 0.05, f"loss should fall: {reference}"
+    accum = _reference(["--micro-batch-size", "1"] + opt)  # 8 microbatches of 1
+    _assert_losses(accum, reference, "micro 1 x 8 vs micro 8 x 1")
+
+
+def test_dp_and_tp_dp_parity(reference, opt):
+    cases = {
+        "dp2": ["--micro-batch-size", "2"],
+        "dp2-overlap-buckets": ["--micro-batch-size", "2", "--overlap-grad-reduce", "--ddp-bucket-size", "500"],
+        "tp2": ["--micro-batch-size", "4", "--tensor-model-parallel-size", "2"],
+        "tp2-sp-overlap": ["--micro-batch-size", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                           "--overlap-grad-reduce", "--ddp-bucket-size", "700"],
+    }
+    cases = {k: v + opt for k, v in cases.items()}
+    dp2 = {k: v for k, v in cases.items() if k.startswith("dp2")}
+    for name, losses in run_distributed(_worker, 2, dp2)[0].items():
+        _assert_losses(losses, reference, name)
+    tp_dp = {"tp2-dp2": cases["tp2"][:1] + ["2"] + cases["tp2"][2:],  # micro batch 2 instead of 4
+             "tp2-dp2-sp-overlap": ["--micro-batch-size", "2"] + cases["tp2-sp-overlap"][2:]}
+    for name, losses in run_distributed(_worker, 4, tp_dp)[0].items():
+        _assert_losses(losses, reference, name)
+
+
+def _norm_worker(rank, world, tp, ref_norm):
+    groups.initialize_model_parallel(ParallelDims(world_size=world, tp=tp))
+    cfg = gpt2(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=96, seq_length=16,
+               attention_dropout=0.0, hidden_dropout=0.0)
+    model = GPTModel(cfg, sequence_parallel=True)
+    model.init_parameters(5)
+    ddp = DistributedDataParallel(model, bucket_size=300)
+    g = torch.Generator().manual_seed(1)
+    ids, labels = torch.randint(0, 96, (4, 16), generator=g), torch.randint(0, 96, (4, 16), generator=g)
+    dp, dp_rank = groups.get_data_parallel_world_size(), groups.get_data_parallel_rank()
+    b = 4 // dp
+    ddp(ids[dp_rank * b:(dp_rank + 1) * b], labels=labels[dp_rank * b:(dp_rank + 1) * b]).mean().backward()
+    finalize_model_grads([ddp])
+    return global_norm(model.parameters())
+
+
+def test_global_grad_norm_matches_single_process():
+    ref = run_distributed(_norm_worker, 1, 1, None)[0]
+    for norm in run_distributed(_norm_worker, 4, 2, ref):  # TP 2 x DP 2, sequence parallel
+        assert norm == pytest.approx(ref, rel=1e-5)
