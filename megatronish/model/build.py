@@ -1,0 +1,52 @@
+"""This rank's model chunks: one :class:`GPTModel` per virtual pipeline stage.
+
+With ``p`` pipeline ranks and ``v`` virtual stages per rank the ``L`` layers form ``p*v`` stages of ``L/(p*v)``
+layers. Virtual stage ``c`` on pipeline rank ``r`` is global stage ``c*p + r`` and holds layers
+``c*L/v + r*L/(p*v)`` onward (Megatron's assignment, :meth:`ParallelDims.layer_range`), so a microbatch
+visits ranks ``0..p-1`` ``v`` times. The embedding lives on global stage 0 (rank 0, chunk 0); the final
+norm, output layer and loss on global stage ``p*v-1`` (rank ``p-1``, chunk ``v-1``). Parameters take
+global names, so ``init_parameters(seed)`` gives every chunk its piece of the one-process model.
+"""
+from __future__ import annotations
+
+from ..config import ModelConfig
+from ..parallel.dims import ConfigError, ParallelDims
+from .gpt import GPTModel
+
+__all__ = ["build_model_chunks", "check_layer_split"]
+
+
+def check_layer_split(num_layers: int, pp: int, vp: int = 1) -> None:
+    """Raise :class:`ConfigError` unless ``num_layers`` splits evenly into ``pp * vp`` stages."""
+    if num_layers % (pp * vp) == 0:
+        return
+    if vp > 1:
+        raise ConfigError(
+            f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp} x {vp} virtual "
+            f"stages per rank (set by --num-layers-per-virtual-pipeline-stage or "
+            f"--num-virtual-stages-per-pipeline-rank) = {pp * vp}; every virtual stage must hold the same number "
+            f"of layers: choose --num-layers a multiple of {pp * vp}, or change the pipeline size or the "
+            f"virtual-stage size")
+    raise ConfigError(
+        f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp}; every pipeline "
+        f"stage must hold the same number of layers: choose --num-layers a multiple of {pp} or another "
+        f"pipeline size")
+
+
+def build_model_chunks(config: ModelConfig, dims: ParallelDims, pp_rank: int, *, sequence_parallel: bool = False,
+                       device=None, **kw) -> list[GPTModel]:
+    """The ``dims.vp`` chunks of pipeline rank ``pp_rank`` (uninitialized: call ``init_parameters(seed)``).
+
+    Extra keywords (``label_smoothing``, ``params_dtype``) go to every :class:`GPTModel`.
+    """
+    check_layer_split(config.num_layers, dims.pp, dims.vp)
+    if not 0 <= pp_rank < dims.pp:
+        raise ValueError(f"pp_rank {pp_rank} out of range [0, {dims.pp})")
+    chunks = []
+    for c in range(dims.vp):
+        layers = dims.layer_range(config.num_layers, pp_rank, c)
+        chunks.append(GPTModel(config, sequence_parallel=sequence_parallel,
+                               pre_process=pp_rank == 0 and c == 0,
+                               post_process=pp_rank == dims.pp - 1 and c == dims.vp - 1,
+                               first_layer=layers.start, num_local_layers=len(layers), device=device, **kw))
+    return chunks
