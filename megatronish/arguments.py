@@ -16,6 +16,7 @@ from typing import Callable, TypeVar
 
 from .config import (DataConfig, LoggingConfig, ModelConfig, OptimizerConfig, RunConfig, TrainingConfig)
 from .parallel.dims import ConfigError, ParallelDims
+from .parallel.pipeline.schedules import check_interleaving
 
 __all__ = ["build_parser", "parse_args", "validate_args", "configs_from_args", "exit_on_config_error",
            "NOT_YET_SUPPORTED", "NotYet", "TOKENIZER_TYPES", "SUPPORTED_TOKENIZER_TYPES"]
@@ -58,11 +59,6 @@ NOT_YET_SUPPORTED: dict[str, NotYet] = {
     nt.flag.lstrip("-").replace("-", "_") if dest is None else dest: nt
     for dest, nt in [
         # parallelism
-        (None, NotYet("--pipeline-model-parallel-size", (1,), "pipeline parallelism", "use 1")),
-        (None, NotYet("--num-layers-per-virtual-pipeline-stage", (None,), "the interleaved pipeline schedule",
-                      _DROP)),
-        (None, NotYet("--num-virtual-stages-per-pipeline-rank", (None,), "the interleaved pipeline schedule",
-                      _DROP)),
         (None, NotYet("--context-parallel-size", (1,), "context parallelism", "use 1")),
         (None, NotYet("--expert-model-parallel-size", (1,), "expert parallelism (mixture of experts)", "use 1")),
         (None, NotYet("--use-distributed-optimizer", (False,), "the distributed optimizer", _DROP)),
@@ -270,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     flag(g, "--wandb-save-dir", default="")
     flag(g, "--timing-log-level", type=int, default=0, choices=[0, 1, 2])
     flag(g, "--metrics-file", default=None, help="JSON lines: one object per logged iteration and per evaluation")
+    flag(g, "--pipeline-timeline", default=None,
+         help="write a Chrome trace (Perfetto) of the last training iteration's pipeline events to this path")
     return p
 
 
@@ -371,6 +369,12 @@ def _check_batch(args, dims: ParallelDims | None, errors: list[str]) -> None:
     if mbs is not None and gbs is not None and dims is not None and gbs % (mbs * dims.dp):
         errors.append(f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x data-parallel "
                       f"size {dims.dp} = {mbs * dims.dp}")
+    elif mbs is not None and gbs is not None and dims is not None and dims.vp > 1:
+        try:
+            check_interleaving(dims.pp, dims.vp, gbs // (mbs * dims.dp), micro_batch_size=mbs,
+                               global_batch_size=gbs, data_parallel_size=dims.dp)
+        except ConfigError as e:
+            errors.append(str(e))
 
 
 def _check_schedule(args, errors: list[str]) -> None:
@@ -579,7 +583,8 @@ def configs_from_args(args: argparse.Namespace, world_size: int) -> RunConfig:
         log_interval=args.log_interval, log_throughput=args.log_throughput, log_params_norm=args.log_params_norm,
         tensorboard_dir=args.tensorboard_dir, wandb_project=args.wandb_project, wandb_entity=args.wandb_entity,
         wandb_exp_name=args.wandb_exp_name, wandb_save_dir=args.wandb_save_dir,
-        timing_log_level=args.timing_log_level, metrics_file=args.metrics_file)
+        timing_log_level=args.timing_log_level, metrics_file=args.metrics_file,
+        pipeline_timeline=args.pipeline_timeline)
 
     data = DataConfig(
         seq_length=args.seq_length, vocab_size=vocab_size, mock_data=args.mock_data,

@@ -168,6 +168,7 @@ class LoggingConfig:
     wandb_save_dir: str = ""
     timing_log_level: int = 0
     metrics_file: str | None = None
+    pipeline_timeline: str | None = None  # Chrome trace of the last training iteration's pipeline events
 
 
 @dataclass

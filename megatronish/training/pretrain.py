@@ -16,13 +16,14 @@ import torch
 import torch.distributed as dist
 
 from .. import device
-from ..model import GPTModel
+from ..model.build import build_model_chunks
 from ..optim.clip_grads import clip_grad_norm, global_norm
 from ..optim.lr_schedule import OptimizerParamScheduler, scheduler_steps_from_config
 from ..optim.optimizer import build_optimizer, use_main_grads
 from ..parallel import groups
 from ..parallel.ddp import DistributedDataParallel, finalize_model_grads
-from ..parallel.pipeline.schedules import forward_backward_no_pipelining
+from ..parallel.pipeline.schedules import get_forward_backward_func, pipeline_tensor_shape
+from ..parallel.pipeline.timeline import PipelineTimeline, gather_timeline, write_chrome_trace
 from ..parallel.random import set_random_seed
 from .flops import device_peak_tflops, num_floating_point_operations
 from .metrics import MetricsWriter, print_rank_last, train_log_line
@@ -55,13 +56,19 @@ def _is_logging_rank() -> bool:
             and groups.get_data_parallel_rank(with_context_parallel=True) == 0)
 
 
-def _dp_average(x: torch.Tensor) -> torch.Tensor:
-    group = groups.get_data_parallel_group(with_context_parallel=True)
-    if dist.get_world_size(group) > 1:
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        x /= dist.get_world_size(group)
-    return x
+def _reported_loss(stats: list[dict]) -> float:
+    """The iteration's loss: mean over microbatches on the last stage, averaged over DP, then sent to every
+    pipeline rank (so every rank can report it)."""
+    loss = torch.zeros((), dtype=torch.float32, device=device.current_device())
+    if groups.is_pipeline_last_stage():
+        loss = torch.stack([s["lm loss"].float() for s in stats]).mean()
+        group = groups.get_data_parallel_group(with_context_parallel=True)
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(loss, group=group)
+            loss /= dist.get_world_size(group)
+    if groups.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(loss, src=groups.get_group_ranks("pp")[-1], group=groups.get_pipeline_model_parallel_group())
+    return loss.item()
 
 
 def _microbatches(dataset, consumed: int, mbs: int, num_mb: int, dev):
@@ -101,19 +108,36 @@ def build_datasets(cfg):
     return build_file_datasets(cfg)
 
 
-def evaluate(model, dataset, cfg, state: TrainState, forward_step, dev) -> float:
-    """Mean validation loss over ``--eval-iters`` global batches (DP-averaged)."""
+def _data_iterators(dataset, consumed: int, cfg, num_chunks: int, dev):
+    """One iterator over this iteration's microbatches per model chunk (each chunk reads them in order)."""
     t = cfg.train
-    model.eval()
+    its = [_microbatches(dataset, consumed, t.micro_batch_size, cfg.num_microbatches, dev) for _ in range(num_chunks)]
+    return its[0] if num_chunks == 1 else its
+
+
+def evaluate(chunks, dataset, cfg, state: TrainState, forward_step, schedule, dev) -> float:
+    """Mean validation loss over ``--eval-iters`` global batches (DP-averaged); evaluations continue
+    through the validation set."""
+    t = cfg.train
+    for c in chunks:
+        c.eval()
     losses = []
     with torch.no_grad():
         for _ in range(t.eval_iters):
-            it = _microbatches(dataset, state.valid_consumed_samples, t.micro_batch_size, cfg.num_microbatches, dev)
+            it = _data_iterators(dataset, state.valid_consumed_samples, cfg, len(chunks), dev)
             state.valid_consumed_samples += t.global_batch_size
-            stats = forward_backward_no_pipelining(forward_step, it, model, cfg.num_microbatches, forward_only=True)
-            losses.append(torch.stack([s["lm loss"] for s in stats]).mean())
-    model.train()
-    return _dp_average(torch.stack(losses).mean()).item() if losses else float("nan")
+            stats = schedule(forward_step, it, chunks if len(chunks) > 1 else chunks[0], cfg.num_microbatches,
+                             forward_only=True, tensor_shape=_tensor_shape(cfg))
+            losses.append(_reported_loss(stats))
+    for c in chunks:
+        c.train()
+    return sum(losses) / len(losses) if losses else float("nan")
+
+
+def _tensor_shape(cfg):
+    m = cfg.model
+    return pipeline_tensor_shape(m.seq_length, cfg.train.micro_batch_size, m.hidden_size,
+                                 tp=cfg.parallel.tp, sequence_parallel=cfg.sequence_parallel)
 
 
 def pretrain(cfg) -> TrainState:
@@ -126,11 +150,19 @@ def pretrain(cfg) -> TrainState:
     set_random_seed(t.seed, pp_rank=groups.get_pipeline_model_parallel_rank(),
                     tp_rank=groups.get_tensor_model_parallel_rank())
 
-    model = GPTModel(cfg.model, sequence_parallel=cfg.sequence_parallel, device=dev)
-    model.init_parameters(t.seed)
-    ddp = DistributedDataParallel(model, overlap_grad_reduce=o.overlap_grad_reduce, bucket_size=o.ddp_bucket_size)
-    optimizer = build_optimizer(model.named_parameters(), o.optimizer, o.lr, o.weight_decay, o.adam_beta1,
+    models = build_model_chunks(cfg.model, cfg.parallel, groups.get_pipeline_model_parallel_rank(),
+                                sequence_parallel=cfg.sequence_parallel, device=dev)
+    for m in models:
+        m.init_parameters(t.seed)
+    chunks = [DistributedDataParallel(m, overlap_grad_reduce=o.overlap_grad_reduce, bucket_size=o.ddp_bucket_size)
+              for m in models]
+    params = [p for m in models for p in m.parameters()]
+    named = [(n, p) for m in models for n, p in m.named_parameters()]
+    optimizer = build_optimizer(named, o.optimizer, o.lr, o.weight_decay, o.adam_beta1,
                                 o.adam_beta2, o.adam_eps, o.sgd_momentum)
+    schedule = get_forward_backward_func(cfg.parallel.pp, cfg.parallel.vp)
+    model_arg = chunks if len(chunks) > 1 else chunks[0]
+    tensor_shape = _tensor_shape(cfg)
     scheduler = OptimizerParamScheduler(optimizer, **scheduler_steps_from_config(cfg))
     train_ds, valid_ds = build_datasets(cfg)
     forward_step = _forward_step(cfg.data.reset_position_ids)
@@ -149,12 +181,20 @@ def pretrain(cfg) -> TrainState:
     if t.skip_train:
         train_iters = 0
     while state.iteration < train_iters:
-        ddp.zero_grad_buffer()
-        it = _microbatches(train_ds, state.consumed_samples, t.micro_batch_size, cfg.num_microbatches, dev)
-        stats = forward_backward_no_pipelining(forward_step, it, ddp, cfg.num_microbatches)
-        finalize_model_grads([ddp])
-        grad_norm = clip_grad_norm(model.parameters(), o.clip_grad)
-        loss = _dp_average(torch.stack([s["lm loss"] for s in stats]).mean()).item()
+        for c in chunks:
+            c.zero_grad_buffer()
+        it = _data_iterators(train_ds, state.consumed_samples, cfg, len(chunks), dev)
+        timeline = PipelineTimeline() if lg.pipeline_timeline and state.iteration == train_iters - 1 else None
+        stats = schedule(forward_step, it, model_arg, cfg.num_microbatches, tensor_shape=tensor_shape,
+                         timeline=timeline)
+        if lg.pipeline_timeline and state.iteration == train_iters - 1:
+            events = gather_timeline(timeline)
+            if dist.get_rank() == 0:
+                write_chrome_trace(lg.pipeline_timeline, events,
+                                   metadata={"p": cfg.parallel.pp, "v": cfg.parallel.vp, "m": cfg.num_microbatches})
+        finalize_model_grads(chunks)
+        grad_norm = clip_grad_norm(params, o.clip_grad)
+        loss = _reported_loss(stats)
         if math.isfinite(grad_norm):
             use_main_grads(optimizer)
             optimizer.step()
@@ -174,7 +214,7 @@ def pretrain(cfg) -> TrainState:
             world = dist.get_world_size()
             tflops = flops_per_iter / elapsed / world / 1e12
             avg_loss = sum(window_losses) / len(window_losses)
-            params_norm = global_norm(model.parameters(), use_grad=False) if lg.log_params_norm else None
+            params_norm = global_norm(params, use_grad=False) if lg.log_params_norm else None
             lr = optimizer.param_groups[0]["lr"]
             record = {"iteration": state.iteration, "consumed_samples": state.consumed_samples, "lm_loss": avg_loss,
                       "lr": lr, "grad_norm": grad_norm, "loss_scale": 1.0, "elapsed_ms": elapsed * 1e3,
@@ -193,17 +233,17 @@ def pretrain(cfg) -> TrainState:
 
         if t.eval_interval and t.eval_iters and state.iteration % t.eval_interval == 0 \
                 and state.iteration < train_iters:
-            _run_eval(model, valid_ds, cfg, state, forward_step, dev, writer, logging_rank)
+            _run_eval(chunks, valid_ds, cfg, state, forward_step, schedule, dev, writer, logging_rank)
             window_start = time.perf_counter()
 
     if t.eval_iters:
-        _run_eval(model, valid_ds, cfg, state, forward_step, dev, writer, logging_rank)
+        _run_eval(chunks, valid_ds, cfg, state, forward_step, schedule, dev, writer, logging_rank)
     writer.close()
     return state
 
 
-def _run_eval(model, dataset, cfg, state, forward_step, dev, writer, logging_rank) -> None:
-    loss = evaluate(model, dataset, cfg, state, forward_step, dev)
+def _run_eval(chunks, dataset, cfg, state, forward_step, schedule, dev, writer, logging_rank) -> None:
+    loss = evaluate(chunks, dataset, cfg, state, forward_step, schedule, dev)
     ppl = math.exp(min(20.0, loss))
     state.valid_history.append((state.iteration, loss))
     writer.write({"split": "valid", "iteration": state.iteration, "lm_loss": loss, "ppl": ppl}, state.iteration)

@@ -105,3 +105,19 @@ def test_global_grad_norm_matches_single_process():
     ref = run_distributed(_norm_worker, 1, 1, None)[0]
     for norm in run_distributed(_norm_worker, 4, 2, ref):  # TP 2 x DP 2, sequence parallel
         assert norm == pytest.approx(ref, rel=1e-5)
+
+
+def test_pipeline_layouts_through_the_training_loop():
+    """pretrain() with PP (1F1B and interleaved) and TP x PP reproduces the single-process losses."""
+    deep = ["--num-layers", "4", "--optimizer", "sgd", "--lr", "0.5", "--clip-grad", "0"]
+    ref = _reference(["--micro-batch-size", "2"] + deep)
+    pp2 = {"pp2": ["--micro-batch-size", "2", "--pipeline-model-parallel-size", "2"] + deep,
+           "pp2-vp2": ["--micro-batch-size", "2", "--pipeline-model-parallel-size", "2",
+                       "--num-layers-per-virtual-pipeline-stage", "1"] + deep}
+    for name, losses in run_distributed(_worker, 2, pp2)[0].items():
+        _assert_losses(losses, ref, name)
+    tp_pp = {"tp2-pp2-sp": ["--micro-batch-size", "2", "--pipeline-model-parallel-size", "2",
+                            "--tensor-model-parallel-size", "2", "--sequence-parallel"] + deep}
+    results = run_distributed(_worker, 4, tp_pp)
+    for rank_result in results:  # every rank reports the loss, first stage included
+        _assert_losses(rank_result["tp2-pp2-sp"], ref, "tp2-pp2-sp")

@@ -52,3 +52,23 @@ def test_bad_flag_is_one_line_before_process_groups():
     err = proc.stderr.strip().splitlines()
     assert len(err) == 1 and "--global-batch-size" in err[0], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_torchrun_interleaved_pipeline_with_timeline(tmp_path):
+    """PP 2 x DP 2 with the interleaved schedule, end to end; the timeline trace draws as a PNG."""
+    metrics, trace, png = tmp_path / "m.jsonl", tmp_path / "trace.json", tmp_path / "trace.png"
+    flags = FLAGS[:-3] + ["--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                          "--num-layers-per-virtual-pipeline-stage", "1", "--train-iters", "10", "--eval-interval", "5",
+                          "--metrics-file", str(metrics), "--pipeline-timeline", str(trace)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           os.path.join(ROOT, "pretrain_gpt.py"), *flags]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    train = [json.loads(line) for line in metrics.read_text().splitlines() if "split" not in line]
+    assert [r["iteration"] for r in train] == [5, 10] and train[-1]["lm_loss"] < train[0]["lm_loss"]
+    events = json.loads(trace.read_text())
+    assert {e["pid"] for e in events["traceEvents"] if e.get("ph") == "X"} == {0, 1, 2, 3}
+    plot = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plot_timeline.py"), str(trace), "-o", str(png)],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert plot.returncode == 0, plot.stderr
+    assert png.stat().st_size > 1000 and "bubble" in plot.stdout

@@ -225,9 +225,6 @@ def test_run_config_fields():
 # ------------------------------------------------------------------ not-yet-supported flags
 NOT_YET = [
     (["--reset-attention-mask"], "--reset-attention-mask"),
-    (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2"),
-    (["--num-layers-per-virtual-pipeline-stage", "1"], "--num-layers-per-virtual-pipeline-stage 1"),
-    (["--num-virtual-stages-per-pipeline-rank", "2"], "--num-virtual-stages-per-pipeline-rank 2"),
     (["--context-parallel-size", "2"], "--context-parallel-size 2"),
     (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2"),
     (["--use-distributed-optimizer"], "--use-distributed-optimizer"),
@@ -268,9 +265,9 @@ def test_not_yet_table_covers_every_listed_flag():
         "--apply-layernorm-1p", "--use-flash-attn", "--decoupled-lr"}
 
 
-def test_pipeline_message_text():
-    assert ("--pipeline-model-parallel-size 2: pipeline parallelism is not available yet in this version; use 1"
-            in errors_of(["--pipeline-model-parallel-size", "2"]))
+def test_not_yet_message_text():
+    assert ("--context-parallel-size 2: context parallelism is not available yet in this version; use 1"
+            in errors_of(["--context-parallel-size", "2"]))
 
 
 # ------------------------------------------------------------------ validation rules (one per rule)
@@ -292,6 +289,10 @@ RULES = [
     ("layers per virtual stage", ["--pipeline-model-parallel-size", "2",
                                   "--num-layers-per-virtual-pipeline-stage", "3"], 2, BASE,
      ["--num-layers-per-virtual-pipeline-stage 3"]),
+    ("interleaving needs microbatches divisible by PP", ["--num-layers", "8", "--pipeline-model-parallel-size", "4",
+                                                         "--num-layers-per-virtual-pipeline-stage", "1",
+                                                         "--global-batch-size", "6"], 4, BASE,
+     ["--global-batch-size 6", "--micro-batch-size 2"]),
     ("both virtual-stage flags", ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
                                   "1", "--num-virtual-stages-per-pipeline-rank", "2"], 2, BASE,
      ["--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank"]),
