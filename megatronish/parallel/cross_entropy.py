@@ -39,11 +39,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         outside = (target < start) | (target >= start + part)
         local_target = (target - start).masked_fill(outside, 0)
         predicted = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        exp = shifted.exp()  # padded entries: exp(-inf) = 0
-        stats = [predicted, exp.sum(dim=-1)]
+        sum_logits = None
         if label_smoothing > 0:
             finite = shifted if valid is None else shifted.masked_fill(~valid, 0.0)
-            stats.append(finite.sum(dim=-1))
+            sum_logits = finite.sum(dim=-1)
+        exp = shifted.exp_()  # in place: `shifted` is not needed any more; padded entries: exp(-inf) = 0
+        stats = [predicted, exp.sum(dim=-1)] + ([sum_logits] if sum_logits is not None else [])
         stats = torch.stack(stats)
         if world > 1:
             dist.all_reduce(stats, group=group)
@@ -65,7 +66,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         softmax, local_target, outside, valid = ctx.saved_tensors
-        grad = softmax.clone()
+        grad = softmax  # consumed in place (as Megatron does): this backward runs once, no retain_graph
         hit = (~outside).to(grad.dtype) * (1.0 - ctx.smoothing)
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -hit.unsqueeze(-1))
         if ctx.smoothing > 0:

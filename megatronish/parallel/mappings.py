@@ -27,9 +27,10 @@ def _rank(group) -> int:
 
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum over the group into a fresh tensor (the input, autograd's, is left alone); identity for one rank."""
     if _world(group) == 1:
         return x
-    x = x.contiguous()
+    x = x.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(x, group=group)
     return x
 
@@ -74,7 +75,7 @@ class _CopyToTensorParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad.clone(), ctx.group), None
+        return _all_reduce(grad, ctx.group), None
 
 
 class _ReduceFromTensorParallelRegion(torch.autograd.Function):
@@ -82,7 +83,7 @@ class _ReduceFromTensorParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x.clone(), group)
+        return _all_reduce(x, group)
 
     @staticmethod
     def backward(ctx, grad):
