@@ -30,8 +30,9 @@ def global_norm(params, use_grad: bool = True) -> float:
     tensors = [t for t in tensors if t is not None]
     device = tensors[0].device if tensors else torch.device("cpu")
     sq = torch.zeros((), dtype=torch.float32, device=device)
-    for t in tensors:
-        sq += t.detach().float().pow(2).sum()
+    if tensors:  # one fused pass per dtype group, no temporaries of the tensors' size
+        norms = torch._foreach_norm([t.detach() for t in tensors])
+        sq += torch.stack([n.float() for n in norms]).pow(2).sum()
     if groups.is_initialized():
         dist.all_reduce(sq, group=groups.get_model_parallel_group())
     return math.sqrt(sq.item())
@@ -45,8 +46,7 @@ def clip_grad_norm(params, max_norm: float) -> float:
     if max_norm > 0 and math.isfinite(norm):
         coeff = max_norm / (norm + 1e-6)
         if coeff < 1.0:
-            for p in params:
-                g = _grad(p)
-                if g is not None:
-                    g.mul_(coeff)
+            grads = [g for g in map(_grad, params) if g is not None]
+            if grads:
+                torch._foreach_mul_(grads, coeff)
     return norm
