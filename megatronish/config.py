@@ -41,9 +41,16 @@ class ModelConfig:
     init_method_std: float = 0.02
     make_vocab_size_divisible_by: int = 128
     # activation recompute (Megatron's flags)
-    recompute_granularity: str | None = None  # "full" (selective comes later)
+    recompute_granularity: str | None = None  # "full" | "selective" (core attention)
     recompute_method: str | None = None  # "uniform" | "block"
     recompute_num_layers: int | None = None
+    # FP8 (Megatron's flags; megatronish.precision.fp8.Fp8Recipe.from_config reads them)
+    fp8: str | None = None  # --fp8-format: None (off) | "e4m3" | "hybrid"
+    fp8_recipe: str = "delayed"  # "delayed" | "tensorwise"
+    fp8_margin: int = 0
+    fp8_amax_history_len: int = 1
+    fp8_amax_compute_algo: str = "most_recent"  # "most_recent" | "max"
+    transformer_impl: str = "local"  # "local" | "transformer_engine"
 
     def __post_init__(self):
         h = self.hidden_size
@@ -66,9 +73,11 @@ class ModelConfig:
                               "learned_absolute, rope or none")
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise ConfigError(f"--normalization {self.normalization!r}: choose LayerNorm or RMSNorm")
-        if self.recompute_granularity not in (None, "full"):
-            raise ConfigError(f"--recompute-granularity {self.recompute_granularity!r} is not supported yet; "
-                              "use full")
+        if self.recompute_granularity not in (None, "full", "selective"):
+            raise ConfigError(f"--recompute-granularity {self.recompute_granularity!r}: choose full or selective")
+        if self.recompute_granularity == "selective" and self.recompute_method is not None:
+            raise ConfigError("--recompute-method is not supported with --recompute-granularity selective "
+                              "(it recomputes core attention in every layer); drop --recompute-method")
         if self.recompute_granularity == "full":
             if self.recompute_method not in ("uniform", "block"):
                 raise ConfigError("--recompute-granularity full needs --recompute-method uniform or block")

@@ -16,7 +16,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..parallel import groups
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
-from ..parallel.random import get_rng_tracker
+from ..parallel.random import checkpoint, get_rng_tracker
 from .rope import apply_rotary
 
 
@@ -30,6 +30,9 @@ class SelfAttention(nn.Module):
         self.local_groups = c.num_query_groups // tp
         self.kv_channels = c.kv_channels
         self.dropout = c.attention_dropout
+        # --recompute-granularity selective: keep no activations of the core attention (scores, softmax,
+        # dropout mask); recompute it in backward with the RNG replayed.
+        self.recompute_core_attention = c.recompute_granularity == "selective"
         qkv_out = (c.num_attention_heads + 2 * c.num_query_groups) * c.kv_channels
         self.linear_qkv = ColumnParallelLinear(c.hidden_size, qkv_out, bias=c.qkv_bias, gather_output=False,
                                                sequence_parallel=sequence_parallel, init_std=c.init_method_std,
@@ -49,12 +52,19 @@ class SelfAttention(nn.Module):
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+        if self.recompute_core_attention and self.training:
+            ctx = checkpoint(self._core_attention, q, k, v)
+        else:
+            ctx = self._core_attention(q, k, v)
+        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, heads/t * d]
+        return self.linear_proj(ctx)  # (out, bias)
+
+    def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``softmax(q k^T / sqrt(d) + causal) -> dropout -> @ v``: [b, heads, s, d] -> [b, heads, s, d]."""
         dropout = self.dropout if self.training else 0.0
         # Dropout of the local heads' probabilities is inside the TP region: model-parallel RNG stream.
         rng = get_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext()
         with rng:
-            ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
-                                                 scale=1.0 / math.sqrt(self.kv_channels),
-                                                 enable_gqa=self.heads_per_group > 1)
-        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, heads/t * d]
-        return self.linear_proj(ctx)  # (out, bias)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
+                                                  scale=1.0 / math.sqrt(self.kv_channels),
+                                                  enable_gqa=self.heads_per_group > 1)

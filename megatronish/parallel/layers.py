@@ -51,6 +51,7 @@ class ColumnParallelLinear(nn.Module):
             TensorDesc((output_size, input_size), 0, stride, "normal", init_std), tp, params_dtype, device)
         self.bias = _new_param(TensorDesc((output_size,), 0, stride, "zeros"), tp, params_dtype, device) \
             if bias else None
+        self.fp8 = None  # set by megatronish.precision.fp8.enable_fp8: callable (x, weight, bias) -> x W^T + b
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None):
         """``weight`` overrides the layer's own (a tied output layer passes the embedding's)."""
@@ -60,7 +61,7 @@ class ColumnParallelLinear(nn.Module):
         else:
             x = copy_to_tensor_model_parallel_region(x)
         bias = None if self.skip_bias_add else self.bias
-        out = F.linear(x, weight, bias)  # [s, b, out/t]
+        out = F.linear(x, weight, bias) if self.fp8 is None else self.fp8(x, weight, bias)  # [s, b, out/t]
         if self.gather_output:
             out = gather_from_tensor_model_parallel_region(out)  # [s, b, out]
         return out, (self.bias if self.skip_bias_add else None)
@@ -90,11 +91,12 @@ class RowParallelLinear(nn.Module):
         self.bias = _new_param(TensorDesc((output_size,), None, 1, "zeros",
                                           sequence_parallel=self.sequence_parallel), tp, params_dtype, device) \
             if bias else None
+        self.fp8 = None  # set by megatronish.precision.fp8.enable_fp8: callable (x, weight, bias) -> x W^T + b
 
     def forward(self, x: torch.Tensor):
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x)
-        out = F.linear(x, self.weight)  # partial sums [s, b, out]
+        out = F.linear(x, self.weight) if self.fp8 is None else self.fp8(x, self.weight, None)  # partial [s,b,out]
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(out)  # [s/t, b, out]
         else:
