@@ -10,7 +10,8 @@ def main(argv=None):
     cfg = exit_on_config_error(lambda: configs_from_args(parse_args(argv), world_size))
     from megatronish.training.pretrain import pretrain
 
-    pretrain(cfg)
+    # A bad checkpoint (missing shard, other model shape, ...) is a ConfigError too: one line, exit 2.
+    exit_on_config_error(lambda: pretrain(cfg))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
-from .config import (DataConfig, LoggingConfig, ModelConfig, OptimizerConfig, RunConfig, TrainingConfig)
+from .config import (CheckpointConfig, DataConfig, LoggingConfig, ModelConfig, OptimizerConfig, RunConfig,
+                     TrainingConfig)
 from .parallel.dims import ConfigError, ParallelDims
 from .parallel.pipeline.schedules import check_interleaving
 
@@ -61,9 +62,6 @@ NOT_YET_SUPPORTED: dict[str, NotYet] = {
         # parallelism
         (None, NotYet("--context-parallel-size", (1,), "context parallelism", "use 1")),
         (None, NotYet("--expert-model-parallel-size", (1,), "expert parallelism (mixture of experts)", "use 1")),
-        (None, NotYet("--use-distributed-optimizer", (False,), "the distributed optimizer", _DROP)),
-        (None, NotYet("--overlap-param-gather", (False,), "parameter all-gather overlap (it needs the distributed "
-                      "optimizer)", _DROP)),
         (None, NotYet("--tp-comm-overlap", (False,), "tensor-parallel communication overlap", _DROP)),
         (None, NotYet("--use-torch-fsdp2", (False,), "FSDP2", _DROP)),
         (None, NotYet("--use-megatron-fsdp", (False,), "Megatron FSDP", _DROP)),
@@ -71,28 +69,17 @@ NOT_YET_SUPPORTED: dict[str, NotYet] = {
         (None, NotYet("--rampup-batch-size", (None,), "batch-size ramp-up", "drop the flag (constant "
                       "--global-batch-size)")),
         # precision
-        (None, NotYet("--fp16", (False,), "fp16 mixed precision", "drop the flag to train in fp32")),
-        (None, NotYet("--bf16", (False,), "bf16 mixed precision", "drop the flag to train in fp32")),
-        ("fp8", NotYet("--fp8-format", (None,), "FP8 training", _DROP)),
-        (None, NotYet("--fp8-recipe", ("delayed",), "FP8 training", _DROP)),
-        (None, NotYet("--fp8-margin", (0,), "FP8 training", _DROP)),
-        (None, NotYet("--fp8-interval", (1,), "FP8 training", _DROP)),
-        (None, NotYet("--fp8-amax-history-len", (1,), "FP8 training", _DROP)),
-        (None, NotYet("--fp8-amax-compute-algo", ("most_recent",), "FP8 training", _DROP)),
-        (None, NotYet("--fp8-param-gather", (False,), "FP8 training", _DROP)),
-        (None, NotYet("--transformer-impl", (None, "local"), "the Transformer Engine layer implementation",
-                      "use --transformer-impl local (or drop the flag)")),
+        (None, NotYet("--fp8-recipe", ("delayed", "tensorwise"), "this FP8 recipe",
+                      "use --fp8-recipe delayed or tensorwise")),
+        (None, NotYet("--fp8-interval", (1,), "an FP8 amax update interval other than every step", _DROP)),
+        (None, NotYet("--fp8-param-gather", (False,), "FP8 parameter all-gather", _DROP)),
         # checkpoints
-        (None, NotYet("--save", (None,), "checkpoint saving", _DROP)),
-        (None, NotYet("--load", (None,), "checkpoint loading", _DROP)),
-        (None, NotYet("--save-interval", (None,), "checkpoint saving", _DROP)),
+        (None, NotYet("--ckpt-format", ("torch_dist",), "this checkpoint format",
+                      "use --ckpt-format torch_dist (the default: torch.distributed.checkpoint, loads into any "
+                      "parallel layout)")),
         # model features
         (None, NotYet("--position-embedding-type", ("learned_absolute", "rope", "none"),
                       "this position embedding type", "use learned_absolute, rope or none")),
-        (None, NotYet("--recompute-granularity", (None, "full"), "selective activation recompute",
-                      "use --recompute-granularity full")),
-        (None, NotYet("--recompute-activations", (False,), "selective activation recompute",
-                      "use --recompute-granularity full --recompute-method uniform --recompute-num-layers 1")),
         (None, NotYet("--qk-layernorm", (False,), "query/key layer norm", _DROP)),
         (None, NotYet("--squared-relu", (False,), "squared ReLU", _DROP)),
         (None, NotYet("--apply-layernorm-1p", (False,), "zero-centered (1p) layer norm", _DROP)),
@@ -221,8 +208,17 @@ def build_parser() -> argparse.ArgumentParser:
     flag(g, "--use-checkpoint-opt_param-scheduler", **on)
 
     g = p.add_argument_group("mixed precision")
-    flag(g, "--fp16", **on)
-    flag(g, "--bf16", **on)
+    flag(g, "--fp16", **on, help="fp16 parameters with fp32 master weights and a loss scaler")
+    flag(g, "--bf16", **on, help="bf16 parameters with fp32 master weights and fp32 gradient accumulation")
+    flag(g, "--loss-scale", type=float, default=None, help="constant fp16 loss scale (default: dynamic)")
+    flag(g, "--initial-loss-scale", type=float, default=2 ** 32, help="dynamic loss scale's start value")
+    flag(g, "--min-loss-scale", type=float, default=1.0, help="dynamic loss scale's floor")
+    flag(g, "--loss-scale-window", type=float, default=1000,
+         help="clean steps before the dynamic loss scale doubles")
+    flag(g, "--hysteresis", type=int, default=2, help="overflows tolerated before the loss scale halves")
+    flag(g, "--accumulate-allreduce-grads-in-fp32", **on,
+         help="fp32 gradient buffers (accumulation and reduction); implied by --bf16")
+    flag(g, "--grad-reduce-in-bf16", **on, help="with --bf16: accumulate and reduce gradients in bf16")
     flag(g, "--fp8-format", dest="fp8", default=None, choices=["e4m3", "hybrid"])
     flag(g, "--fp8-recipe", default="delayed", choices=["tensorwise", "delayed", "mxfp8", "blockwise"])
     flag(g, "--fp8-margin", type=int, default=0)
@@ -231,10 +227,26 @@ def build_parser() -> argparse.ArgumentParser:
     flag(g, "--fp8-amax-compute-algo", default="most_recent", choices=["most_recent", "max"])
     flag(g, "--fp8-param-gather", **on)
 
-    g = p.add_argument_group("checkpointing")
-    flag(g, "--save", default=None)
-    flag(g, "--load", default=None)
-    g.add_argument("--save-interval", "--persistent-save-interval", type=int, default=None)
+    g = p.add_argument_group("checkpointing and exit")
+    flag(g, "--save", default=None, help="directory to save checkpoints to")
+    flag(g, "--load", default=None, help="directory to resume from (its latest complete checkpoint)")
+    g.add_argument("--save-interval", "--persistent-save-interval", type=int, default=None,
+                   help="save every N iterations")
+    flag(g, "--async-save", **on, help="write checkpoints in the background while training continues")
+    flag(g, "--no-save-optim", **on, help="leave the optimizer state out of saved checkpoints")
+    flag(g, "--no-save-rng", **on, help="leave the RNG states out of saved checkpoints")
+    flag(g, "--no-load-optim", **on, help="do not load the optimizer state (nor the LR/WD schedule position)")
+    flag(g, "--no-load-rng", **on, help="do not load the RNG states")
+    flag(g, "--finetune", **on, help="load the model only: iteration 0, fresh optimizer, schedule and RNG")
+    flag(g, "--exit-on-missing-checkpoint", **on, help="with --load: a missing checkpoint is an error")
+    flag(g, "--use-checkpoint-args", **on, help="take the model-shape flags from the --load checkpoint")
+    flag(g, "--ckpt-format", default="torch_dist",
+         choices=["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"],
+         help="checkpoint format (only torch_dist is available)")
+    flag(g, "--exit-signal-handler", **on, help="on --exit-signal: finish the iteration, save, exit 0")
+    flag(g, "--exit-signal", default="SIGTERM", choices=["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"])
+    flag(g, "--exit-duration-in-mins", type=int, default=None, help="save and exit after this many minutes")
+    flag(g, "--exit-interval", type=int, default=None, help="save and exit after an iteration divisible by this")
 
     g = p.add_argument_group("data and tokenizer")
     flag(g, "--mock-data", **on, help="synthetic, learnable data (no files)")
@@ -322,8 +334,11 @@ def _model_kwargs(args, vocab_size: int) -> dict:
         add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
         attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
         init_method_std=args.init_method_std, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers)
+        recompute_granularity="selective" if args.recompute_activations else args.recompute_granularity,
+        recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
+        fp8=args.fp8, fp8_recipe=args.fp8_recipe, fp8_margin=args.fp8_margin,
+        fp8_amax_history_len=args.fp8_amax_history_len, fp8_amax_compute_algo=args.fp8_amax_compute_algo,
+        transformer_impl=args.transformer_impl or "local")
 
 
 def _check_required(args, errors: list[str]) -> bool:
@@ -481,15 +496,58 @@ def _check_data(args, errors: list[str]) -> None:
         errors.append(f"--vocab-size must be >= 1, got {args.vocab_size}")
 
 
-def _check_model(args, errors: list[str]) -> None:
+def _check_precision(args, errors: list[str]) -> None:
     if args.fp16 and args.bf16:
         errors.append("--fp16 and --bf16 are mutually exclusive; pass at most one")
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        errors.append("--overlap-param-gather needs --use-distributed-optimizer (it overlaps that optimizer's "
+                      "parameter all-gather)")
+    elif args.overlap_param_gather and not args.overlap_grad_reduce:
+        errors.append("--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM); add it")
+    if args.loss_scale is not None and args.loss_scale <= 0:
+        errors.append(f"--loss-scale must be > 0, got {args.loss_scale}")
+    if not 0 < args.min_loss_scale <= args.initial_loss_scale:
+        errors.append(f"--min-loss-scale {args.min_loss_scale} must be > 0 and <= --initial-loss-scale "
+                      f"{args.initial_loss_scale}")
+    if args.loss_scale_window < 1 or args.loss_scale_window != int(args.loss_scale_window):
+        errors.append(f"--loss-scale-window must be a whole number >= 1, got {args.loss_scale_window}")
+    if args.hysteresis < 1:
+        errors.append(f"--hysteresis must be >= 1, got {args.hysteresis}")
+    if args.fp8 is not None:
+        from .precision.fp8 import Fp8Recipe  # noqa: PLC0415 - only with --fp8-format
+
+        try:
+            Fp8Recipe(fp8_format=args.fp8, fp8_recipe=args.fp8_recipe if args.fp8_recipe in ("delayed", "tensorwise")
+                      else "delayed", fp8_margin=args.fp8_margin, fp8_amax_history_len=args.fp8_amax_history_len,
+                      fp8_amax_compute_algo=args.fp8_amax_compute_algo)
+        except ConfigError as e:
+            errors.append(str(e))
+    if (args.transformer_impl or "local") != "local":
+        from .precision.fp8 import check_transformer_impl  # noqa: PLC0415 - imports TE lazily
+
+        try:
+            check_transformer_impl(args.transformer_impl)
+        except ConfigError as e:
+            errors.append(str(e))
+
+
+def _check_model(args, errors: list[str]) -> None:
+    _check_precision(args, errors)
     mpe, s = args.max_position_embeddings, args.seq_length
     if mpe is not None and s is not None and args.position_embedding_type == "learned_absolute" and mpe < s:
         errors.append(f"--max-position-embeddings {mpe} is smaller than --seq-length {s} with learned absolute "
                       "positions; raise --max-position-embeddings")
     if args.swiglu and args.openai_gelu:
         errors.append("--swiglu and --openai-gelu are mutually exclusive; pass one")
+
+
+def _check_checkpoint(args, errors: list[str]) -> None:
+    for name in ("save_interval", "exit_interval", "exit_duration_in_mins"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            errors.append(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.use_checkpoint_args and not args.load:
+        errors.append("--use-checkpoint-args needs --load (the checkpoint to take the model flags from)")
 
 
 def validate_args(args: argparse.Namespace, world_size: int) -> None:
@@ -511,6 +569,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         _check_warmup_vs_decay(args, errors, gbs)
     _check_data(args, errors)
     _check_model(args, errors)
+    _check_checkpoint(args, errors)
     if shapes_ok and dims is not None and not errors:
         try:  # the model's own checks (recompute flags, names), with a placeholder vocabulary
             ModelConfig(**_model_kwargs(args, vocab_size=1))
@@ -543,6 +602,10 @@ def _tokenizer_vocab_size(args) -> int:
 
 def configs_from_args(args: argparse.Namespace, world_size: int) -> RunConfig:
     """Validate ``args`` and build the :class:`RunConfig` (derived values filled as Megatron-LM does)."""
+    if getattr(args, "use_checkpoint_args", False):
+        from .checkpoint.args import apply_checkpoint_args  # reads the --load checkpoint's config
+
+        apply_checkpoint_args(args)
     validate_args(args, world_size)
     vp = _virtual_stages(args, [])
     parallel = ParallelDims(world_size=world_size, tp=args.tensor_model_parallel_size,
@@ -577,7 +640,14 @@ def configs_from_args(args: argparse.Namespace, world_size: int) -> RunConfig:
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         sgd_momentum=args.sgd_momentum, override_opt_param_scheduler=args.override_opt_param_scheduler,
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-        overlap_grad_reduce=args.overlap_grad_reduce, ddp_bucket_size=args.ddp_bucket_size)
+        overlap_grad_reduce=args.overlap_grad_reduce, ddp_bucket_size=args.ddp_bucket_size,
+        fp16=args.fp16, bf16=args.bf16, loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale, loss_scale_window=int(args.loss_scale_window),
+        hysteresis=args.hysteresis, grad_reduce_in_bf16=args.grad_reduce_in_bf16,
+        # Megatron: bf16 accumulates and reduces gradients in fp32 unless --grad-reduce-in-bf16
+        accumulate_allreduce_grads_in_fp32=(not args.grad_reduce_in_bf16) if args.bf16
+        else args.accumulate_allreduce_grads_in_fp32,
+        use_distributed_optimizer=args.use_distributed_optimizer, overlap_param_gather=args.overlap_param_gather)
 
     logging = LoggingConfig(
         log_interval=args.log_interval, log_throughput=args.log_throughput, log_params_norm=args.log_params_norm,
@@ -598,10 +668,19 @@ def configs_from_args(args: argparse.Namespace, world_size: int) -> RunConfig:
         vocab_size_flag=args.vocab_size, vocab_extra_ids=args.vocab_extra_ids, eod_mask_loss=args.eod_mask_loss,
         reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask)
 
+    checkpoint = CheckpointConfig(
+        save=args.save, load=args.load, save_interval=args.save_interval, async_save=args.async_save,
+        no_save_optim=args.no_save_optim, no_save_rng=args.no_save_rng, no_load_optim=args.no_load_optim,
+        no_load_rng=args.no_load_rng, finetune=args.finetune,
+        exit_on_missing_checkpoint=args.exit_on_missing_checkpoint,
+        use_checkpoint_args=args.use_checkpoint_args, ckpt_format=args.ckpt_format,
+        exit_signal_handler=args.exit_signal_handler, exit_signal=args.exit_signal,
+        exit_duration_in_mins=args.exit_duration_in_mins, exit_interval=args.exit_interval)
+
     return RunConfig(model=model, parallel=parallel,
                      sequence_parallel=args.sequence_parallel and parallel.tp > 1,
                      train=train, optim=optim, logging=logging, data=data,
-                     num_microbatches=gbs // (args.micro_batch_size * parallel.dp))
+                     num_microbatches=gbs // (args.micro_batch_size * parallel.dp), checkpoint=checkpoint)
 
 
 # ---------------------------------------------------------------------------------------------------------------

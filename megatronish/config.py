@@ -161,6 +161,32 @@ class OptimizerConfig:
     use_checkpoint_opt_param_scheduler: bool = False
     overlap_grad_reduce: bool = False
     ddp_bucket_size: int | None = None  # None: DDP's default (Megatron's rule)
+    # mixed precision (docs/precision.md)
+    fp16: bool = False
+    bf16: bool = False
+    loss_scale: float | None = None  # --loss-scale: constant scale; None: dynamic (fp16 only)
+    initial_loss_scale: float = 2.0 ** 32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    accumulate_allreduce_grads_in_fp32: bool = False  # forced on under --bf16 unless --grad-reduce-in-bf16
+    grad_reduce_in_bf16: bool = False
+    # distributed optimizer (ZeRO-1 over DP)
+    use_distributed_optimizer: bool = False
+    overlap_param_gather: bool = False
+
+    @property
+    def params_dtype(self):
+        import torch
+        return torch.float16 if self.fp16 else torch.bfloat16 if self.bf16 else torch.float32
+
+    @property
+    def grad_dtype(self):
+        """The DDP gradient buffer's dtype: fp32 for fp32 models and with fp32 accumulation, else the params'."""
+        import torch
+        if self.params_dtype == torch.float32 or self.accumulate_allreduce_grads_in_fp32:
+            return torch.float32
+        return self.params_dtype
 
 
 @dataclass
@@ -206,6 +232,28 @@ class DataConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Checkpoint saving/loading and the exit conditions that save (Megatron flag names; docs/checkpoint.md)."""
+
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None
+    async_save: bool = False
+    no_save_optim: bool = False
+    no_save_rng: bool = False
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False
+    exit_on_missing_checkpoint: bool = False
+    use_checkpoint_args: bool = False
+    ckpt_format: str = "torch_dist"
+    exit_signal_handler: bool = False
+    exit_signal: str = "SIGTERM"  # SIGTERM | SIGINT | SIGUSR1 | SIGUSR2
+    exit_duration_in_mins: float | None = None
+    exit_interval: int | None = None
+
+
+@dataclass
 class RunConfig:
     """Everything ``pretrain()`` needs, validated before any process group starts."""
 
@@ -217,6 +265,7 @@ class RunConfig:
     logging: LoggingConfig
     data: DataConfig
     num_microbatches: int  # global_batch_size // (micro_batch_size * dp)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     @property
     def parallel_backend(self) -> str | None:

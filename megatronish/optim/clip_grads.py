@@ -22,20 +22,36 @@ def counts_once(p, tp_rank: int) -> bool:
     return bool(getattr(p, "tensor_model_parallel", False)) or tp_rank == 0
 
 
+def sum_of_squares(tensors, group=None) -> torch.Tensor:
+    """``sum(t**2)`` over ``tensors`` (one fused pass, no temporaries of the tensors' size), summed over
+    ``group``; an fp32 scalar."""
+    tensors = [t for t in tensors if t is not None]
+    device = tensors[0].device if tensors else torch.device("cpu")
+    sq = torch.zeros((), dtype=torch.float32, device=device)
+    if tensors:
+        norms = torch._foreach_norm([t.detach() for t in tensors])
+        sq += torch.stack([n.float() for n in norms]).pow(2).sum()
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(sq, group=group)
+    return sq
+
+
 def global_norm(params, use_grad: bool = True) -> float:
     """L2 norm over the whole model of the grads (or the values) of ``params`` (this rank's share).
     Grads are DP-identical after the reduction, so the sum runs over the model-parallel group only."""
     tp_rank = groups.get_tensor_model_parallel_rank() if groups.is_initialized() else 0
     tensors = [(_grad(p) if use_grad else p) for p in params if counts_once(p, tp_rank)]
-    tensors = [t for t in tensors if t is not None]
-    device = tensors[0].device if tensors else torch.device("cpu")
-    sq = torch.zeros((), dtype=torch.float32, device=device)
-    if tensors:  # one fused pass per dtype group, no temporaries of the tensors' size
-        norms = torch._foreach_norm([t.detach() for t in tensors])
-        sq += torch.stack([n.float() for n in norms]).pow(2).sum()
-    if groups.is_initialized():
-        dist.all_reduce(sq, group=groups.get_model_parallel_group())
-    return math.sqrt(sq.item())
+    group = groups.get_model_parallel_group() if groups.is_initialized() else None
+    return math.sqrt(sum_of_squares(tensors, group).item())
+
+
+def clip_coefficient(norm: float, max_norm: float) -> float | None:
+    """Megatron's ``max_norm / (norm + 1e-6)`` when it is < 1 (else None: no clipping)."""
+    if max_norm > 0 and math.isfinite(norm):
+        coeff = max_norm / (norm + 1e-6)
+        if coeff < 1.0:
+            return coeff
+    return None
 
 
 def clip_grad_norm(params, max_norm: float) -> float:
@@ -43,10 +59,9 @@ def clip_grad_norm(params, max_norm: float) -> float:
     the norm before clipping."""
     params = list(params)
     norm = global_norm(params)
-    if max_norm > 0 and math.isfinite(norm):
-        coeff = max_norm / (norm + 1e-6)
-        if coeff < 1.0:
-            grads = [g for g in map(_grad, params) if g is not None]
-            if grads:
-                torch._foreach_mul_(grads, coeff)
+    coeff = clip_coefficient(norm, max_norm)
+    if coeff is not None:
+        grads = [g for g in map(_grad, params) if g is not None]
+        if grads:
+            torch._foreach_mul_(grads, coeff)
     return norm

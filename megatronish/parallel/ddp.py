@@ -1,11 +1,25 @@
 """Data parallelism: contiguous gradient buffers cut into buckets, each reduced over the DP group.
 
 Layout follows Megatron's DDP: parameters are laid out in reverse order (roughly the order backward produces
-their gradients) in one fp32 buffer; ``param.main_grad`` is that parameter's view. A hook after gradient
+their gradients) in one gradient buffer; ``param.main_grad`` is that parameter's view. A hook after gradient
 accumulation adds ``param.grad`` into ``main_grad`` (and frees ``param.grad``). With ``overlap_grad_reduce``
-a bucket's all-reduce starts as soon as all of its parameters have their gradient for the last microbatch;
+a bucket's reduction starts as soon as all of its parameters have their gradient for the last microbatch;
 otherwise everything is reduced in :meth:`finish_grad_sync`. During accumulation microbatches (inside
 :meth:`no_sync`) nothing is reduced. Gradients are pre-divided by the DP size and summed (an average).
+
+The buffer's dtype is the gradient dtype: fp32 for fp32 models, and for 16-bit models with
+``--accumulate-allreduce-grads-in-fp32`` (the default under ``--bf16``), else the parameters' dtype
+(``--fp16`` without that flag, ``--bf16 --grad-reduce-in-bf16``).
+
+With the distributed optimizer (``use_distributed_optimizer``, ZeRO-1) every bucket is padded to a multiple of
+the DP size and split into DP equal, contiguous shards; the bucket is *reduce-scattered* (DP rank ``r`` then
+holds the averaged gradient of shard ``r`` only; the rest of the bucket keeps local values). The parameters
+also live in one contiguous buffer with the same layout (``param.data`` is a view of it), so that after the
+optimizer has updated its shard every bucket is rebuilt with one all-gather (:meth:`start_param_sync`). The
+shared (tied) word embedding gets a bucket of its own, so its shards coincide on the first and last pipeline
+stage and the embedding-group all-reduce of :func:`finalize_model_grads` sums matching pieces (Megatron does
+the same). ``overlap_param_gather``: the all-gathers are launched asynchronously after the step and each
+one is waited for by a forward pre-hook of the first module that uses a parameter of its bucket.
 """
 from __future__ import annotations
 
@@ -22,9 +36,17 @@ from . import groups
 @dataclass
 class _Bucket:
     params: list
-    buffer: torch.Tensor  # view of the contiguous grad buffer
+    buffer: torch.Tensor  # view of the contiguous grad buffer (padded length under the distributed optimizer)
+    start: int = 0  # offset of the bucket in the buffers
+    param_buffer: torch.Tensor | None = None  # view of the param buffer (distributed optimizer)
     ready: set = field(default_factory=set)
     work: object = None
+    gather_work: object = None
+
+    def shard(self, rank: int, world: int) -> tuple[int, int]:
+        """``[lo, hi)`` of DP rank ``rank``'s shard, relative to the bucket start."""
+        n = self.buffer.numel() // world
+        return rank * n, (rank + 1) * n
 
 
 def default_bucket_size(dp_size: int, overlap: bool) -> int | None:
@@ -36,34 +58,71 @@ class DistributedDataParallel(nn.Module):
     """Wraps one model chunk; ``forward`` is the module's. See the module docstring for the protocol."""
 
     def __init__(self, module: nn.Module, *, dp_group=None, overlap_grad_reduce: bool = False,
-                 bucket_size: int | None = None, grad_dtype=torch.float32):
+                 bucket_size: int | None = None, grad_dtype=torch.float32, use_distributed_optimizer: bool = False,
+                 overlap_param_gather: bool = False):
         super().__init__()
         self.module = module
         self.dp_group = dp_group if dp_group is not None else (
             groups.get_data_parallel_group(with_context_parallel=True) if groups.is_initialized() else None)
         self.dp_size = 1 if self.dp_group is None else dist.get_world_size(self.dp_group)
+        self.dp_rank = 0 if self.dp_group is None else dist.get_rank(self.dp_group)
         self.overlap_grad_reduce = overlap_grad_reduce
+        self.use_distributed_optimizer = use_distributed_optimizer
+        self.overlap_param_gather = overlap_param_gather and use_distributed_optimizer
         if bucket_size is None:
             bucket_size = default_bucket_size(self.dp_size, overlap_grad_reduce)
         params = [p for p in module.parameters() if p.requires_grad][::-1]  # backprop order
-        total = sum(p.numel() for p in params)
+        self.params = params
         device = params[0].device if params else torch.device("cpu")
-        self.grad_buffer = torch.zeros(total, dtype=grad_dtype, device=device)
-        self.buckets: list[_Bucket] = []
-        self._bucket_of: dict[int, _Bucket] = {}
-        offset, start, current = 0, 0, []
-        for i, p in enumerate(params):
-            p.main_grad = self.grad_buffer[offset: offset + p.numel()].view_as(p)
+        pad = self.dp_size if use_distributed_optimizer else 1
+
+        # ---- bucket boundaries: (start, end (padded), params)
+        layout, offset, start, current = [], 0, 0, []
+        self.param_range: dict[int, tuple[int, int]] = {}
+
+        def close():
+            nonlocal offset, start, current
+            if current:
+                end = -(-offset // pad) * pad
+                layout.append((start, end, current))
+                offset = start = end
+                current = []
+
+        for p in params:
+            alone = use_distributed_optimizer and getattr(p, "shared_embedding", False)
+            if alone:
+                close()
+            self.param_range[id(p)] = (offset, offset + p.numel())
             offset += p.numel()
             current.append(p)
-            if (bucket_size is not None and offset - start >= bucket_size) or i == len(params) - 1:
-                bucket = _Bucket(current, self.grad_buffer[start:offset])
-                self.buckets.append(bucket)
-                for q in current:
-                    self._bucket_of[id(q)] = bucket
-                start, current = offset, []
+            if alone or (bucket_size is not None and offset - start >= bucket_size):
+                close()
+        close()
+
+        self.grad_buffer = torch.zeros(offset, dtype=grad_dtype, device=device)
+        self.param_buffer = None
+        if use_distributed_optimizer and params:
+            self.param_buffer = torch.zeros(offset, dtype=params[0].dtype, device=device)
+        self.buckets: list[_Bucket] = []
+        self._bucket_of: dict[int, _Bucket] = {}
+        for start, end, bparams in layout:
+            bucket = _Bucket(bparams, self.grad_buffer[start:end], start)
+            if self.param_buffer is not None:
+                bucket.param_buffer = self.param_buffer[start:end]
+            self.buckets.append(bucket)
+            for q in bparams:
+                self._bucket_of[id(q)] = bucket
+        for p in params:
+            lo, hi = self.param_range[id(p)]
+            p.main_grad = self.grad_buffer[lo:hi].view_as(p)
+            if self.param_buffer is not None:
+                view = self.param_buffer[lo:hi].view_as(p)
+                view.copy_(p.data)
+                p.data = view
         self._sync_enabled = True
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+        if self.overlap_param_gather:
+            self._register_param_gather_hooks()
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -72,6 +131,10 @@ class DistributedDataParallel(nn.Module):
         """Pipeline stages after the first take their input from the previous stage."""
         self.module.set_input_tensor(tensor)
 
+    def bucket_of(self, p) -> _Bucket:
+        return self._bucket_of[id(p)]
+
+    # ---- gradient reduction ------------------------------------------------------------------------
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         p.main_grad.add_(p.grad)
         p.grad = None
@@ -86,7 +149,12 @@ class DistributedDataParallel(nn.Module):
         if bucket.work is not None or self.dp_size == 1:
             return
         bucket.buffer.div_(self.dp_size)
-        bucket.work = dist.all_reduce(bucket.buffer, group=self.dp_group, async_op=True)
+        if self.use_distributed_optimizer:
+            lo, hi = bucket.shard(self.dp_rank, self.dp_size)
+            bucket.work = dist.reduce_scatter_single(bucket.buffer[lo:hi], bucket.buffer, group=self.dp_group,
+                                                     async_op=True)
+        else:
+            bucket.work = dist.all_reduce(bucket.buffer, group=self.dp_group, async_op=True)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -98,7 +166,8 @@ class DistributedDataParallel(nn.Module):
             self._sync_enabled = True
 
     def finish_grad_sync(self) -> None:
-        """Launch the buckets not launched yet, wait for all; ``main_grad`` then holds the DP average."""
+        """Launch the buckets not launched yet, wait for all; ``main_grad`` then holds the DP average (under
+        the distributed optimizer: in this rank's shard of every bucket)."""
         for bucket in self.buckets:
             self._launch(bucket)
         for bucket in self.buckets:
@@ -114,6 +183,42 @@ class DistributedDataParallel(nn.Module):
             bucket.work = None
         for p in self.module.parameters():
             p.grad = None
+
+    # ---- parameter all-gather (distributed optimizer) -------------------------------------------------
+    def start_param_sync(self) -> None:
+        """All-gather every bucket's updated shards into the param buffer (asynchronously with
+        ``overlap_param_gather``: then the forward pre-hooks, or :meth:`finish_param_sync`, wait)."""
+        if self.param_buffer is None or self.dp_size == 1:
+            return
+        for bucket in self.buckets:
+            lo, hi = bucket.shard(self.dp_rank, self.dp_size)
+            bucket.gather_work = dist.all_gather_single(bucket.param_buffer, bucket.param_buffer[lo:hi],
+                                                        group=self.dp_group, async_op=self.overlap_param_gather)
+            if not self.overlap_param_gather:
+                bucket.gather_work = None
+
+    def finish_param_sync(self) -> None:
+        for bucket in self.buckets:
+            self._wait_gather(bucket)
+
+    @staticmethod
+    def _wait_gather(bucket: _Bucket) -> None:
+        if bucket.gather_work is not None:
+            bucket.gather_work.wait()
+            bucket.gather_work = None
+
+    def _register_param_gather_hooks(self) -> None:
+        for module in self.module.modules():
+            own = [p for p in module.parameters(recurse=False) if id(p) in self._bucket_of]
+            if not own:
+                continue
+            buckets = list({id(self._bucket_of[id(p)]): self._bucket_of[id(p)] for p in own}.values())
+
+            def hook(_module, _args, buckets=buckets):
+                for b in buckets:
+                    self._wait_gather(b)
+
+            module.register_forward_pre_hook(hook)
 
 
 def finalize_model_grads(chunks: list[DistributedDataParallel]) -> None:

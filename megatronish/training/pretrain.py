@@ -6,6 +6,7 @@ DDP wrapper -> optimizer and LR/WD scheduler -> datasets. Then each iteration ru
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -16,16 +17,20 @@ import torch
 import torch.distributed as dist
 
 from .. import device
+from ..checkpoint.manager import setup_checkpointing
 from ..model.build import build_model_chunks
-from ..optim.clip_grads import clip_grad_norm, global_norm
+from ..optim.clip_grads import global_norm
+from ..optim.grad_scaler import build_grad_scaler
 from ..optim.lr_schedule import OptimizerParamScheduler, scheduler_steps_from_config
-from ..optim.optimizer import build_optimizer, use_main_grads
+from ..optim.optimizer import get_megatron_optimizer
 from ..parallel import groups
 from ..parallel.ddp import DistributedDataParallel, finalize_model_grads
 from ..parallel.pipeline.schedules import get_forward_backward_func, pipeline_tensor_shape
 from ..parallel.pipeline.timeline import PipelineTimeline, gather_timeline, write_chrome_trace
 from ..parallel.random import set_random_seed
+from ..precision.fp8 import Fp8Manager, Fp8Recipe, check_transformer_impl, enable_fp8
 from .flops import device_peak_tflops, num_floating_point_operations
+from .memory import ActivationMeter, report_theoretical_memory
 from .metrics import MetricsWriter, print_rank_last, train_log_line
 from .mock_data import MockGPTDataset, collate, global_batch_indices
 
@@ -37,6 +42,20 @@ class TrainState:
     history: list = field(default_factory=list)  # (iteration, lm loss) of every iteration, for callers
     valid_history: list = field(default_factory=list)
     valid_consumed_samples: int = 0  # evaluations continue through the validation set, as Megatron's do
+    exit_reason: str | None = None  # set when --exit-interval / --exit-duration-in-mins / a signal ended training
+    context: "TrainContext | None" = field(default=None, repr=False)  # models, optimizer, scheduler, fp8 manager
+
+
+@dataclass
+class TrainContext:
+    """The run's live objects, reachable from ``pretrain`` (and by callers through ``TrainState.context``)."""
+
+    models: list
+    chunks: list
+    optimizer: object
+    scheduler: object = None
+    fp8: object = None  # megatronish.precision.fp8.Fp8Manager under --fp8-format (its state is checkpointed)
+    memory: object = None  # megatronish.training.memory.ActivationMeter: estimate and first-iteration measurement
 
 
 def init_distributed(backend: str | None, timeout_minutes: float) -> None:
@@ -134,6 +153,17 @@ def evaluate(chunks, dataset, cfg, state: TrainState, forward_step, schedule, de
     return sum(losses) / len(losses) if losses else float("nan")
 
 
+def _enable_fp8(models, model_cfg):
+    """``--fp8-format``: FP8 linears in every chunk's transformer layers, one manager over all of them."""
+    recipe = Fp8Recipe.from_config(model_cfg)
+    if recipe is None:
+        return None
+    linears = {}
+    for m in models:
+        linears.update(enable_fp8(m, recipe).linears)
+    return Fp8Manager(recipe, linears)
+
+
 def _tensor_shape(cfg):
     m = cfg.model
     return pipeline_tensor_shape(m.seq_length, cfg.train.micro_batch_size, m.hidden_size,
@@ -143,6 +173,7 @@ def _tensor_shape(cfg):
 def pretrain(cfg) -> TrainState:
     """Train (and evaluate) as configured by a :class:`megatronish.config.RunConfig`."""
     t, o, lg = cfg.train, cfg.optim, cfg.logging
+    check_transformer_impl(cfg.model.transformer_impl)  # before any process group (TE needs CUDA)
     init_distributed(t.distributed_backend, t.distributed_timeout_minutes)
     if not groups.is_initialized():
         groups.initialize_model_parallel(cfg.parallel, timeout_minutes=t.distributed_timeout_minutes)
@@ -151,16 +182,21 @@ def pretrain(cfg) -> TrainState:
                     tp_rank=groups.get_tensor_model_parallel_rank())
 
     models = build_model_chunks(cfg.model, cfg.parallel, groups.get_pipeline_model_parallel_rank(),
-                                sequence_parallel=cfg.sequence_parallel, device=dev)
+                                sequence_parallel=cfg.sequence_parallel, device=dev, params_dtype=o.params_dtype)
     for m in models:
-        m.init_parameters(t.seed)
-    chunks = [DistributedDataParallel(m, overlap_grad_reduce=o.overlap_grad_reduce, bucket_size=o.ddp_bucket_size)
+        m.init_parameters(t.seed)  # the fp32 values of the one-process model, cast to the params dtype
+    fp8 = _enable_fp8(models, cfg.model)
+    chunks = [DistributedDataParallel(m, overlap_grad_reduce=o.overlap_grad_reduce, bucket_size=o.ddp_bucket_size,
+                                      grad_dtype=o.grad_dtype, use_distributed_optimizer=o.use_distributed_optimizer,
+                                      overlap_param_gather=o.overlap_param_gather)
               for m in models]
     params = [p for m in models for p in m.parameters()]
-    named = [(n, p) for m in models for n, p in m.named_parameters()]
-    optimizer = build_optimizer(named, o.optimizer, o.lr, o.weight_decay, o.adam_beta1,
-                                o.adam_beta2, o.adam_eps, o.sgd_momentum)
-    schedule = get_forward_backward_func(cfg.parallel.pp, cfg.parallel.vp)
+    grad_scaler = build_grad_scaler(o.fp16, o.loss_scale, o.initial_loss_scale, o.min_loss_scale,
+                                    o.loss_scale_window, o.hysteresis)
+    optimizer = get_megatron_optimizer(chunks, o, grad_scaler=grad_scaler,
+                                       use_distributed_optimizer=o.use_distributed_optimizer)
+    schedule = functools.partial(get_forward_backward_func(cfg.parallel.pp, cfg.parallel.vp),
+                                 dtype=o.params_dtype, grad_scale_func=optimizer.scale_loss if grad_scaler else None)
     model_arg = chunks if len(chunks) > 1 else chunks[0]
     tensor_shape = _tensor_shape(cfg)
     scheduler = OptimizerParamScheduler(optimizer, **scheduler_steps_from_config(cfg))
@@ -171,6 +207,12 @@ def pretrain(cfg) -> TrainState:
     writer = MetricsWriter(logging_rank, lg.metrics_file, lg.tensorboard_dir, lg.wandb_project or None,
                            lg.wandb_entity or None, lg.wandb_exp_name or None, lg.wandb_save_dir or None)
     state = TrainState()
+    state.context = TrainContext(models, chunks, optimizer, scheduler, fp8)
+    checkpointer = setup_checkpointing(cfg, models, optimizer, scheduler, state, fp8=fp8)  # --load; --save below
+    optimizer.reload_model_params()  # fp32 master copies from the (loaded) 16-bit model, unless loaded themselves
+    print_rank0 = lambda msg: print_rank_last(dist.get_rank() == 0, msg)  # noqa: E731 - the first stage is fullest
+    estimate = report_theoretical_memory(cfg, optimizer, models, print_fn=print_rank0)
+    meter = state.context.memory = ActivationMeter(params, estimate=estimate["activations"])
     train_iters = t.train_iters
     flops_per_iter = num_floating_point_operations(cfg.model, t.global_batch_size)
     peak = device_peak_tflops(device.device_name())
@@ -185,23 +227,25 @@ def pretrain(cfg) -> TrainState:
             c.zero_grad_buffer()
         it = _data_iterators(train_ds, state.consumed_samples, cfg, len(chunks), dev)
         timeline = PipelineTimeline() if lg.pipeline_timeline and state.iteration == train_iters - 1 else None
-        stats = schedule(forward_step, it, model_arg, cfg.num_microbatches, tensor_shape=tensor_shape,
-                         timeline=timeline)
+        with meter.measure():  # saved-activation bytes (CPU) / allocator peak (CUDA), first iteration
+            stats = schedule(forward_step, it, model_arg, cfg.num_microbatches, tensor_shape=tensor_shape,
+                             timeline=timeline)
+        meter.report(print_fn=print_rank0)
         if lg.pipeline_timeline and state.iteration == train_iters - 1:
             events = gather_timeline(timeline)
             if dist.get_rank() == 0:
                 write_chrome_trace(lg.pipeline_timeline, events,
                                    metadata={"p": cfg.parallel.pp, "v": cfg.parallel.vp, "m": cfg.num_microbatches})
         finalize_model_grads(chunks)
-        grad_norm = clip_grad_norm(params, o.clip_grad)
         loss = _reported_loss(stats)
-        if math.isfinite(grad_norm):
-            use_main_grads(optimizer)
-            optimizer.step()
+        update_successful, grad_norm = optimizer.step()  # unscale/overflow check, clip, step, copy back
+        if fp8 is not None:
+            fp8.update()  # amax histories and next scales, once per optimizer step
+        if update_successful:  # Megatron: the LR/WD schedule advances only with an applied update
+            scheduler.step(increment=t.global_batch_size)
         else:
             skipped += 1
-            nan_iters += 1
-        scheduler.step(increment=t.global_batch_size)
+            nan_iters += int(not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm)))
         state.iteration += 1
         state.consumed_samples += t.global_batch_size
         state.history.append((state.iteration, loss))
@@ -214,10 +258,13 @@ def pretrain(cfg) -> TrainState:
             world = dist.get_world_size()
             tflops = flops_per_iter / elapsed / world / 1e12
             avg_loss = sum(window_losses) / len(window_losses)
+            if lg.log_params_norm:
+                optimizer.finish_param_sync()
             params_norm = global_norm(params, use_grad=False) if lg.log_params_norm else None
             lr = optimizer.param_groups[0]["lr"]
             record = {"iteration": state.iteration, "consumed_samples": state.consumed_samples, "lm_loss": avg_loss,
-                      "lr": lr, "grad_norm": grad_norm, "loss_scale": 1.0, "elapsed_ms": elapsed * 1e3,
+                      "lr": lr, "grad_norm": grad_norm, "loss_scale": optimizer.loss_scale,
+                      "elapsed_ms": elapsed * 1e3,
                       "tokens_per_sec": tokens_per_iter / elapsed, "tflops": tflops,
                       "skipped_iterations": skipped, "nan_iterations": nan_iters}
             if params_norm is not None:
@@ -226,7 +273,8 @@ def pretrain(cfg) -> TrainState:
             print_rank_last(logging_rank, train_log_line(
                 iteration=state.iteration, train_iters=train_iters, consumed_samples=state.consumed_samples,
                 elapsed_ms=elapsed * 1e3, tflops=tflops, tokens_per_sec=tokens_per_iter / elapsed, lr=lr,
-                global_batch_size=t.global_batch_size, loss=avg_loss, grad_norm=grad_norm, loss_scale=1.0,
+                global_batch_size=t.global_batch_size, loss=avg_loss, grad_norm=grad_norm,
+                loss_scale=optimizer.loss_scale,
                 skipped=skipped, nan=nan_iters, params_norm=params_norm,
                 mfu=(tflops / peak) if peak else None))
             window_losses, window_start, window_iters = [], time.perf_counter(), 0
@@ -235,9 +283,15 @@ def pretrain(cfg) -> TrainState:
                 and state.iteration < train_iters:
             _run_eval(chunks, valid_ds, cfg, state, forward_step, schedule, dev, writer, logging_rank)
             window_start = time.perf_counter()
+        if cfg.checkpoint.save:
+            optimizer.finish_param_sync()  # a save reads the parameters (--overlap-param-gather)
+        state.exit_reason = checkpointer.after_iteration(state)  # --save-interval, exit conditions
+        if state.exit_reason:
+            break
 
-    if t.eval_iters:
+    if t.eval_iters and not state.exit_reason:
         _run_eval(chunks, valid_ds, cfg, state, forward_step, schedule, dev, writer, logging_rank)
+    checkpointer.finish(state)  # final save; waits for background writes
     writer.close()
     return state
 

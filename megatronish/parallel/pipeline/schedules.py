@@ -48,13 +48,16 @@ __all__ = [
 
 # ============================================================================ no pipelining
 def forward_backward_no_pipelining(forward_step, data_iterator, model, num_microbatches: int,
-                                   forward_only: bool = False, *, timeline=None, **_pipeline_kwargs) -> list[dict]:
+                                   forward_only: bool = False, *, timeline=None, grad_scale_func=None,
+                                   **_pipeline_kwargs) -> list[dict]:
     """All microbatches on this rank, one after the other. The data-parallel gradient reduction is
     disabled (``model.no_sync()``) for all but the last microbatch, whose backward launches it.
 
     ``model``/``data_iterator`` may be one-element lists (the pipelined schedules' form). The pipelined
     schedules' keywords (``tensor_shape``, ``dtype``) are accepted and ignored, so
     :func:`get_forward_backward_func`'s result is called the same way for every layout.
+    ``grad_scale_func(loss) -> loss`` (every schedule): applied to the loss before its backward (the fp16
+    loss scale; Megatron's ``config.grad_scale_func``).
     """
     if isinstance(model, (list, tuple)):
         model = _single(model, "model")
@@ -69,7 +72,7 @@ def forward_backward_no_pipelining(forward_step, data_iterator, model, num_micro
             loss, s = loss_func(output)
         if not forward_only:
             with span(timeline, "B", microbatch=mb, chunk=0):
-                (loss / num_microbatches).backward()
+                _scaled(grad_scale_func, loss / num_microbatches).backward()
         stats.append(s)
 
     with no_sync():  # accumulation microbatches: gradients stay local
@@ -77,6 +80,10 @@ def forward_backward_no_pipelining(forward_step, data_iterator, model, num_micro
             step(mb)
     step(num_microbatches - 1)  # the last microbatch: its backward reduces the gradients (overlapped per bucket)
     return stats
+
+
+def _scaled(grad_scale_func, loss):
+    return loss if grad_scale_func is None else grad_scale_func(loss)
 
 
 def _single(items, what: str):
@@ -306,8 +313,10 @@ def custom_backward(output: torch.Tensor, grad_output: torch.Tensor) -> None:
 class _Runner:
     """Forward / backward of one microbatch on one chunk, with what must live until its backward."""
 
-    def __init__(self, forward_step, data_iterators, chunks, num_microbatches, forward_only, last_rank, timeline):
+    def __init__(self, forward_step, data_iterators, chunks, num_microbatches, forward_only, last_rank, timeline,
+                 grad_scale_func=None):
         self.forward_step, self.data, self.chunks = forward_step, data_iterators, chunks
+        self.grad_scale_func = grad_scale_func
         self.M, self.forward_only, self.timeline = num_microbatches, forward_only, timeline
         self.v = len(chunks)
         self.last_rank = last_rank
@@ -347,7 +356,7 @@ class _Runner:
                 if y.dim() != 0:
                     raise RuntimeError(f"pipeline schedule error: no output gradient for chunk {c} microbatch "
                                        f"{mb}, which is not the last stage")
-                torch.autograd.backward(y)
+                torch.autograd.backward(_scaled(self.grad_scale_func, y))
             else:
                 custom_backward(y, dy)
         if x is None:
@@ -393,7 +402,7 @@ def _communicator(p2p, tensor_shape, dtype, chunks, timeline):
 
 def forward_backward_pipelining_without_interleaving(
         forward_step, data_iterator, model, num_microbatches: int, forward_only: bool = False, *,
-        tensor_shape=None, dtype=torch.float32, timeline=None, p2p=None) -> list[dict]:
+        tensor_shape=None, dtype=torch.float32, timeline=None, p2p=None, grad_scale_func=None) -> list[dict]:
     """1F1B over this rank's one chunk (``model``: a module or a one-element list).
 
     ``tensor_shape``: ``(s [/t under SP], b, h)`` of the tensors between stages; ``dtype`` their dtype;
@@ -403,7 +412,8 @@ def forward_backward_pipelining_without_interleaving(
     chunks = _as_list(model, 1, "model")
     data = _as_list(data_iterator, 1, "data_iterator")
     comm = _communicator(p2p, tensor_shape, dtype, chunks, timeline)
-    run = _Runner(forward_step, data, chunks, num_microbatches, forward_only, comm.is_last_stage, timeline)
+    run = _Runner(forward_step, data, chunks, num_microbatches, forward_only, comm.is_last_stage, timeline,
+                  grad_scale_func)
     try:
         _one_f_one_b(run, comm, num_microbatches, forward_only)
     finally:
@@ -413,7 +423,7 @@ def forward_backward_pipelining_without_interleaving(
 
 def forward_backward_pipelining_with_interleaving(
         forward_step, data_iterator, model, num_microbatches: int, forward_only: bool = False, *,
-        tensor_shape=None, dtype=torch.float32, timeline=None, p2p=None) -> list[dict]:
+        tensor_shape=None, dtype=torch.float32, timeline=None, p2p=None, grad_scale_func=None) -> list[dict]:
     """Interleaved 1F1B over this rank's ``v`` chunks (``model``: list of chunks, ``data_iterator``: list of one
     iterator per chunk; each chunk reads microbatches 0..M-1 in order). ``num_microbatches`` must be a
     multiple of the pipeline size. Other arguments as the non-interleaved schedule."""
@@ -421,7 +431,8 @@ def forward_backward_pipelining_with_interleaving(
     data = _as_list(data_iterator, len(chunks), "data_iterator")
     comm = _communicator(p2p, tensor_shape, dtype, chunks, timeline)
     check_interleaving(comm.pp_size, len(chunks), num_microbatches)
-    run = _Runner(forward_step, data, chunks, num_microbatches, forward_only, comm.is_last_stage, timeline)
+    run = _Runner(forward_step, data, chunks, num_microbatches, forward_only, comm.is_last_stage, timeline,
+                  grad_scale_func)
     try:
         _interleaved_1f1b(run, comm, num_microbatches, len(chunks), forward_only)
     finally:

@@ -1,0 +1,205 @@
+#!/usr/bin/env python
+"""Checkpoint throughput vs the disk, and training-loop time blocked by asynchronous vs synchronous saves.
+
+1. Save / load GB/s: one process (TP = PP = DP = 1) builds the model, an AdamW optimizer with state (one step)
+   and the LR schedule, then times ``Checkpointer.save`` (synchronous, fsync'd like DCP's writer) and
+   ``Checkpointer.load`` (into the same model: DCP plans, reads, copies into the parameters and optimizer
+   state). The limit is measured in the same run on the same disk: a raw sequential write of the same number
+   of bytes (one file, 8 MiB writes, fsync) and a raw sequential read of it. Before every read both the
+   checkpoint files and the raw file are dropped from the page cache (``posix_fadvise DONTNEED``), so both
+   reads come from the disk (or whatever cache the disk has below the OS). Median of ``--reps``.
+2. Loop blocking: ``pretrain()`` three times on the same shape — no saves, ``--save-interval K`` synchronous,
+   and the same with ``--async-save`` — timing the wall time of the loop and the time the loop spends inside
+   the checkpoint calls (save, poll, final wait).
+
+    python benchmarks/bench_checkpoint.py [--layers 4] [--hidden 256] [--vocab 50304] [--seq 128]
+        [--micro-batch 2] [--iters 12] [--save-interval 4] [--reps 3] [--dir /tmp]
+"""
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+os.environ.setdefault("MEGATRONISH_DEVICE", "cpu")
+
+from megatronish.arguments import configs_from_args, parse_args  # noqa: E402
+from megatronish.checkpoint import manager as ckpt_manager  # noqa: E402
+from megatronish.checkpoint.manager import Checkpointer  # noqa: E402
+from megatronish.model.build import build_model_chunks  # noqa: E402
+from megatronish.optim.lr_schedule import OptimizerParamScheduler, scheduler_steps_from_config  # noqa: E402
+from megatronish.optim.optimizer import build_optimizer  # noqa: E402
+from megatronish.parallel import groups  # noqa: E402
+from megatronish.training.pretrain import TrainState, init_distributed, pretrain  # noqa: E402
+
+CHUNK = 8 << 20
+
+
+def bench_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--iters", type=int, default=12)
+    p.add_argument("--save-interval", type=int, default=4)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--dir", default=None, help="where checkpoints and the raw file go (default: a temp dir)")
+    return p.parse_args()
+
+
+def flags(a, extra=()):
+    return ["--num-layers", str(a.layers), "--hidden-size", str(a.hidden), "--num-attention-heads", str(a.heads),
+            "--seq-length", str(a.seq), "--max-position-embeddings", str(a.seq), "--mock-data", "--tokenizer-type",
+            "NullTokenizer", "--vocab-size", str(a.vocab - 1), "--micro-batch-size", str(a.micro_batch),
+            "--global-batch-size", str(a.micro_batch), "--train-iters", str(a.iters), "--lr", "1e-4",
+            "--attention-dropout", "0", "--hidden-dropout", "0", "--eval-iters", "0", "--log-interval", "1000",
+            *extra]
+
+
+def drop_cache(path):
+    """Evict ``path`` (a file or every file under a directory) from the page cache."""
+    files = [path] if os.path.isfile(path) else [os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs]
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def dir_bytes(path):
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
+
+
+def raw_write(path, nbytes):
+    buf = os.urandom(CHUNK)
+    t0 = time.perf_counter()
+    with open(path, "wb", buffering=0) as f:
+        left = nbytes
+        while left > 0:
+            left -= f.write(memoryview(buf)[: min(CHUNK, left)])
+        os.fsync(f.fileno())
+    return time.perf_counter() - t0
+
+
+def raw_read(path):
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.read(CHUNK):
+            pass
+    return time.perf_counter() - t0
+
+
+def throughput(a, root):
+    cfg = configs_from_args(parse_args(flags(a, ["--save", os.path.join(root, "ck"), "--load",
+                                                 os.path.join(root, "ck")])), 1)
+    init_distributed("gloo", 10)
+    groups.destroy_model_parallel()
+    groups.initialize_model_parallel(cfg.parallel)
+    models = build_model_chunks(cfg.model, cfg.parallel, 0)
+    for m in models:
+        m.init_parameters(cfg.train.seed)
+    opt = build_optimizer([(n, p) for m in models for n, p in m.named_parameters()], "adam", 1e-4, 0.01)
+    for p in (p for m in models for p in m.parameters()):
+        p.grad = torch.randn_like(p) * 1e-3
+    opt.step()  # Adam state exists
+    sched = OptimizerParamScheduler(opt, **scheduler_steps_from_config(cfg))
+    ck = Checkpointer(cfg, models, opt, sched)
+    n_params = sum(p.numel() for m in models for p in m.parameters())
+    save_t, load_t, wr_t, rd_t = [], [], [], []
+    raw = os.path.join(root, "raw.bin")
+    for rep in range(a.reps):
+        state = TrainState(iteration=rep + 1)
+        t0 = time.perf_counter()
+        ck.save(state)
+        save_t.append(time.perf_counter() - t0)
+        it_dir = os.path.join(root, "ck", f"iter_{rep + 1:07d}")
+        nbytes = dir_bytes(it_dir)
+        wr_t.append(raw_write(raw, nbytes))
+        drop_cache(it_dir)
+        drop_cache(raw)
+        ck._on_disk = None
+        t0 = time.perf_counter()
+        ck.load(TrainState())
+        load_t.append(time.perf_counter() - t0)
+        rd_t.append(raw_read(raw))
+        shutil.rmtree(it_dir)
+    gb = nbytes / 1e9
+    med = statistics.median
+    print(f"model {n_params / 1e6:.1f} M params; checkpoint {nbytes / 1e6:.1f} MB (model + Adam exp_avg, exp_avg_sq "
+          f"+ JSON state), {a.reps} reps, median")
+    print(f"  save  {gb / med(save_t):6.3f} GB/s   raw sequential write {gb / med(wr_t):6.3f} GB/s   "
+          f"ratio {med(wr_t) / med(save_t):.2f}")
+    print(f"  load  {gb / med(load_t):6.3f} GB/s   raw sequential read  {gb / med(rd_t):6.3f} GB/s   "
+          f"ratio {med(rd_t) / med(load_t):.2f}")
+    groups.destroy_model_parallel()
+
+
+def loop_blocking(a, root):
+    blocked = {"after_iteration": 0.0, "finish": 0.0}
+
+    def timed(name, fn):
+        def wrapper(self, *args, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(self, *args, **kw)
+            finally:
+                blocked[name] += time.perf_counter() - t0
+        return wrapper
+
+    originals = {name: getattr(Checkpointer, name) for name in blocked}
+    for name, fn in originals.items():
+        setattr(Checkpointer, name, timed(name, fn))
+    results = {}
+    try:
+        for mode, extra in (("none", []), ("sync", ["--save", os.path.join(root, "sync"), "--save-interval",
+                                                    str(a.save_interval)]),
+                            ("async", ["--save", os.path.join(root, "async"), "--save-interval", str(a.save_interval),
+                                       "--async-save"])):
+            groups.destroy_model_parallel()
+            blocked.update(after_iteration=0.0, finish=0.0)
+            cfg = configs_from_args(parse_args(flags(a, extra)), 1)
+            t0 = time.perf_counter()
+            pretrain(cfg)
+            results[mode] = (time.perf_counter() - t0, blocked["after_iteration"], blocked["finish"])
+    finally:
+        for name, fn in originals.items():
+            setattr(Checkpointer, name, fn)
+    saves = a.iters // a.save_interval
+    print(f"training loop: {a.iters} iterations, a save every {a.save_interval} ({saves} saves; the last one, at the "
+          "end of training, is waited for at exit)")
+    for mode, (wall, loop, end) in results.items():
+        print(f"  {mode:5s}  wall {wall:7.2f} s   blocked in the loop {loop:6.2f} s "
+              f"({loop / max(saves, 1) * 1e3:7.1f} ms per save)   at exit {end:6.2f} s")
+    (ws, ls, es), (wa, la, ea), (w0, _, _) = results["sync"], results["async"], results["none"]
+    print(f"  blocked in the loop async / sync {la / ls:.3f};  incl. the exit wait {(la + ea) / (ls + es):.3f};  "
+          f"wall overhead vs no saves: sync {ws - w0:+.2f} s, async {wa - w0:+.2f} s")
+
+
+def main():
+    a = bench_args()
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    root = tempfile.mkdtemp(prefix="bench_ckpt_", dir=a.dir)
+    ckpt_manager._log = lambda msg: None  # quiet
+    try:
+        throughput(a, root)
+        loop_blocking(a, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

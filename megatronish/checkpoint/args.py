@@ -1,0 +1,50 @@
+"""``--use-checkpoint-args``: take the model-shape flags from the ``--load`` checkpoint's config (Megatron's
+``load_args_from_checkpoint``). Flags Megatron fills only when unset on the command line stay as given;
+the architecture switches are always taken from the checkpoint."""
+from __future__ import annotations
+
+from .dcp_io import CheckpointError
+from .offline import read_checkpoint_meta
+
+# ModelConfig field -> argparse dest, filled only when the command line left it unset.
+_IF_UNSET = {"num_layers": "num_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "ffn_hidden_size",
+             "num_attention_heads": "num_attention_heads", "kv_channels": "kv_channels",
+             "seq_length": "seq_length", "max_position_embeddings": "max_position_embeddings"}
+# Always taken from the checkpoint.
+_FORCED = {"position_embedding_type": "position_embedding_type", "rotary_percent": "rotary_percent",
+           "rotary_base": "rotary_base", "normalization": "normalization", "norm_epsilon": "norm_epsilon",
+           "swiglu": "swiglu", "openai_gelu": "openai_gelu",
+           "untie_embeddings_and_output_weights": "untie_embeddings_and_output_weights",
+           "add_bias_linear": "add_bias_linear", "add_qkv_bias": "add_qkv_bias",
+           "make_vocab_size_divisible_by": "make_vocab_size_divisible_by"}
+
+
+def apply_checkpoint_args(args) -> None:
+    """Fill ``args`` (an argparse namespace) from the config stored in the ``--load`` checkpoint."""
+    if not args.load:
+        return  # validate_args reports the missing --load
+    try:
+        meta = read_checkpoint_meta(args.load)
+    except CheckpointError as e:
+        raise CheckpointError(f"--use-checkpoint-args: {e}") from None
+    model = (meta.get("config") or {}).get("model") or {}
+    if not model:
+        raise CheckpointError(f"--use-checkpoint-args: checkpoint {meta['iter_dir']} stores no model config")
+    for field, dest in _IF_UNSET.items():
+        if model.get(field) is not None and getattr(args, dest, None) is None:
+            setattr(args, dest, model[field])
+    for field, dest in _FORCED.items():
+        if field in model and hasattr(args, dest):
+            setattr(args, dest, model[field])
+    heads, groups = model.get("num_attention_heads"), model.get("num_query_groups")
+    if groups is not None:
+        args.group_query_attention = groups != heads
+        args.num_query_groups = groups
+    data = (meta.get("config") or {}).get("data") or {}
+    if args.tokenizer_type is None and args.vocab_size is None and args.vocab_file is None:
+        if data.get("tokenizer_type"):
+            args.tokenizer_type = data["tokenizer_type"]
+        if data.get("vocab_size_flag") is not None:
+            args.vocab_size = data["vocab_size_flag"]
+        elif model.get("vocab_size") is not None and args.tokenizer_type in (None, "NullTokenizer"):
+            args.tokenizer_type, args.vocab_size = "NullTokenizer", model["vocab_size"] - 1

@@ -1,0 +1,349 @@
+"""Checkpointing inside the training loop: load after set-up, save every ``--save-interval`` iterations, on
+``--exit-interval`` / ``--exit-duration-in-mins`` / the exit signal, and at the end of training.
+
+:class:`Checkpointer` is built once by ``pretrain`` (on every rank, after the model, optimizer and scheduler)
+and called at three points: :meth:`Checkpointer.load` before the first iteration, :meth:`Checkpointer.after_iteration`
+at the end of each iteration (returns an exit reason or None), :meth:`Checkpointer.finish` after the loop.
+
+Asynchronous saves (``--async-save``): the rank's pieces are copied to CPU (the training loop then resumes)
+and a background thread writes them through DCP on a dedicated gloo process group; rank 0 replaces the tracker
+once DCP reports every rank's files complete. Each iteration the ranks agree (one small all-reduce) whether
+the save finished or failed, so an error surfaces at the same iteration everywhere; the next save or the exit
+waits for the previous one.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from .. import device
+from ..parallel import groups
+from ..training.signals import DistributedSignalHandler, any_rank
+from . import dcp_io, layout
+from .common import (COMMON, FORMAT, FP8, MODEL, OPTIMIZER, SHAPE_FIELDS, common_state, jsonable, rng_key)
+from .dcp_io import CheckpointError, Obj, Sharded
+from .state import (capture_rng, model_entries, named_params, optimizer_entries, optimizer_state,
+                    restore_rng)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _log(msg: str) -> None:
+    if _rank() == 0:
+        print(msg, flush=True)
+
+
+def _layout(cfg) -> dict:
+    d = cfg.parallel
+    return {"world_size": d.world_size, "tp": d.tp, "pp": d.pp, "vp": d.vp, "cp": d.cp, "ep": d.ep, "dp": d.dp}
+
+
+def check_model_config(saved: dict, model_cfg, iter_dir: str) -> None:
+    """Raise a :class:`CheckpointError` naming the first model-shape field that differs."""
+    saved_model = (saved or {}).get("model") or {}
+    current = jsonable(model_cfg)
+    for name, flag in SHAPE_FIELDS.items():
+        if name not in saved_model or name not in current:
+            continue
+        a, b = saved_model[name], current[name]
+        if a != b:
+            raise CheckpointError(f"{flag}: checkpoint {iter_dir} has {name}={a!r}, this run has {b!r}; the "
+                                  "checkpoint is from a different model shape (match the flag or pass "
+                                  "--use-checkpoint-args)")
+    if current.get("position_embedding_type") == "learned_absolute" and "max_position_embeddings" in saved_model \
+            and saved_model["max_position_embeddings"] != current.get("max_position_embeddings"):
+        raise CheckpointError(f"--max-position-embeddings: checkpoint {iter_dir} has "
+                              f"{saved_model['max_position_embeddings']}, this run has "
+                              f"{current.get('max_position_embeddings')}; the checkpoint is from a different "
+                              "model shape")
+
+
+class _Fp8States:
+    """The FP8 managers of this rank's model chunks as one ``state_dict`` / ``load_state_dict``."""
+
+    def __init__(self, managers):
+        self.managers = list(managers) if isinstance(managers, (list, tuple)) else [managers]
+
+    def state_dict(self) -> dict:
+        out = {}
+        for m in self.managers:
+            out.update(m.state_dict())
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        for m in self.managers:
+            m.load_state_dict(state)
+
+
+class Checkpointer:
+    """Save/load for one training run (see the module docstring)."""
+
+    def __init__(self, cfg, models, optimizer, scheduler, *, fp8=None):
+        self.cfg = cfg
+        self.ck = cfg.checkpoint
+        self.models = models
+        self.opt = optimizer_state(optimizer)
+        self.scheduler = scheduler
+        self.fp8 = _Fp8States(fp8) if fp8 else None  # one FP8 manager, or one per model chunk
+        self.named = named_params(models)
+        self.names = {id(p): (name, p.desc) for name, p in self.named}
+        self.start_time = time.time()
+        self.tp_rank = groups.get_tensor_model_parallel_rank() if groups.is_initialized() else 0
+        self.tp = groups.get_tensor_model_parallel_world_size() if groups.is_initialized() else 1
+        self._group = None
+        if dist.is_initialized() and (self.ck.save or self.ck.load):
+            # DCP's collectives get their own group: async saves run them from a background thread
+            self._group = dist.new_group(backend="gloo")
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: tuple[int, concurrent.futures.Future] | None = None
+        self._on_disk: str | None = None  # the iteration directory this run last loaded or saved
+        self.signal_handler = DistributedSignalHandler(self.ck.exit_signal).install() \
+            if self.ck.exit_signal_handler else None
+
+    # ------------------------------------------------------------------------------------------------ load
+    def load(self, state) -> bool:
+        """Restore from ``--load`` into the model, optimizer, scheduler, RNG and ``state`` (iteration, consumed
+        samples). Returns whether a checkpoint was loaded. Collective."""
+        ck = self.ck
+        if not ck.load:
+            return False
+        found = layout.resolve(ck.load)
+        if found is None:
+            if ck.exit_on_missing_checkpoint:
+                raise CheckpointError(f"--exit-on-missing-checkpoint: no checkpoint under --load {ck.load} (no "
+                                      f"{layout.TRACKER} there); fix the path or drop the flag to start fresh")
+            _log(f"WARNING: no checkpoint under --load {ck.load} (no {layout.TRACKER}); starting from scratch")
+            return False
+        iter_dir, iteration = found
+        md = dcp_io.read_index(iter_dir)
+        dcp_io.check_files(iter_dir, md)
+        common = dcp_io.read_bytes_entry(iter_dir, md, COMMON)
+        if common.get("format") != FORMAT:
+            raise CheckpointError(f"{iter_dir} is a torch.distributed.checkpoint directory but not in this "
+                                  f"program's format ({common.get('format')!r})")
+        check_model_config(common.get("config"), self.cfg.model, iter_dir)
+        release = iteration is None or bool(common.get("release"))
+        fresh = ck.finetune or release
+        load_optim = not fresh and not ck.no_load_optim and self.opt is not None
+        if load_optim and not common.get("optimizer"):
+            raise CheckpointError(f"checkpoint {iter_dir} has no optimizer state (saved with --no-save-optim, or "
+                                  "converted); pass --no-load-optim or --finetune")
+
+        entries = model_entries(self.named, self.tp_rank, self.tp)
+        param_state = None
+        if load_optim:
+            param_state = self.opt.sharded_param_state()
+            self._check_optimizer_keys(param_state, common["optimizer"], md, iter_dir)
+            opt_entries = optimizer_entries(param_state, self.names, self.tp_rank, self.tp)
+            for key, entry in opt_entries.items():
+                if key not in md.state_dict_metadata and key.endswith(".main_param"):
+                    # an fp32-trained checkpoint: the master copy starts from the stored model weights
+                    entries.add(MODEL + key[len(OPTIMIZER):-len(".main_param")], entry)
+                else:
+                    entries.add(key, entry)
+        fp8_targets = self._fp8_targets(common, md, iter_dir)
+        for key, t in (fp8_targets or {}).items():
+            entries.add(FP8 + key, Sharded.whole(t))
+
+        dcp_io.load(entries, iter_dir, process_group=self._group)
+
+        if param_state is not None:
+            loaded = {id(p): states for p, states in param_state}
+            self.opt.load_sharded_param_state(lambda p: loaded[id(p)])
+            self.opt.load_scalar_state_dict(common["optimizer"].get("scalars") or {})
+            if self.scheduler is not None and common.get("scheduler") is not None:
+                self.scheduler.load_state_dict(common["scheduler"])
+        if fp8_targets is not None:
+            self.fp8.load_state_dict({"recipe": common["fp8"].get("recipe"), **fp8_targets})
+        self._load_rng(common, md, iter_dir, fresh)
+
+        if not fresh:
+            state.iteration = int(common.get("iteration", iteration or 0))
+            state.consumed_samples = int(common.get("consumed_train_samples", 0))
+            state.valid_consumed_samples = int(common.get("consumed_valid_samples", 0))
+        self._on_disk = os.path.abspath(iter_dir)
+        _log(f"loaded checkpoint {iter_dir} (iteration {common.get('iteration')}"
+             + (", model only" if fresh else "") + ")")
+        return True
+
+    def _check_optimizer_keys(self, param_state, saved: dict, md, iter_dir: str) -> None:
+        have = {k for k in md.state_dict_metadata if k.startswith(OPTIMIZER)}
+        for p, states in param_state:
+            name = self.names[id(p)][0]
+            for key in states:
+                full = f"{OPTIMIZER}{name}.{key}"
+                if full in have or (key == "main_param" and MODEL + name in md.state_dict_metadata):
+                    continue
+                raise CheckpointError(
+                    f"--optimizer: checkpoint {iter_dir} has no optimizer state {key!r} for {name} (it holds "
+                    f"{sorted(saved.get('param_state_keys') or [])}, saved by {saved.get('class')}); pass "
+                    "--no-load-optim to start the optimizer fresh")
+
+    def _fp8_targets(self, common, md, iter_dir):
+        if self.fp8 is None:
+            return None
+        if not common.get("fp8"):
+            _log(f"WARNING: checkpoint {iter_dir} has no FP8 scaling state; FP8 amax histories start fresh")
+            return None
+        current = self.fp8.state_dict()
+        targets = {k: torch.empty_like(v) for k, v in current.items() if isinstance(v, torch.Tensor)}
+        missing = [k for k in targets if FP8 + k not in md.state_dict_metadata]
+        if missing:
+            raise CheckpointError(f"checkpoint {iter_dir} has no FP8 state {missing[0]!r}; it was saved with another "
+                                  "FP8 configuration (pass --finetune to start FP8 scaling fresh)")
+        return targets
+
+    def _load_rng(self, common, md, iter_dir: str, fresh: bool) -> None:
+        if fresh or self.ck.no_load_rng:
+            return
+        if not common.get("has_rng"):
+            _log(f"WARNING: checkpoint {iter_dir} has no RNG states (saved with --no-save-rng); they are "
+                 "re-derived from --seed")
+            return
+        saved, now = common.get("layout") or {}, _layout(self.cfg)
+        if saved != now:
+            diff = ", ".join(f"{k} {saved.get(k)}->{now[k]}" for k in now if saved.get(k) != now[k])
+            _log(f"WARNING: the RNG states in {iter_dir} do not map one-to-one to this layout ({diff}); "
+                 "re-deriving them from --seed")
+            return
+        restore_rng(dcp_io.read_bytes_entry(iter_dir, md, rng_key(_rank())))
+
+    # ------------------------------------------------------------------------------------------------ save
+    def save(self, state) -> None:
+        """Save ``state.iteration`` to ``--save`` (collective); asynchronous with ``--async-save``."""
+        ck = self.ck
+        self.wait()
+        iter_dir = os.path.abspath(layout.checkpoint_dir(ck.save, state.iteration))
+        if iter_dir == self._on_disk:
+            return  # this exact state is already on disk
+        stage = bool(ck.async_save)
+        entries = model_entries(self.named, self.tp_rank, self.tp, stage=stage)
+        opt_common = None
+        if not ck.no_save_optim and self.opt is not None:
+            param_state = self.opt.sharded_param_state()  # collective for the distributed optimizer
+            optimizer_entries(param_state, self.names, self.tp_rank, self.tp, stage=stage, entries=entries)
+            keys = sorted({k for _, states in param_state for k in states})
+            opt_common = {"class": type(getattr(self.opt, "optimizer", self.opt)).__name__,
+                          "param_state_keys": keys, "scalars": self.opt.scalar_state_dict()}
+        fp8_common = None
+        if self.fp8 is not None:
+            sd = self.fp8.state_dict()
+            for key, t in sd.items():
+                if isinstance(t, torch.Tensor):
+                    entries.add(FP8 + key, Sharded.whole(t.detach().to("cpu", copy=True)))
+            fp8_common = {"recipe": sd.get("recipe")}
+        if not ck.no_save_rng:
+            entries[rng_key(_rank())] = Obj(capture_rng())
+        if _rank() == 0:
+            entries[COMMON] = Obj(common_state(
+                state.iteration, jsonable(self.cfg), consumed_train_samples=state.consumed_samples,
+                consumed_valid_samples=getattr(state, "valid_consumed_samples", 0), layout=_layout(self.cfg),
+                scheduler=self.scheduler.state_dict() if self.scheduler is not None else None,
+                optimizer=opt_common, has_rng=not ck.no_save_rng, fp8=fp8_common))
+            stale = os.path.join(iter_dir, dcp_io.METADATA_FILE)
+            if os.path.exists(stale):  # an earlier, unfinished attempt at this iteration
+                os.remove(stale)
+        os.makedirs(iter_dir, exist_ok=True)  # here, not in the writer thread: a failure stops every rank now
+        self._on_disk = iter_dir
+        if not stage:
+            t0 = time.perf_counter()
+            self._write(entries, iter_dir, state.iteration)
+            _log(f"saved checkpoint {iter_dir} in {time.perf_counter() - t0:.2f} s")
+            return
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
+        self._pending = (state.iteration, self._executor.submit(self._write, entries, iter_dir, state.iteration))
+        _log(f"saving checkpoint {iter_dir} in the background")
+
+    def _write(self, entries, iter_dir: str, iteration: int) -> None:
+        dcp_io.save(entries, iter_dir, process_group=self._group)
+        if _rank() == 0:  # DCP's index is written only after every rank reported its files complete
+            layout.write_tracker(self.ck.save, iteration)
+
+    def poll(self, block: bool = False) -> None:
+        """Finish a pending asynchronous save once every rank's part is done (collective when one is pending:
+        all ranks agree in the same iteration); raise if it failed on any rank."""
+        if self._pending is None:
+            return
+        iteration, fut = self._pending
+        if block:
+            concurrent.futures.wait([fut])
+        mine_failed = fut.done() and fut.exception() is not None
+        flags = torch.tensor([0 if fut.done() else 1, 1 if mine_failed else 0], dtype=torch.int64,
+                             device=device.current_device())
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flags)
+        if flags[0].item() > 0:
+            return
+        self._pending = None
+        if flags[1].item() > 0:
+            self._on_disk = None
+            err = fut.exception()
+            detail = str(err) if err is not None else "it failed on another rank"
+            raise CheckpointError(f"asynchronous save of iteration {iteration} to {self.ck.save} failed: {detail}")
+        _log(f"checkpoint of iteration {iteration} complete")
+
+    def wait(self) -> None:
+        """Block until a pending asynchronous save is complete (collective)."""
+        self.poll(block=True)
+
+    # ------------------------------------------------------------------------------------------------ loop
+    def after_iteration(self, state) -> str | None:
+        """Called by every rank after each iteration: surface async-save errors, save at ``--save-interval``,
+        and decide (together) whether to exit. Returns the exit reason, or None to continue."""
+        ck = self.ck
+        self.poll()
+        if self.signal_handler is not None and self.signal_handler.signals_received():
+            if ck.save:
+                self.save(state)
+            _log(f"exiting program after receiving {self.ck.exit_signal} at iteration {state.iteration}")
+            return "signal"
+        saved = False
+        if ck.save and ck.save_interval and state.iteration % ck.save_interval == 0:
+            self.save(state)
+            saved = True
+        if ck.exit_duration_in_mins:
+            minutes = (time.time() - self.start_time) / 60.0
+            if any_rank(minutes > ck.exit_duration_in_mins):
+                if ck.save and not saved:
+                    self.save(state)
+                _log(f"exiting program after {minutes:.2f} minutes at iteration {state.iteration}")
+                return "duration"
+        if ck.exit_interval and state.iteration % ck.exit_interval == 0:
+            if ck.save and not saved:
+                self.save(state)
+            _log(f"exiting program at iteration {state.iteration}")
+            return "interval"
+        return None
+
+    def finish(self, state) -> None:
+        """After the loop: save the final state (unless just saved), wait for background writes, release the
+        signal handler."""
+        try:
+            if self.ck.save and state.iteration > 0:
+                self.save(state)
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+            if self._group is not None:
+                dist.destroy_process_group(self._group)
+                self._group = None
+            if self.signal_handler is not None:
+                self.signal_handler.release()
+            sys.stdout.flush()
+
+
+def setup_checkpointing(cfg, models, optimizer, scheduler, state, *, fp8=None) -> Checkpointer:
+    """Build the run's :class:`Checkpointer` and resume from ``--load`` into ``state`` (collective)."""
+    ckpt = Checkpointer(cfg, models, optimizer, scheduler, fp8=fp8)
+    ckpt.load(state)
+    return ckpt

@@ -1,0 +1,175 @@
+"""What each rank contributes to a checkpoint, built from the one global description of every tensor.
+
+* model parameters: ``model.<global name>``, this rank's tensor-parallel slice(s) with their global offsets
+  (from the parameter's :class:`~megatronish.parallel.init.TensorDesc`);
+* optimizer state per parameter: ``optimizer.<global name>.<state>``, same slices, through the optimizer's
+  ``sharded_param_state`` / ``load_sharded_param_state`` (plain ``torch.optim`` optimizers are adapted by
+  :class:`TorchOptimizerState`);
+* RNG generators of this rank (JSON).
+"""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+from .. import device
+from ..parallel.init import TensorDesc
+from ..parallel.random import get_rng_tracker
+from .common import MODEL, OPTIMIZER
+from .dcp_io import Piece, Sharded
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Slices of a tensor-parallel tensor
+# ---------------------------------------------------------------------------------------------------------------
+def tp_pieces(local: torch.Tensor, desc: TensorDesc, tp_rank: int, tp: int) -> list[Piece]:
+    """This rank's blocks of the global tensor: one per stride block along the split dimension (the layout of
+    :func:`megatronish.parallel.init.local_indices`), or the whole tensor when it is not split."""
+    ndim = len(desc.global_shape)
+    if desc.partition_dim is None or tp == 1:
+        return [Piece(local, (0,) * ndim)]
+    dim, stride = desc.partition_dim, desc.partition_stride
+    block = desc.global_shape[dim] // stride
+    part = block // tp
+    pieces = []
+    for k in range(stride):
+        offsets = [0] * ndim
+        offsets[dim] = k * block + tp_rank * part
+        pieces.append(Piece(local.narrow(dim, k * part, part), tuple(offsets)))
+    return pieces
+
+
+class Entries(dict):
+    """Checkpoint entries of one rank. Adding a key twice (a tied weight held twice on one rank) keeps one
+    copy for saving and makes the second an alias filled by the same read on loading."""
+
+    def add(self, key: str, entry: Sharded) -> None:
+        have = self.get(key)
+        if have is None:
+            self[key] = entry
+            return
+        known = {tuple(p.offsets): p for p in have.pieces}
+        for p in entry.pieces:
+            if tuple(p.offsets) in known:
+                known[tuple(p.offsets)].aliases.append(p.tensor)
+            else:
+                have.pieces.append(p)
+
+
+def _staged(t: torch.Tensor, stage: bool) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True) if stage else t.detach()
+
+
+def named_params(models) -> list[tuple[str, torch.nn.Parameter]]:
+    """``(global name, parameter)`` of every model chunk of this rank."""
+    return [(name, p) for m in models for name, p in m.named_global_parameters()]
+
+
+def model_entries(named, tp_rank: int, tp: int, *, stage: bool = False, entries: Entries | None = None) -> Entries:
+    entries = Entries() if entries is None else entries
+    for name, p in named:
+        desc = p.desc
+        pieces = [Piece(_staged(x.tensor, stage), x.offsets) for x in tp_pieces(p.data, desc, tp_rank, tp)]
+        entries.add(MODEL + name, Sharded(desc.global_shape, pieces, resizable_rows=desc.valid_rows is not None))
+    return entries
+
+
+def optimizer_entries(param_state, names: dict[int, tuple[str, TensorDesc]], tp_rank: int, tp: int, *,
+                      stage: bool = False, entries: Entries | None = None) -> Entries:
+    """``param_state``: ``[(param, {state key: tensor shaped like param})]`` (the optimizer contract)."""
+    entries = Entries() if entries is None else entries
+    for p, states in param_state:
+        name, desc = names[id(p)]
+        for key, t in states.items():
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(f"optimizer state {key} of {name} has shape {tuple(t.shape)}, the parameter "
+                                 f"{tuple(p.shape)}")
+            pieces = [Piece(_staged(x.tensor, stage), x.offsets) for x in tp_pieces(t, desc, tp_rank, tp)]
+            entries.add(f"{OPTIMIZER}{name}.{key}",
+                        Sharded(desc.global_shape, pieces, resizable_rows=desc.valid_rows is not None))
+    return entries
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Optimizer: the checkpoint contract, and an adapter for plain torch optimizers
+# ---------------------------------------------------------------------------------------------------------------
+class TorchOptimizerState:
+    """``sharded_param_state`` / ``load_sharded_param_state`` / ``scalar_state_dict`` /
+    ``load_scalar_state_dict`` for a ``torch.optim`` Adam, AdamW or SGD."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            self.keys = ("exp_avg", "exp_avg_sq")
+        elif isinstance(optimizer, torch.optim.SGD):
+            self.keys = ("momentum_buffer",) if any(g.get("momentum", 0) for g in optimizer.param_groups) else ()
+        else:
+            raise TypeError(f"no checkpoint support for optimizer {type(optimizer).__name__}")
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def _params(self):
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def sharded_param_state(self):
+        out = []
+        for p in self._params():
+            st = self.optimizer.state.get(p, {})
+            out.append((p, {k: st[k] if st.get(k) is not None else torch.zeros(p.shape, dtype=torch.float32,
+                                                                                device=p.device)
+                            for k in self.keys}))
+        return out
+
+    def load_sharded_param_state(self, get) -> None:
+        self._loaded = {p: get(p) for p in self._params()}
+
+    def scalar_state_dict(self) -> dict:
+        steps = [float(st["step"]) for st in self.optimizer.state.values() if "step" in st]
+        started = any(st.get(k) is not None for st in self.optimizer.state.values() for k in self.keys)
+        return {"step": int(max(steps)) if steps else 0, "started": started}
+
+    def load_scalar_state_dict(self, d: dict) -> None:
+        loaded = getattr(self, "_loaded", None) or {}
+        self._loaded = None
+        if not d.get("started", d.get("step", 0) > 0):
+            self.optimizer.state.clear()
+            return
+        for group in self.optimizer.param_groups:
+            on_device = group.get("fused") or group.get("capturable")
+            for p in group["params"]:
+                st = self.optimizer.state[p]
+                for k, t in loaded.get(p, {}).items():  # buffers this adapter handed out: no copy needed
+                    st[k] = t.to(device=p.device, dtype=p.dtype)
+                if "step" in self.optimizer.defaults or isinstance(self.optimizer, (torch.optim.Adam,
+                                                                                    torch.optim.AdamW)):
+                    st["step"] = torch.tensor(float(d["step"]), dtype=torch.float32,
+                                              device=p.device if on_device else None)
+
+
+def optimizer_state(optimizer):
+    """The optimizer itself when it implements the checkpoint contract, else an adapter."""
+    if optimizer is None or hasattr(optimizer, "sharded_param_state"):
+        return optimizer
+    return TorchOptimizerState(optimizer)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# RNG
+# ---------------------------------------------------------------------------------------------------------------
+def capture_rng() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "device": device.get_rng_state() if device.device_type() != "cpu" else None,
+            "tracker": get_rng_tracker().get_states()}
+
+
+def restore_rng(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state.get("device") is not None and device.device_type() != "cpu":
+        device.set_rng_state(state["device"])
+    get_rng_tracker().set_states(state["tracker"])

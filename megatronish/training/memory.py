@@ -1,0 +1,274 @@
+"""Per-rank memory: the theoretical estimate printed at start-up, and what training actually uses.
+
+Weights, gradients and optimizer state, in bytes per parameter, as Megatron-LM documents them for Adam
+(docs "distributed optimizer"; ``d`` = data-parallel size):
+
+=============================  ================  ======================
+parameters / gradients         plain optimizer   distributed optimizer
+=============================  ================  ======================
+fp16 params, fp16 grads        20                ``4 + 16/d``
+bf16 params, fp32 grads        18                ``6 + 12/d``
+fp32 params, fp32 grads        16                ``8 + 8/d``
+=============================  ================  ======================
+
+that is: the model parameter (2 or 4) + its DDP gradient buffer (2 or 4) + an fp32 copy of a 16-bit gradient
+(4) + an fp32 master parameter for a 16-bit model (4) + Adam's two fp32 moments (8; SGD: 4 with momentum, 0
+without); the distributed optimizer divides the last three by ``d``.
+
+Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
+Table 2), per transformer layer and microbatch, with 16-bit activations and 1-byte dropout masks (``s`` sequence,
+``b`` micro batch, ``h`` hidden, ``a`` heads, ``t`` TP size):
+
+- no parallelism: ``s*b*h*(34 + 5*a*s/h)``
+- TP: ``s*b*h*(10 + 24/t + 5*a*s/(h*t))``; TP + SP: ``s*b*h*(34/t + 5*a*s/(h*t))``
+- selective recompute: TP ``s*b*h*(10 + 24/t)``, TP + SP ``34*s*b*h/t``
+- full recompute: the layer input only, ``2*s*b*h`` (``/t`` with SP)
+
+(the "34" assumes the MLP's 4h hidden size; the ``4h`` terms scale with ``ffn_hidden_size``: ``18 + 4*f/h``,
+as in Megatron's ``theoretical_memory_usage.py``). The first pipeline stage is the fullest: with 1F1B it holds
+``min(M, p)`` microbatches of its ``L/p`` layers, i.e. the activations of ``L`` layers; the interleaved schedule
+multiplies this by ``1 + (p-1)/(p*v)``. Embedding input/dropout (``8sb + sbh`` per microbatch in flight) and, at
+``p = 1``, the output layer and loss (``4sbh(1 + V/h)``) are added as Megatron does.
+
+Measured: on CUDA the allocator's peak (``torch.cuda.max_memory_allocated``); on CPU the peak bytes of tensors
+saved for backward (``torch.autograd.graph.saved_tensors_hooks``), distinct storages only and parameters
+excluded, i.e. exactly what the activation formula counts.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+
+from .. import device
+
+_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Formulas
+# ---------------------------------------------------------------------------------------------------------------
+def bytes_per_parameter(params_dtype=torch.float32, grad_dtype=torch.float32, *, optimizer: str = "adam",
+                        sgd_momentum: float = 0.9, distributed: bool = False, dp: int = 1) -> float:
+    """Weights + gradients + optimizer bytes per parameter (see the module docstring's table)."""
+    p, g = _BYTES[params_dtype], _BYTES[grad_dtype]
+    main_grad = 4 if g != 4 else 0  # fp32 copy of a 16-bit gradient
+    main_param = 4 if p != 4 else 0
+    states = 8 if optimizer == "adam" else (4 if sgd_momentum else 0)
+    sharded = main_grad + main_param + states
+    return p + g + (sharded / dp if distributed else sharded)
+
+
+def activation_bytes_per_layer(s: int, b: int, h: int, a: int, *, t: int = 1, sequence_parallel: bool = False,
+                               recompute: str | None = None, ffn_hidden_size: int | None = None) -> float:
+    """Korthikanti et al. 2022, Table 2 (16-bit activations, 1-byte dropout masks), one layer, one microbatch."""
+    f = 4 * h if ffn_hidden_size is None else ffn_hidden_size
+    linear = 18 + 4 * f / h  # 34 for f = 4h: 10 (replicated: LN inputs, dropout masks/outputs) + 24 (TP-sharded)
+    attn = 5 * a * s / h  # scores, softmax, dropout mask and output
+    sp = sequence_parallel and t > 1
+    if recompute == "full":
+        return 2 * s * b * h / (t if sp else 1)
+    if recompute == "selective":
+        attn = 0.0
+    if t == 1 or sp:
+        return s * b * h * (linear / t + attn / t)
+    return s * b * h * (10 + (linear - 10) / t + attn / t)
+
+
+def cpu_activation_bytes_per_layer(s: int, b: int, h: int, a: int, *, t: int = 1, sequence_parallel: bool = False,
+                                   recompute: str | None = None, ffn_hidden_size: int | None = None) -> float:
+    """What this implementation saves per layer in 16-bit on CPU: :func:`activation_bytes_per_layer` plus three
+    known deviations (accounted for tensor by tensor with the saved-tensor hooks):
+
+    - CPU ``F.dropout`` keeps its mask in the activation dtype (2 bytes, not 1): ``+2*s*b*h`` for the layer's two
+      hidden dropouts (``/t`` under SP);
+    - under SP the column-parallel linears (QKV, FC1) keep their all-gathered input for the weight gradient,
+      where Megatron keeps the shard and all-gathers again in backward: ``+2 * 2*s*b*h*(1 - 1/t)``;
+    - without selective recompute, the CPU SDPA (math) kernel upcasts q, k, v to fp32 and saves fp32 copies of
+      them (12 bytes per element instead of 6: ``+6*s*b*h/t``) and fp32 probabilities, dropout mask and dropped
+      probabilities (12 bytes per score instead of 5: ``+7*a*s*s*b/t``).
+    (Multi-head attention; ``full`` recompute is the formula's.)"""
+    base = activation_bytes_per_layer(s, b, h, a, t=t, sequence_parallel=sequence_parallel, recompute=recompute,
+                                      ffn_hidden_size=ffn_hidden_size)
+    if recompute == "full":
+        return base
+    sp = sequence_parallel and t > 1
+    sbh = s * b * h
+    extra = 2 * sbh / (t if sp else 1)
+    if sp:
+        extra += 4 * sbh * (1 - 1 / t)
+    if recompute != "selective":
+        extra += 6 * sbh / t + 7 * a * s * s * b / t
+    return base + extra
+
+
+def interleave_factor(p: int, v: int) -> float:
+    """Extra activation memory of the interleaved schedule on the first stage: ``1 + (p-1)/(p*v)``."""
+    return 1.0 + (p - 1) / (p * v) if v > 1 else 1.0
+
+
+def activation_bytes(model_cfg, *, micro_batch_size: int, tp: int = 1, pp: int = 1, vp: int = 1,
+                     sequence_parallel: bool = False, num_microbatches: int | None = None,
+                     padded_vocab_size: int | None = None) -> float:
+    """Peak activation bytes of the fullest (first) pipeline stage's rank for one iteration."""
+    m = model_cfg
+    s, b, h = m.seq_length, micro_batch_size, m.hidden_size
+    per_layer = activation_bytes_per_layer(s, b, h, m.num_attention_heads, t=tp,
+                                           sequence_parallel=sequence_parallel,
+                                           recompute=m.recompute_granularity, ffn_hidden_size=m.ffn_hidden_size)
+    if pp == 1:
+        in_flight = 1.0
+    elif vp > 1:
+        in_flight = pp * interleave_factor(pp, vp)
+    else:
+        in_flight = min(num_microbatches or pp, pp)
+    total = per_layer * (m.num_layers / pp) * in_flight
+    total += (8 * s * b + s * b * h / (tp if sequence_parallel else 1)) * in_flight  # embedding input, dropout
+    if pp == 1:
+        v = padded_vocab_size or m.padded_vocab_size(tp)
+        total += 4 * s * b * h * (1 + v / h) / tp  # output layer input and the loss's logits
+    return total
+
+
+def theoretical_memory(cfg, num_params: int) -> dict:
+    """This rank's estimate: ``weights_and_optimizer`` and ``activations`` bytes, and the inputs used."""
+    o, par = cfg.optim, cfg.parallel
+    bpp = bytes_per_parameter(o.params_dtype, o.grad_dtype, optimizer=o.optimizer, sgd_momentum=o.sgd_momentum,
+                              distributed=o.use_distributed_optimizer, dp=par.dp)
+    act = activation_bytes(cfg.model, micro_batch_size=cfg.train.micro_batch_size, tp=par.tp, pp=par.pp,
+                           vp=par.vp, sequence_parallel=cfg.sequence_parallel,
+                           num_microbatches=cfg.num_microbatches)
+    return {"num_params": num_params, "bytes_per_param": bpp, "weights_and_optimizer": bpp * num_params,
+            "activations": act}
+
+
+def _mb(x: float) -> str:
+    return f"{x / 2 ** 20:.2f} MB"
+
+
+def report_theoretical_memory(cfg, optimizer, models, print_fn=print) -> dict:
+    """Print the start-up estimate for this rank (weights + grads + optimizer, activations)."""
+    n = sum(p.numel() for m in models for p in m.parameters())
+    est = theoretical_memory(cfg, n)
+    o = cfg.optim
+    kind = ("distributed " if o.use_distributed_optimizer else "") + o.optimizer
+    print_fn(f"theoretical memory per rank: weights+grads+optimizer {_mb(est['weights_and_optimizer'])} "
+             f"({n} params x {est['bytes_per_param']:.2f} B/param; {str(o.params_dtype).replace('torch.', '')} "
+             f"params, {str(o.grad_dtype).replace('torch.', '')} grads, {kind}); activations (first stage, "
+             f"Korthikanti et al.) {_mb(est['activations'])}; total {_mb(est['weights_and_optimizer'] + est['activations'])}")
+    return est
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Measurement
+# ---------------------------------------------------------------------------------------------------------------
+class _Packed:
+    __slots__ = ("tensor", "counter", "key")
+
+    def __init__(self, tensor, counter, key):
+        self.tensor, self.counter, self.key = tensor, counter, key
+
+    def __del__(self):
+        if self.key is not None:
+            self.counter._release(self.key)
+
+
+class SavedActivationCounter:
+    """Peak (and current) bytes of tensors autograd saves for backward inside ``with counter:``.
+
+    Each storage is counted once while any saved reference to it lives (a tensor saved by two nodes, or views
+    of one buffer, are one allocation); parameters (and views of them) are not activations and are skipped.
+    """
+
+    def __init__(self, params=()):
+        self._param_storages = {p.untyped_storage().data_ptr() for p in params}
+        self._live: dict[int, list] = {}  # storage ptr -> [refs, bytes]
+        self._lock = threading.Lock()
+        self.current = 0
+        self.peak = 0
+        self._ctx = None
+
+    def _pack(self, t: torch.Tensor):
+        if isinstance(t, torch.nn.Parameter) or t.device.type == "meta":
+            return _Packed(t, self, None)
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if key in self._param_storages or st.nbytes() == 0:
+            return _Packed(t, self, None)
+        with self._lock:
+            entry = self._live.get(key)
+            if entry is None:
+                self._live[key] = [1, st.nbytes()]
+                self.current += st.nbytes()
+                self.peak = max(self.peak, self.current)
+            else:
+                entry[0] += 1
+        return _Packed(t, self, key)
+
+    @staticmethod
+    def _unpack(packed: _Packed):
+        return packed.tensor
+
+    def _release(self, key: int) -> None:
+        with self._lock:
+            entry = self._live.get(key)
+            if entry is None:
+                return
+            entry[0] -= 1
+            if entry[0] == 0:
+                self.current -= entry[1]
+                del self._live[key]
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+    def __enter__(self):
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._ctx.__exit__(*exc)
+        self._ctx = None
+        return False
+
+
+class ActivationMeter:
+    """Measures the first training iteration: CUDA allocator peak, or saved-activation peak on CPU."""
+
+    def __init__(self, params=(), enabled: bool = True, estimate: float | None = None):
+        self.params = list(params)
+        self.enabled = enabled
+        self.estimate = estimate
+        self.measured: float | None = None
+        self.kind = "allocator peak" if device.device_type() == "cuda" else "saved activations (peak)"
+        self._reported = False
+
+    @contextlib.contextmanager
+    def measure(self):
+        if not self.enabled or self.measured is not None:
+            yield
+            return
+        if device.device_type() == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            yield
+            self.measured = float(torch.cuda.max_memory_allocated())
+        else:
+            counter = SavedActivationCounter(self.params)
+            with counter:
+                yield
+            self.measured = float(counter.peak)
+
+    def report(self, print_fn=print) -> None:
+        if self.measured is None or self._reported:
+            return
+        self._reported = True
+        extra = ""
+        if self.estimate and self.kind.startswith("saved"):
+            extra = f" (formula {_mb(self.estimate)}, measured/formula {self.measured / self.estimate:.2f})"
+        print_fn(f"measured memory (first iteration, {self.kind}): {_mb(self.measured)}{extra}")
+
+
+__all__ = ["bytes_per_parameter", "activation_bytes_per_layer", "activation_bytes", "interleave_factor",
+           "theoretical_memory", "report_theoretical_memory", "SavedActivationCounter", "ActivationMeter"]

@@ -1,0 +1,297 @@
+"""Checkpoints through ``pretrain(cfg)``: exact resume in the same layout (bitwise, dropout on), asynchronous
+saves equal synchronous ones, exit conditions save, every layout loads every other (reshard matrix), and a
+checkpoint that does not fit the run gives one clear error."""
+import os
+
+import pytest
+import torch
+
+from harness import run_distributed
+from megatronish.arguments import configs_from_args, parse_args
+from megatronish.checkpoint import CheckpointError, dcp_io
+from megatronish.checkpoint.offline import iter_model_tensors, read_checkpoint_meta
+from megatronish.parallel import groups
+from megatronish.training.pretrain import pretrain
+
+BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--max-position-embeddings", "16", "--vocab-size", "96", "--tokenizer-type", "NullTokenizer", "--mock-data",
+        "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-3", "--min-lr", "3e-4",
+        "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--weight-decay", "0.1", "--clip-grad", "1.0",
+        "--swiglu", "--eval-iters", "0", "--log-interval", "1000", "--seed", "7"]
+DROPOUT = ["--attention-dropout", "0.1", "--hidden-dropout", "0.1"]
+NO_DROPOUT = ["--attention-dropout", "0", "--hidden-dropout", "0"]
+DIST_OPT = ["--use-distributed-optimizer"]
+
+PP2_VP2 = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
+TP2 = ["--tensor-model-parallel-size", "2"]
+
+
+def _run(argv, world, edit=None):
+    groups.destroy_model_parallel()
+    cfg = configs_from_args(parse_args(BASE + argv), world)
+    if edit:
+        edit(cfg)
+    return pretrain(cfg)
+
+
+def _losses(argv, world, edit=None):
+    return [loss for _, loss in _run(argv, world, edit).history]
+
+
+# ------------------------------------------------------------------ exact resume, async, exit conditions
+RESUME_CASES = {"dp2": [], "pp2_vp2": PP2_VP2, "dp2_distributed_optimizer": DIST_OPT,
+                "dp2_bf16_fp8": ["--bf16", "--fp8-format", "hybrid"]}  # + fp32 master copies, FP8 amax history
+
+
+def _resume_worker(rank, world, root):
+    out = {}
+    for name, case in RESUME_CASES.items():
+        d = os.path.join(root, name)
+        argv = case + DROPOUT + ["--train-iters", "10"]
+        straight = _losses(argv, world)
+        first = _run(argv + ["--exit-interval", "5", "--save", d], world)
+        resumed = _losses(argv + ["--load", d], world)
+        out[name] = (straight, [loss for _, loss in first.history], first.exit_reason, resumed)
+    # asynchronous saves: same training, and the same files as the synchronous save
+    d = os.path.join(root, "async")
+    argv = DROPOUT + ["--train-iters", "10"]
+    out["async"] = _losses(argv + ["--save", d, "--save-interval", "5", "--async-save"], world)
+    out["async_resumed"] = _losses(argv + ["--load", os.path.join(d, "iter_0000005")], world)
+    # a background write that fails: every rank raises at the next iteration, the tracker is not written
+    real_save = dcp_io.save
+
+    def failing_save(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    dcp_io.save = failing_save
+    try:
+        _run(argv + ["--save", os.path.join(root, "failing"), "--save-interval", "2", "--async-save"], world)
+        out["async_error"] = None
+    except CheckpointError as e:
+        out["async_error"] = str(e)
+    finally:
+        dcp_io.save = real_save
+    # --exit-duration-in-mins: every rank decides together after the first iteration
+    state = _run(argv + ["--save", os.path.join(root, "duration")], world,
+                 edit=lambda cfg: setattr(cfg.checkpoint, "exit_duration_in_mins", 1e-9))
+    out["duration"] = (state.iteration, state.exit_reason)
+    return out
+
+
+@pytest.fixture(scope="module")
+def resume(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("resume"))
+    return root, run_distributed(_resume_worker, 2, root, timeout=300)[0]
+
+
+@pytest.mark.parametrize("case", sorted(RESUME_CASES))
+def test_exact_resume_same_layout(resume, case):
+    straight, first, reason, resumed = resume[1][case]
+    assert len(straight) == 10 and reason == "interval" and len(first) == 5
+    assert first + resumed == straight  # bitwise: model, optimizer, schedule, RNG (dropout on), data position
+
+
+def test_async_save_equals_sync(resume):
+    root, out = resume
+    straight = out["dp2"][0]
+    assert out["async"] == straight
+    assert out["async_resumed"] == straight[5:]
+    assert open(os.path.join(root, "async", "latest_checkpointed_iteration.txt")).read() == "10"
+    sync_dir, async_dir = os.path.join(root, "dp2", "iter_0000005"), os.path.join(root, "async", "iter_0000005")
+    for (name, a), (_, b) in zip(iter_model_tensors(sync_dir), iter_model_tensors(async_dir)):
+        assert torch.equal(a, b), name
+    ms, ma = dcp_io.read_index(sync_dir), dcp_io.read_index(async_dir)
+    opt = [k for k in ms.state_dict_metadata if k.startswith("optimizer.")]
+    assert opt and sorted(opt) == sorted(k for k in ma.state_dict_metadata if k.startswith("optimizer."))
+    for k in opt:
+        assert torch.equal(dcp_io.read_tensor(sync_dir, ms, k), dcp_io.read_tensor(async_dir, ma, k)), k
+
+
+def test_async_save_error_surfaces_on_every_rank(resume):
+    root, out = resume
+    assert out["async_error"].startswith("asynchronous save of iteration 2 to ") and \
+        "No space left on device" in out["async_error"]
+    assert not os.path.exists(os.path.join(root, "failing", "latest_checkpointed_iteration.txt"))
+
+
+def test_exit_duration_saves_and_stops(resume):
+    root, out = resume
+    assert out["duration"] == (1, "duration")
+    assert read_checkpoint_meta(os.path.join(root, "duration"))["iteration"] == 1
+
+
+# ------------------------------------------------------------------ reshard matrix
+SOURCES = {"tp2_pp2_sp": TP2 + ["--pipeline-model-parallel-size", "2", "--sequence-parallel"],
+           "pp2_vp2_dp2": PP2_VP2, "tp2_dp2_distopt": TP2 + DIST_OPT}
+SAVE_AT, END = 5, 8
+
+
+def _source_dir(root, name):
+    return os.path.join(root, name, f"iter_{SAVE_AT:07d}")
+
+
+def _reshard_worker(rank, world, root):
+    argv = NO_DROPOUT + ["--train-iters", str(END)]
+    refs, got = {}, {}
+    if world == 4:
+        for name, src in SOURCES.items():  # the original layout: save at 5, continue to 8
+            refs[name] = _losses(src + argv + ["--save", os.path.join(root, name), "--save-interval", str(SAVE_AT)],
+                                 world)[SAVE_AT:]
+    targets = SOURCES if world == 4 else {"single": []}
+    for name in SOURCES:
+        for target, tgt in targets.items():
+            if target != name:
+                got[(name, target)] = _losses(tgt + argv + ["--load", _source_dir(root, name)], world)
+    return refs, got
+
+
+def _bad_checkpoints_worker(rank, world, root):
+    """Each checkpoint that does not fit the run: one message (world 1)."""
+    src = os.path.join(root, "tp2_pp2_sp")
+    errors = {}
+
+    def error_of(argv, edit=None):
+        try:
+            _run(NO_DROPOUT + ["--train-iters", "6"] + argv, world, edit)
+        except CheckpointError as e:
+            return str(e)
+        return None
+
+    errors["hidden"] = error_of(["--load", src, "--hidden-size", "64"])
+    errors["layers"] = error_of(["--load", src, "--num-layers", "2"])
+    errors["sgd"] = error_of(["--load", src, "--optimizer", "sgd"])
+    errors["missing"] = error_of(["--load", os.path.join(root, "nothing"), "--exit-on-missing-checkpoint"])
+    no_optim = os.path.join(root, "no_optim")
+    _run(NO_DROPOUT + ["--train-iters", "3", "--save", no_optim, "--no-save-optim"], world)
+    errors["no_optim"] = error_of(["--load", no_optim])
+    ok = {"no_load_optim": len(_losses(NO_DROPOUT + ["--train-iters", "4", "--load", no_optim, "--no-load-optim"],
+                                       world)),
+          "finetune": len(_losses(NO_DROPOUT + ["--train-iters", "4", "--load", src, "--finetune"], world)),
+          "fresh": len(_losses(NO_DROPOUT + ["--train-iters", "3", "--load", os.path.join(root, "nothing")], world))}
+    # an fp32 checkpoint into a bf16 run: the fp32 master copies start from the stored fp32 weights
+    ok["bf16_from_fp32"] = _losses(NO_DROPOUT + ["--train-iters", str(END), "--bf16", "--load",
+                                                 _source_dir(root, "tp2_pp2_sp")], world)
+    return errors, ok
+
+
+@pytest.fixture(scope="module")
+def reshard(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("reshard"))
+    refs, got = run_distributed(_reshard_worker, 4, root, timeout=300)[0]
+    got.update(run_distributed(_reshard_worker, 1, root, timeout=300)[0][1])
+    bad = run_distributed(_bad_checkpoints_worker, 1, root, timeout=300)[0]
+    return root, refs, got, bad
+
+
+@pytest.mark.parametrize("source", sorted(SOURCES))
+def test_reshard_matrix(reshard, source):
+    """A checkpoint saved at one layout, loaded at each other one and in one process, continues with the
+    losses of the original layout."""
+    _, refs, got, _ = reshard
+    targets = [t for (s, t) in got if s == source]
+    assert sorted(targets) == sorted([t for t in SOURCES if t != source] + ["single"])
+    for target in targets:
+        torch.testing.assert_close(torch.tensor(got[(source, target)]), torch.tensor(refs[source]), rtol=1e-5,
+                                   atol=0, msg=lambda m: f"{source} -> {target}: {m}")
+
+
+def test_reshard_stores_global_tensors_once(reshard):
+    """Global shapes whatever the layout; replicated tensors (TP-replicated norms, the tied output copy) once."""
+    root = reshard[0]
+    metas = {name: read_checkpoint_meta(_source_dir(root, name)) for name in SOURCES}
+    shapes = {name: {k: v["shape"] for k, v in m["tensors"].items()} for name, m in metas.items()}
+    assert shapes["pp2_vp2_dp2"]["embedding.word_embeddings.weight"] == (128, 32)  # padded for TP 1
+    assert shapes["tp2_pp2_sp"]["embedding.word_embeddings.weight"] == (256, 32)  # padded for TP 2
+    assert shapes["tp2_pp2_sp"]["decoder.layers.3.mlp.linear_fc1.weight"] == (128, 32)  # [gate; up]
+    assert "output_layer.weight" not in shapes["tp2_pp2_sp"]  # tied: the last stage's copy is the embedding
+    for name, per_key in (("pp2_vp2_dp2", {}), ("tp2_pp2_sp", {"model.decoder.layers.3.mlp.linear_fc1.weight": 4,
+                                                                "model.decoder.layers.3.mlp.linear_fc2.weight": 2,
+                                                                "model.embedding.word_embeddings.weight": 2})):
+        md = dcp_io.read_index(_source_dir(root, name))
+        chunks = {}
+        for index in md.storage_data:
+            if index.offset is not None:
+                chunks[index.fqn] = chunks.get(index.fqn, 0) + 1
+        assert chunks["model.decoder.final_layernorm.weight"] == 1  # replicated over DP / TP ranks: stored once
+        assert chunks["model.embedding.word_embeddings.weight"] == per_key.get(
+            "model.embedding.word_embeddings.weight", 1)  # the tied copy on the last stage is not stored again
+        for key, n in per_key.items():  # TP 2: two blocks per rank for [gate; up]
+            assert chunks[key] == n and chunks["optimizer." + key[len("model."):] + ".exp_avg"] == n, key
+        if not per_key:
+            assert set(chunks.values()) == {1}
+
+
+def test_bad_checkpoint_messages(reshard):
+    errors, ok = reshard[3]
+    assert errors["hidden"].startswith("--hidden-size: checkpoint") and "hidden_size=32, this run has 64" in \
+        errors["hidden"]
+    assert errors["layers"].startswith("--num-layers: checkpoint")
+    assert "no optimizer state 'momentum_buffer'" in errors["sgd"] and "--no-load-optim" in errors["sgd"]
+    assert errors["missing"].startswith("--exit-on-missing-checkpoint: no checkpoint under --load")
+    assert "has no optimizer state (saved with --no-save-optim" in errors["no_optim"]
+    bf16 = ok.pop("bf16_from_fp32")
+    assert ok == {"no_load_optim": 1, "finetune": 4, "fresh": 3}  # resumed at 3; finetune restarts at 0
+    torch.testing.assert_close(torch.tensor(bf16), torch.tensor(reshard[1]["tp2_pp2_sp"]), rtol=1e-2, atol=0)
+
+
+# ------------------------------------------------------------------ FP8 scaling state
+def _fp8_worker(rank, world, root):
+    import zlib
+
+    from megatronish.checkpoint.manager import Checkpointer
+    from megatronish.model.build import build_model_chunks
+    from megatronish.precision.fp8 import Fp8Recipe, enable_fp8
+    from megatronish.training.pretrain import TrainState
+
+    groups.destroy_model_parallel()
+    flags = NO_DROPOUT + ["--train-iters", "4"] + (TP2 + ["--save", root] if world == 2 else ["--load", root])
+    cfg = configs_from_args(parse_args(BASE + flags), world)
+    groups.initialize_model_parallel(cfg.parallel)
+    models = build_model_chunks(cfg.model, cfg.parallel, 0)
+    manager = enable_fp8(models[0], Fp8Recipe(fp8_amax_history_len=3))
+    ck = Checkpointer(cfg, models, None, None, fp8=manager)
+    if world == 2:
+        for key, s in manager.states():  # the same on every rank, as after the amax all-reduce
+            base = zlib.crc32(key.encode()) % 1000
+            s.amax_history = torch.arange(3.0) + base
+            s.scale = torch.tensor(1.0 / (base + 1))
+        ck.save(TrainState(iteration=3))
+        ck.finish(TrainState(iteration=3))
+    else:
+        ck.load(TrainState())
+    return {k: v.tolist() for k, v in manager.state_dict().items() if k != "recipe"}  # plain values to the parent
+
+
+def test_fp8_scaling_state_survives_a_layout_change(tmp_path):
+    saved = run_distributed(_fp8_worker, 2, str(tmp_path))[0]
+    loaded = run_distributed(_fp8_worker, 1, str(tmp_path))[0]
+    assert len(saved) == 4 * 4 * 3 * 2  # layers x linears x (input, weight, grad_output) x (history, scale)
+    assert saved == loaded
+
+
+# ------------------------------------------------------------------ offline-written checkpoints (conversion)
+def _offline_worker(rank, world, root):
+    from megatronish.checkpoint.offline import write_checkpoint
+    from megatronish.model.build import build_model_chunks
+
+    argv = NO_DROPOUT + ["--train-iters", "3", "--finetune", "--load", root]
+    if world == 1:  # write global tensors as a converter would: here the initial weights, scaled
+        groups.destroy_model_parallel()
+        cfg = configs_from_args(parse_args(BASE + NO_DROPOUT + ["--train-iters", "3"]), 1)
+        groups.initialize_model_parallel(cfg.parallel)
+        (model,) = build_model_chunks(cfg.model, cfg.parallel, 0)
+        model.init_parameters(123)
+        tensors = {name: p.detach()[: cfg.model.vocab_size] * 1.5 if name.startswith("embedding.word") else
+                   p.detach() * 1.5 for name, p in model.named_global_parameters()}
+        write_checkpoint(root, None, tensors, cfg.model)
+        return _losses(argv, world), _losses(NO_DROPOUT + ["--train-iters", "3"], world)
+    return _losses(argv + TP2, world)
+
+
+def test_offline_checkpoint_loads_at_any_layout(tmp_path):
+    """A checkpoint written by the offline API (unpadded vocabulary, no optimizer) loads with --finetune in one
+    process and at TP 2 with the same losses, which are not the fresh model's."""
+    single, fresh = run_distributed(_offline_worker, 1, str(tmp_path))[0]
+    tp2 = run_distributed(_offline_worker, 2, str(tmp_path))[0]
+    torch.testing.assert_close(torch.tensor(tp2), torch.tensor(single), rtol=1e-5, atol=0)
+    assert abs(single[0] - fresh[0]) > 1e-3

@@ -1,0 +1,44 @@
+"""--use-checkpoint-args fills the model-shape flags from the --load checkpoint's stored config."""
+import dataclasses
+
+import pytest
+import torch
+
+from megatronish.arguments import configs_from_args, parse_args
+from megatronish.checkpoint.offline import write_checkpoint
+from megatronish.config import llama
+from megatronish.parallel.dims import ConfigError
+
+RUN = ["--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "10", "--lr", "1e-3", "--mock-data"]
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    model = llama(num_layers=3, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=97,
+                  seq_length=16, ffn_hidden_size=96)
+    cfg = {"model": dataclasses.asdict(model), "data": {"tokenizer_type": "NullTokenizer", "vocab_size_flag": 96}}
+    write_checkpoint(str(tmp_path), 4, {"decoder.final_layernorm.weight": torch.ones(64)}, cfg)
+    return str(tmp_path), model
+
+
+def test_model_flags_come_from_the_checkpoint(ckpt):
+    d, model = ckpt
+    cfg = configs_from_args(parse_args(RUN + ["--load", d, "--use-checkpoint-args"]), 1)
+    for field in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                  "vocab_size", "seq_length", "normalization", "position_embedding_type", "swiglu",
+                  "untie_embeddings_and_output_weights", "add_bias_linear"):
+        assert getattr(cfg.model, field) == getattr(model, field), field
+    assert cfg.data.tokenizer_type == "NullTokenizer" and cfg.checkpoint.use_checkpoint_args
+
+
+def test_command_line_keeps_what_megatron_keeps(ckpt):
+    d, _ = ckpt
+    cfg = configs_from_args(parse_args(RUN + ["--load", d, "--use-checkpoint-args", "--seq-length", "8",
+                                              "--normalization", "LayerNorm"]), 1)
+    assert cfg.model.seq_length == 8  # filled only when unset
+    assert cfg.model.normalization == "RMSNorm"  # architecture switches always from the checkpoint
+
+
+def test_missing_checkpoint_is_one_error(tmp_path):
+    with pytest.raises(ConfigError, match="^--use-checkpoint-args: no checkpoint at"):
+        configs_from_args(parse_args(RUN + ["--load", str(tmp_path), "--use-checkpoint-args"]), 1)
