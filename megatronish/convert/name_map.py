@@ -1,0 +1,210 @@
+"""The one name map between Hugging Face tensors and our global tensors, with the layout rules.
+
+Each :class:`Entry` ties one of our global tensors to the HF tensor(s) it is made of and carries the two
+pure data movements between them (no arithmetic, so round trips are bitwise). Both directions, every loader
+and every saver go through :func:`build_entries`; docs/convert.md documents the rules:
+
+* fused QKV: ours is ``num_query_groups`` blocks of ``[q heads of the group; k; v]`` (``kv_channels`` rows
+  each) — HF Llama keeps separate ``q_proj``/``k_proj``/``v_proj``; HF GPT-2 one ``c_attn`` ``[q | k | v]``;
+* SwiGLU ``linear_fc1`` is ``[gate; up]``;
+* RoPE is rotate-half on both sides: no permutation of q/k rows;
+* GPT-2's ``Conv1D`` stores ``[in, out]``: transposed to our ``[out, in]``;
+* vocabulary rows: HF has the true vocabulary; ours is padded with zero rows to a multiple of
+  ``make_vocab_size_divisible_by * TP`` (added on import, dropped on export);
+* tied embeddings: no ``output_layer.weight`` and no ``lm_head.weight``.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ModelConfig
+from .hf_config import GPT2, LLAMA, ConvertError
+
+WORD = "embedding.word_embeddings.weight"
+OUTPUT = "output_layer.weight"
+VOCAB_TENSORS = (WORD, OUTPUT)
+# HF tensors that are buffers, not weights (older GPT-2 files store the causal mask): skipped on import.
+IGNORED_HF_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+
+
+@dataclass(frozen=True)
+class Entry:
+    ours: str
+    hf: tuple[str, ...]
+    to_ours: Callable[..., torch.Tensor]  # HF tensors (in ``hf`` order) -> our global tensor
+    to_hf: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]  # our global tensor -> HF tensors
+
+
+# ---- layout rules -------------------------------------------------------------------------------------------
+
+def qkv_to_ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    """Separate q ``[heads*d, ...]``, k/v ``[groups*d, ...]`` -> fused ``[groups * (heads/groups + 2) * d, ...]``:
+    group ``g`` holds query heads ``g*heads/groups ...`` then key head ``g`` then value head ``g``."""
+    rest = q.shape[1:]
+    qg = q.reshape(groups, -1, *rest)
+    kg = k.reshape(groups, -1, *rest)
+    vg = v.reshape(groups, -1, *rest)
+    return torch.cat((qg, kg, vg), dim=1).reshape(-1, *rest)
+
+
+def qkv_from_ours(t: torch.Tensor, heads: int, groups: int, d: int) -> tuple[torch.Tensor, ...]:
+    """Inverse of :func:`qkv_to_ours`: fused -> (q, k, v)."""
+    rest = t.shape[1:]
+    g = t.reshape(groups, (heads // groups + 2) * d, *rest)
+    q, k, v = g.split([heads // groups * d, d, d], dim=1)
+    return tuple(x.reshape(-1, *rest).contiguous() for x in (q, k, v))
+
+
+def _t(x: torch.Tensor) -> torch.Tensor:
+    return x.t().contiguous()
+
+
+def pad_vocab(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with zero rows appended up to ``rows``."""
+    if t.size(0) == rows:
+        return t
+    out = torch.zeros((rows, *t.shape[1:]), dtype=t.dtype, device=t.device)
+    out[: t.size(0)] = t
+    return out
+
+
+def _vocab_entry(ours: str, hf: str, true_vocab: int, padded: int) -> Entry:
+    def to_ours(x):
+        if x.size(0) < true_vocab:
+            raise ConvertError(f"{hf} has {x.size(0)} rows, fewer than the vocabulary size {true_vocab}")
+        return pad_vocab(x[:true_vocab], padded)
+
+    def to_hf(x):
+        if x.size(0) < true_vocab:
+            raise ConvertError(f"vocabulary size {true_vocab} is larger than the padded vocabulary of {ours} "
+                               f"({x.size(0)} rows); pass --true-vocab-size <= {x.size(0)}")
+        return (x[:true_vocab].contiguous(),)
+
+    return Entry(ours, (hf,), to_ours, to_hf)
+
+
+def _same(ours: str, hf: str) -> Entry:
+    return Entry(ours, (hf,), lambda x: x, lambda x: (x,))
+
+
+def _transposed(ours: str, hf: str) -> Entry:
+    return Entry(ours, (hf,), _t, lambda x: (_t(x),))
+
+
+def _gpt2_qkv(ours: str, hf: str, kind: str, heads: int, groups: int, d: int) -> Entry:
+    """GPT-2 ``c_attn``: Conv1D weight ``[h, 3h]`` (bias ``[3h]``), columns ``[q heads | k heads | v heads]``."""
+    def to_ours(x):
+        q, k, v = (x.t() if kind == "weight" else x).chunk(3, dim=0)
+        return qkv_to_ours(q, k, v, groups)
+
+    def to_hf(x):
+        fused = torch.cat(qkv_from_ours(x, heads, groups, d), dim=0)
+        return (_t(fused) if kind == "weight" else fused,)
+
+    return Entry(ours, (hf,), to_ours, to_hf)
+
+
+# ---- the map ------------------------------------------------------------------------------------------------
+
+def build_entries(cfg: ModelConfig, arch: str, padded_vocab: int, prefix: str | None = None) -> list[Entry]:
+    """Every tensor of the model in file order (embedding, layers 0.., final norm, output layer).
+
+    ``padded_vocab``: rows of our word embedding / output layer. ``prefix``: HF GPT-2 name prefix
+    (``"transformer."``, or ``""`` for old files without it); Llama names are fixed."""
+    V, heads, groups, d = cfg.vocab_size, cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
+    out: list[Entry] = []
+    if arch == GPT2:
+        p = "transformer." if prefix is None else prefix
+        out.append(_vocab_entry(WORD, f"{p}wte.weight", V, padded_vocab))
+        out.append(_same("embedding.position_embeddings.weight", f"{p}wpe.weight"))
+        for i in range(cfg.num_layers):
+            o, h = f"decoder.layers.{i}.", f"{p}h.{i}."
+            for ln_o, ln_h in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
+                out += [_same(f"{o}{ln_o}.weight", f"{h}{ln_h}.weight"), _same(f"{o}{ln_o}.bias", f"{h}{ln_h}.bias")]
+            for kind in ("weight", "bias"):
+                out.append(_gpt2_qkv(f"{o}self_attention.linear_qkv.{kind}", f"{h}attn.c_attn.{kind}", kind,
+                                     heads, groups, d))
+            out += [_transposed(f"{o}self_attention.linear_proj.weight", f"{h}attn.c_proj.weight"),
+                    _same(f"{o}self_attention.linear_proj.bias", f"{h}attn.c_proj.bias"),
+                    _transposed(f"{o}mlp.linear_fc1.weight", f"{h}mlp.c_fc.weight"),
+                    _same(f"{o}mlp.linear_fc1.bias", f"{h}mlp.c_fc.bias"),
+                    _transposed(f"{o}mlp.linear_fc2.weight", f"{h}mlp.c_proj.weight"),
+                    _same(f"{o}mlp.linear_fc2.bias", f"{h}mlp.c_proj.bias")]
+        out += [_same("decoder.final_layernorm.weight", f"{p}ln_f.weight"),
+                _same("decoder.final_layernorm.bias", f"{p}ln_f.bias")]
+    elif arch == LLAMA:
+        bias = cfg.add_bias_linear
+        kinds = ("weight", "bias") if bias else ("weight",)
+        out.append(_vocab_entry(WORD, "model.embed_tokens.weight", V, padded_vocab))
+        for i in range(cfg.num_layers):
+            o, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+            out.append(_same(f"{o}input_layernorm.weight", f"{h}input_layernorm.weight"))
+            for kind in kinds:
+                out.append(Entry(f"{o}self_attention.linear_qkv.{kind}",
+                                 tuple(f"{h}self_attn.{x}_proj.{kind}" for x in "qkv"),
+                                 lambda q, k, v: qkv_to_ours(q, k, v, groups),
+                                 lambda x: qkv_from_ours(x, heads, groups, d)))
+            for kind in kinds:
+                out.append(_same(f"{o}self_attention.linear_proj.{kind}", f"{h}self_attn.o_proj.{kind}"))
+            out.append(_same(f"{o}pre_mlp_layernorm.weight", f"{h}post_attention_layernorm.weight"))
+            for kind in kinds:
+                out.append(Entry(f"{o}mlp.linear_fc1.{kind}", (f"{h}mlp.gate_proj.{kind}", f"{h}mlp.up_proj.{kind}"),
+                                 lambda g, u: torch.cat((g, u), dim=0),
+                                 lambda x: tuple(c.contiguous() for c in x.chunk(2, dim=0))))
+            for kind in kinds:
+                out.append(_same(f"{o}mlp.linear_fc2.{kind}", f"{h}mlp.down_proj.{kind}"))
+        out.append(_same("decoder.final_layernorm.weight", "model.norm.weight"))
+    else:
+        raise ConvertError(f"unknown architecture {arch!r}")
+    if cfg.untie_embeddings_and_output_weights:
+        out.append(_vocab_entry(OUTPUT, "lm_head.weight", V, padded_vocab))
+    return out
+
+
+def expected_global_shapes(cfg: ModelConfig, tp: int = 1) -> dict[str, tuple[int, ...]]:
+    """Our global parameter shapes (padded vocabulary at ``tp``); tests check them against the model built
+    on the meta device (``GPTModel.named_global_parameters``)."""
+    h, ffn, L = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * cfg.kv_channels
+    proj_in = cfg.num_attention_heads * cfg.kv_channels
+    fc1 = ffn * (2 if cfg.swiglu else 1)
+    norm_bias = cfg.normalization == "LayerNorm"
+    out = {WORD: (cfg.padded_vocab_size(tp), h)}
+    if cfg.position_embedding_type == "learned_absolute":
+        out["embedding.position_embeddings.weight"] = (cfg.max_position_embeddings, h)
+    for i in range(L):
+        o = f"decoder.layers.{i}."
+        for ln in ("input_layernorm", "pre_mlp_layernorm"):
+            out[f"{o}{ln}.weight"] = (h,)
+            if norm_bias:
+                out[f"{o}{ln}.bias"] = (h,)
+        out[f"{o}self_attention.linear_qkv.weight"] = (qkv, h)
+        if cfg.qkv_bias:
+            out[f"{o}self_attention.linear_qkv.bias"] = (qkv,)
+        out[f"{o}self_attention.linear_proj.weight"] = (h, proj_in)
+        out[f"{o}mlp.linear_fc1.weight"] = (fc1, h)
+        out[f"{o}mlp.linear_fc2.weight"] = (h, ffn)
+        if cfg.add_bias_linear:
+            out[f"{o}self_attention.linear_proj.bias"] = (h,)
+            out[f"{o}mlp.linear_fc1.bias"] = (fc1,)
+            out[f"{o}mlp.linear_fc2.bias"] = (h,)
+    out["decoder.final_layernorm.weight"] = (h,)
+    if norm_bias:
+        out["decoder.final_layernorm.bias"] = (h,)
+    if cfg.untie_embeddings_and_output_weights:
+        out[OUTPUT] = (cfg.padded_vocab_size(tp), h)
+    return out
+
+
+def hf_shapes(entries: list[Entry], our_shapes: dict[str, tuple[int, ...]],
+              dtypes: dict[str, torch.dtype] | None = None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """HF name -> (shape, dtype), by running each entry's ``to_hf`` on a meta tensor of our shape."""
+    out = {}
+    for e in entries:
+        dtype = (dtypes or {}).get(e.ours, torch.float32)
+        for name, t in zip(e.hf, e.to_hf(torch.empty(our_shapes[e.ours], dtype=dtype, device="meta"))):
+            out[name] = (tuple(t.shape), t.dtype)
+    return out

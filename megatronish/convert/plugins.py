@@ -1,0 +1,161 @@
+"""Loaders and savers of ``tools/checkpoint/convert.py``: small plugins over the one name map.
+
+A loader turns ``--load-dir`` into a :class:`Source` — our model config, the HF architecture, the list of our
+global tensors with shapes and dtypes, and an iterator that produces them one at a time. A saver consumes a
+:class:`Source`. ``LOADERS``/``SAVERS`` map the ``--loader``/``--saver`` names to them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ModelConfig
+from ..parallel.dims import ConfigError, ParallelDims
+from .core import hf_to_ours, ours_to_hf
+from .hf_config import (GPT2, ConvertError, architecture_of, hf_config_from_model, model_config_from_dict,
+                        model_config_from_hf)
+from .hf_io import HFReader, HFWriter, parse_size
+from .name_map import IGNORED_HF_SUFFIXES, VOCAB_TENSORS, build_entries, expected_global_shapes
+
+
+@dataclass
+class Source:
+    cfg: ModelConfig
+    arch: str
+    specs: list[tuple[str, tuple[int, ...], torch.dtype]]  # our global tensors, in the order tensors() yields
+    tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]]
+    hf_config: dict | None = None  # the HF config.json the weights came from, when known
+    origin: str = ""
+
+
+# ---- loaders ------------------------------------------------------------------------------------------------
+
+def load_hf(args) -> Source:
+    r = HFReader(args.load_dir)
+    where = f"--load-dir {args.load_dir}"
+    cfg, arch = model_config_from_hf(r.config, true_vocab_size=args.true_vocab_size,
+                                     make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                                     where=f"{args.load_dir}/config.json")
+    names = set(r.names())
+    prefix = None
+    if arch == GPT2 and "transformer.wte.weight" not in names and "wte.weight" in names:
+        prefix = ""  # old GPT-2 files without the "transformer." prefix
+    padded = cfg.padded_vocab_size(args.target_tensor_parallel_size)
+    entries = build_entries(cfg, arch, padded, prefix)
+    known = {n for e in entries for n in e.hf}
+    if not cfg.untie_embeddings_and_output_weights:
+        known.add("lm_head.weight")  # a copy of the tied word embedding, when present
+    extra = sorted(n for n in names - known if not n.endswith(IGNORED_HF_SUFFIXES))
+    if extra:
+        raise ConvertError(f"{where}: unexpected tensor {extra[0]!r}" + (f" (and {len(extra) - 1} more)" if
+                                                                          len(extra) > 1 else "")
+                           + f" for the {arch} described by config.json; config and weights do not match")
+    missing = [n for e in entries for n in e.hf if n not in names]
+    if missing:
+        owner = next(e.ours for e in entries if missing[0] in e.hf)
+        raise ConvertError(f"{where}: missing tensor {missing[0]!r} (needed for {owner})"
+                           + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+                           + f"; the directory does not hold a complete {arch}")
+    shapes = expected_global_shapes(cfg, args.target_tensor_parallel_size)
+    specs = [(e.ours, shapes[e.ours], r.dtype(e.hf[0])) for e in entries]
+
+    def tensors():
+        try:
+            yield from hf_to_ours(r.get, cfg, arch, padded, prefix=prefix, where=where)
+        finally:
+            r.close()
+
+    return Source(cfg, arch, specs, tensors, hf_config=r.config, origin=f"hf:{args.load_dir}")
+
+
+def load_megatronish(args) -> Source:
+    from ..checkpoint.offline import CheckpointError, iter_model_tensors, read_checkpoint_meta
+
+    try:
+        meta = read_checkpoint_meta(args.load_dir)
+    except CheckpointError as e:
+        raise ConvertError(f"--load-dir {args.load_dir}: {e}") from None
+    where = meta["iter_dir"]
+    conf = meta.get("config") or {}
+    cfg = model_config_from_dict(conf.get("model") or {}, where)
+    stored = meta["tensors"]
+    rows = stored.get("embedding.word_embeddings.weight", {}).get("shape", (0,))[0]
+    if args.true_vocab_size is not None:
+        if args.true_vocab_size > rows:
+            raise ConvertError(f"--true-vocab-size {args.true_vocab_size} is larger than the padded vocabulary "
+                               f"of {where} ({rows} rows); pass at most {rows}")
+        cfg = dataclasses.replace(cfg, vocab_size=args.true_vocab_size)
+    elif cfg.vocab_size > rows:
+        raise ConvertError(f"{where}: vocabulary size {cfg.vocab_size} in the config is larger than the padded "
+                           f"vocabulary ({rows} rows); pass --true-vocab-size <= {rows}")
+    arch = architecture_of(cfg, where)
+    expect = expected_global_shapes(cfg)
+    for name, shape in expect.items():
+        if name not in stored:
+            raise ConvertError(f"{where}: missing tensor {name!r}; the checkpoint does not hold a complete model "
+                               "of its config")
+        got = tuple(stored[name]["shape"])
+        vocab = name in VOCAB_TENSORS
+        if (got[1:] != shape[1:] or got[0] < cfg.vocab_size) if vocab else got != shape:
+            raise ConvertError(f"{where}: tensor {name!r} has shape {list(got)}, the config needs {list(shape)}")
+    extra = sorted(set(stored) - set(expect))
+    if extra:
+        raise ConvertError(f"{where}: unexpected tensor {extra[0]!r} for its config")
+    order = [e.ours for e in build_entries(cfg, arch, rows)]
+    specs = [(n, tuple(stored[n]["shape"]), stored[n]["dtype"]) for n in order]
+    hf_config = (conf.get("convert") or {}).get("hf_config")
+    return Source(cfg, arch, specs, lambda: iter_model_tensors(args.load_dir, order), hf_config=hf_config,
+                  origin=f"megatronish:{where}")
+
+
+# ---- savers -------------------------------------------------------------------------------------------------
+
+def save_hf(args, src: Source) -> None:
+    entries = {e.ours: e for e in build_entries(src.cfg, src.arch, src.cfg.padded_vocab_size())}
+    plan, dtypes = [], set()
+    for name, shape, dtype in src.specs:
+        for hname, t in zip(entries[name].hf, entries[name].to_hf(torch.empty(shape, dtype=dtype, device="meta"))):
+            plan.append((hname, tuple(t.shape), t.dtype))
+            dtypes.add(t.dtype)
+    dtype = str(max(dtypes, key=lambda d: d.itemsize)).removeprefix("torch.") if dtypes else "float32"
+    config = hf_config_from_model(src.cfg, dtype, base=src.hf_config)
+    w = HFWriter(args.save_dir, plan, parse_size(args.max_shard_size))
+    for hname, t in ours_to_hf(src.tensors(), src.cfg, src.arch, where=src.origin):
+        w.write(hname, t)
+    w.close(config)
+
+
+def check_target_layout(cfg: ModelConfig, tp: int, pp: int) -> None:
+    if tp < 1 or pp < 1:
+        raise ConvertError("--target-tensor-parallel-size and --target-pipeline-parallel-size must be >= 1")
+    from ..model.build import check_layer_split
+
+    derived_kv = cfg.kv_channels * cfg.num_attention_heads == cfg.hidden_size
+    try:
+        dims = ParallelDims(world_size=tp * pp, tp=tp, pp=pp,
+                            tie_embeddings=not cfg.untie_embeddings_and_output_weights)
+        dims.validate_model(num_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
+                            num_query_groups=cfg.num_query_groups, hidden_size=cfg.hidden_size if derived_kv else None,
+                            ffn_hidden_size=cfg.ffn_hidden_size)
+        check_layer_split(cfg.num_layers, pp)
+    except ConfigError as e:
+        raise ConvertError(f"target layout --target-tensor-parallel-size {tp} --target-pipeline-parallel-size "
+                           f"{pp}: {e}") from None
+
+
+def save_megatronish(args, src: Source) -> None:
+    from ..checkpoint.offline import write_checkpoint
+
+    tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
+    check_target_layout(src.cfg, tp, pp)
+    config = {"model": dataclasses.asdict(src.cfg),
+              "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
+              "convert": {"source": src.origin, "architecture": src.arch, "hf_config": src.hf_config}}
+    write_checkpoint(args.save_dir, None, src.tensors(), config)
+
+
+LOADERS: dict[str, Callable] = {"hf": load_hf, "megatronish": load_megatronish}
+SAVERS: dict[str, Callable] = {"hf": save_hf, "megatronish": save_megatronish}
