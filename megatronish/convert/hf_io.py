@@ -77,7 +77,13 @@ class HFReader:
     def get(self, name: str) -> torch.Tensor:
         if name not in self.file_of:
             raise KeyError(name)
-        return self._handle(self.file_of[name]).get_tensor(name)
+        self._handle(self.file_of[name])  # checks that the shard exists
+        from safetensors import safe_open
+
+        # A fresh handle per tensor: pages of the memory-mapped file read through a long-lived handle stay
+        # mapped (and counted in the resident size) until it closes; this keeps them to about one tensor.
+        with safe_open(os.path.join(self.path, self.file_of[name]), "pt") as f:
+            return f.get_tensor(name)
 
     def dtype(self, name: str) -> torch.dtype:
         code = self._handle(self.file_of[name]).get_slice(name).get_dtype()

@@ -154,7 +154,7 @@ def save_megatronish(args, src: Source) -> None:
     config = {"model": dataclasses.asdict(src.cfg),
               "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
               "convert": {"source": src.origin, "architecture": src.arch, "hf_config": src.hf_config}}
-    write_checkpoint(args.save_dir, None, src.tensors(), config)
+    write_checkpoint(args.save_dir, None, src.tensors(), config, specs=src.specs)  # streams: one tensor at a time
 
 
 LOADERS: dict[str, Callable] = {"hf": load_hf, "megatronish": load_megatronish}

@@ -1,8 +1,10 @@
 """Checkpoint storage without processes: exact JSON state, tensor-parallel pieces, resharding through DCP's
 chunk overlap (strided splits, padded vocabulary), the offline API, and one clear error per damaged checkpoint."""
+import functools
 import os
 import pickle
 import random
+import weakref
 
 import numpy as np
 import pytest
@@ -146,6 +148,68 @@ def test_offline_release_and_iteration_dir(tmp_path):
     write_checkpoint(d, 5, {"decoder.final_layernorm.weight": torch.zeros(8)}, MODEL_CFG, update_tracker=False)
     assert open(os.path.join(d, layout.TRACKER)).read() == "release"
     assert read_checkpoint_meta(os.path.join(d, "iter_0000005"))["iteration"] == 5
+
+
+def _tracked_source(n, shape=(64, 8)):
+    """``n`` distinct tensors made on demand; ``peak[0]``: the most whose memory is alive at once (counted as
+    each is made)."""
+    alive, peak, made = [], [0], {}
+
+    def make(i):
+        arr = np.full(shape, float(i), dtype=np.float32)  # the tensor's memory: alive while any view of it is
+        t = torch.from_numpy(arr)
+        alive.append(weakref.ref(arr))
+        peak[0] = max(peak[0], sum(r() is not None for r in alive))
+        made[i] = t.clone()  # the reference data, not the tensor handed to the writer
+        return t
+    return make, peak, made
+
+
+@pytest.mark.parametrize("form", ["factories", "generator_with_specs"])
+def test_offline_write_streams_one_tensor_at_a_time(tmp_path, form):
+    n = 12
+    make, peak, made = _tracked_source(n)
+    names = [f"decoder.layers.{i}.mlp.linear_fc1.weight" for i in range(n)]
+    if form == "factories":
+        write_checkpoint(str(tmp_path), 3, [(nm, (64, 8), torch.float32, functools.partial(make, i))
+                                            for i, nm in enumerate(names)], MODEL_CFG)
+    else:
+        write_checkpoint(str(tmp_path), 3, ((nm, make(i)) for i, nm in enumerate(names)), MODEL_CFG,
+                         specs=[(nm, (64, 8), torch.float32) for nm in names])
+    assert len(made) == n and peak[0] <= 2  # the tensor being written and at most the previous one
+    got = dict(iter_model_tensors(str(tmp_path)))
+    assert sorted(got) == sorted(names)
+    for i, nm in enumerate(names):
+        assert torch.equal(got[nm], made[i])
+
+
+def test_offline_write_specs_order_padding_and_errors(tmp_path):
+    from megatronish.convert.hf_config import ConvertError
+    emb, ln = torch.randn(97, 8), torch.randn(8)
+    specs = [("decoder.final_layernorm.weight", (8,), torch.float32), ("embedding.word_embeddings.weight", (97, 8),
+                                                                         torch.float32)]
+    # yielded in another order than the specs: still written correctly; vocabulary rows padded to 128
+    write_checkpoint(str(tmp_path / "a"), 1, iter([("embedding.word_embeddings.weight", emb),
+                                                   ("decoder.final_layernorm.weight", ln)]), MODEL_CFG, specs=specs)
+    meta = read_checkpoint_meta(str(tmp_path / "a"))
+    assert meta["tensors"]["embedding.word_embeddings.weight"]["shape"] == (128, 8)
+    got = dict(iter_model_tensors(str(tmp_path / "a")))
+    assert torch.equal(got["embedding.word_embeddings.weight"][:97], emb) and torch.equal(
+        got["decoder.final_layernorm.weight"], ln) and torch.all(got["embedding.word_embeddings.weight"][97:] == 0)
+
+    def failing():
+        yield "decoder.final_layernorm.weight", ln
+        raise ConvertError("source: missing tensor 'x'")
+    with pytest.raises(ConvertError, match="missing tensor 'x'"):  # the source's own error, not wrapped
+        write_checkpoint(str(tmp_path / "b"), 1, failing(), MODEL_CFG, specs=specs)
+    assert not os.path.exists(os.path.join(tmp_path / "b", layout.TRACKER))
+    with pytest.raises(CheckpointError, match=r"'decoder.final_layernorm.weight' came as \[8\] torch.float32; "
+                                              r"its spec says \[8\] torch.bfloat16"):
+        write_checkpoint(str(tmp_path / "c"), 1, [("decoder.final_layernorm.weight", ln)], MODEL_CFG,
+                         specs=[("decoder.final_layernorm.weight", (8,), torch.bfloat16)])
+    with pytest.raises(ValueError, match="'decoder.output_layer.weight': a tensor the specs do not list"):
+        write_checkpoint(str(tmp_path / "d"), 1, [("decoder.final_layernorm.weight", ln),
+                                                  ("decoder.output_layer.weight", ln)], MODEL_CFG, specs=specs[:1])
 
 
 # ------------------------------------------------------------------ safety: one message each
