@@ -6,7 +6,7 @@ TORCH_VERSION ?= 2.13.0
 
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "torch==$(TORCH_VERSION)"
-	$(PYTHON) -m pip install -e ".[dev]"
+	$(PYTHON) -m pip install -e ".[dev,kernels]"
 
 test: install
 	$(PYTHON) -m pytest -q tests

@@ -143,6 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
     flag(g, "--transformer-impl", default=None, choices=["local", "transformer_engine"],
          help="layer implementation (ours: local; Megatron's default is transformer_engine)")
     flag(g, "--use-flash-attn", **on)
+    flag(g, "--use-triton-kernels", **on,
+         help="fused Triton RMSNorm/LayerNorm, RoPE and SwiGLU (CUDA, or TRITON_INTERPRET=1 on CPU)")
+    flag(g, "--cross-entropy-loss-fusion", **on,
+         help="fused vocab-parallel cross entropy (a Triton kernel: CUDA, or TRITON_INTERPRET=1 on CPU)")
+    flag(g, "--cross-entropy-fusion-impl", default="native", choices=["native", "te"],
+         help="native: this package's Triton kernel")
     flag(g, "--recompute-granularity", default=None, choices=["full", "selective"])
     flag(g, "--recompute-method", default=None, choices=["uniform", "block"])
     flag(g, "--recompute-num-layers", type=int, default=None)
@@ -338,7 +344,8 @@ def _model_kwargs(args, vocab_size: int) -> dict:
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
         fp8=args.fp8, fp8_recipe=args.fp8_recipe, fp8_margin=args.fp8_margin,
         fp8_amax_history_len=args.fp8_amax_history_len, fp8_amax_compute_algo=args.fp8_amax_compute_algo,
-        transformer_impl=args.transformer_impl or "local")
+        transformer_impl=args.transformer_impl or "local",
+        use_triton_kernels=args.use_triton_kernels, cross_entropy_loss_fusion=args.cross_entropy_loss_fusion)
 
 
 def _check_required(args, errors: list[str]) -> bool:
@@ -539,6 +546,24 @@ def _check_model(args, errors: list[str]) -> None:
                       "positions; raise --max-position-embeddings")
     if args.swiglu and args.openai_gelu:
         errors.append("--swiglu and --openai-gelu are mutually exclusive; pass one")
+    _check_kernels(args, errors)
+
+
+def _check_kernels(args, errors: list[str]) -> None:
+    """The fused Triton kernels need triton and CUDA, or TRITON_INTERPRET=1 (kernels on CPU)."""
+    asked = [f for f, on in (("--use-triton-kernels", args.use_triton_kernels),
+                             ("--cross-entropy-loss-fusion", args.cross_entropy_loss_fusion)) if on]
+    if args.cross_entropy_loss_fusion and args.cross_entropy_fusion_impl != "native":
+        errors.append(f"--cross-entropy-fusion-impl {args.cross_entropy_fusion_impl}: Transformer Engine's fused "
+                      "cross entropy is not available in this version; use --cross-entropy-fusion-impl native "
+                      "(the Triton kernel)")
+    if asked:
+        from .kernels import check_kernels_available  # noqa: PLC0415 - only when asked for
+
+        try:
+            check_kernels_available(asked)
+        except ConfigError as e:
+            errors.append(str(e))
 
 
 def _check_checkpoint(args, errors: list[str]) -> None:

@@ -51,6 +51,9 @@ class ModelConfig:
     fp8_amax_history_len: int = 1
     fp8_amax_compute_algo: str = "most_recent"  # "most_recent" | "max"
     transformer_impl: str = "local"  # "local" | "transformer_engine"
+    # fused Triton kernels (megatronish.kernels, docs/kernels.md)
+    use_triton_kernels: bool = False  # --use-triton-kernels: RMSNorm/LayerNorm, RoPE, SwiGLU
+    cross_entropy_loss_fusion: bool = False  # --cross-entropy-loss-fusion: the vocab-parallel loss
 
     def __post_init__(self):
         h = self.hidden_size

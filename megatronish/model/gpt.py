@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
 from ..config import ModelConfig
 from ..parallel import groups
 from ..parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -21,6 +22,7 @@ from ..parallel.init import TensorDesc, initialize_slice, set_desc
 from ..parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from ..parallel.mappings import scatter_to_sequence_parallel_region
 from ..parallel.random import get_rng_tracker
+from .norms import LayerNorm, RMSNorm
 from .rope import RotaryEmbedding
 from .transformer import TransformerBlock
 
@@ -85,6 +87,14 @@ class GPTModel(nn.Module):
             if c.position_embedding_type == "rope" else None
         self.decoder = TransformerBlock(c, first_layer, num_local_layers, post_process, self.sequence_parallel,
                                         params_dtype, device)
+        self.cross_entropy_loss_fusion = c.cross_entropy_loss_fusion
+        if c.use_triton_kernels or c.cross_entropy_loss_fusion:
+            kernels.check_kernels_available([f for f, on in (("--use-triton-kernels", c.use_triton_kernels),
+                                             ("--cross-entropy-loss-fusion", c.cross_entropy_loss_fusion)) if on])
+        if c.use_triton_kernels:  # norms and RoPE switch to the fused kernels (the MLP reads the config)
+            for m in self.modules():
+                if isinstance(m, (LayerNorm, RMSNorm, RotaryEmbedding)):
+                    m.use_triton_kernels = True
         self.output_layer = None
         if post_process:
             # Tied and on the embedding's stage: reuse its weight. Tied on a later stage: own a copy that has
@@ -148,5 +158,7 @@ class GPTModel(nn.Module):
         logits, _ = self.output_layer(x, weight)  # [s, b, V/t]
         if labels is None:
             return logits.transpose(0, 1).contiguous()
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.label_smoothing, self.config.vocab_size)
+        loss_fn = kernels.vocab_parallel_cross_entropy if self.cross_entropy_loss_fusion \
+            else vocab_parallel_cross_entropy
+        loss = loss_fn(logits, labels.t(), self.label_smoothing, self.config.vocab_size)
         return loss.t().contiguous()  # [b, s]

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
 from ..config import ModelConfig
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -19,6 +20,7 @@ class MLP(nn.Module):
         super().__init__()
         c = config
         self.swiglu, self.openai_gelu = c.swiglu, c.openai_gelu
+        self.use_triton_kernels = c.use_triton_kernels  # fused SwiGLU (megatronish.kernels)
         fc1_out = c.ffn_hidden_size * (2 if c.swiglu else 1)
         self.linear_fc1 = ColumnParallelLinear(c.hidden_size, fc1_out, bias=c.add_bias_linear,
                                                sequence_parallel=sequence_parallel, init_std=c.init_method_std,
@@ -31,7 +33,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor):
         h, _ = self.linear_fc1(x)  # [s, b, ffn/t] (x2 with SwiGLU)
-        if self.swiglu:
+        if self.swiglu and self.use_triton_kernels:
+            h = kernels.swiglu(h)
+        elif self.swiglu:
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
 from ..parallel.init import TensorDesc, set_desc
 
 
@@ -18,6 +19,8 @@ def _param(shape, init, sequence_parallel, dtype, device):
 
 
 class LayerNorm(nn.Module):
+    use_triton_kernels = False  # set per instance (GPTModel with --use-triton-kernels): fused Triton kernel
+
     def __init__(self, hidden: int, eps: float = 1e-5, sequence_parallel: bool = False,
                  params_dtype=torch.float32, device=None):
         super().__init__()
@@ -26,11 +29,15 @@ class LayerNorm(nn.Module):
         self.bias = _param((hidden,), "zeros", sequence_parallel, params_dtype, device)
 
     def forward(self, x):
+        if self.use_triton_kernels:
+            return kernels.layer_norm(x, self.weight, self.bias, self.eps)
         return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
 
 
 class RMSNorm(nn.Module):
     """``x / sqrt(mean(x^2) + eps) * weight``."""
+
+    use_triton_kernels = False  # set per instance (GPTModel with --use-triton-kernels): fused Triton kernel
 
     def __init__(self, hidden: int, eps: float = 1e-5, sequence_parallel: bool = False,
                  params_dtype=torch.float32, device=None):
@@ -39,6 +46,8 @@ class RMSNorm(nn.Module):
         self.weight = _param((hidden,), "ones", sequence_parallel, params_dtype, device)
 
     def forward(self, x):
+        if self.use_triton_kernels:
+            return kernels.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
 
 

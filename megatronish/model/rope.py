@@ -4,9 +4,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import kernels
+
 
 class RotaryEmbedding(nn.Module):
-    """``cos``/``sin`` tables for the first ``rot_dim = kv_channels * rotary_percent`` channels of a head."""
+    """``cos``/``sin`` tables for the first ``rot_dim = kv_channels * rotary_percent`` channels of a head.
+
+    With ``use_triton_kernels`` set (GPTModel, ``--use-triton-kernels``) the tables come with a third item,
+    ``True``, so that ``apply_rotary(x, *tables)`` rotates ``x`` in place with the fused kernel."""
+
+    use_triton_kernels = False
 
     def __init__(self, kv_channels: int, rotary_percent: float = 1.0, rotary_base: int = 10000):
         super().__init__()
@@ -20,6 +27,8 @@ class RotaryEmbedding(nn.Module):
         pos = torch.arange(seq_len, dtype=torch.float32, device=device or self.inv_freq.device)
         freqs = torch.outer(pos, self.inv_freq.to(pos.device))  # [s, rot/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]  # [s, 1, 1, rot]
+        if self.use_triton_kernels:
+            return emb.cos(), emb.sin(), True
         return emb.cos(), emb.sin()
 
 
@@ -28,8 +37,11 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x``: ``[s, b, heads, d]``; rotates the first ``cos.size(-1)`` channels, passes the rest."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool = False) -> torch.Tensor:
+    """``x``: ``[s, b, heads, d]``; rotates the first ``cos.size(-1)`` channels, passes the rest.
+    ``fused``: rotate ``x`` in place with the Triton kernel (``megatronish.kernels``) and return it."""
+    if fused:
+        return kernels.apply_rotary_(x, cos, sin)
     rot = cos.size(-1)
     x_rot, x_pass = x[..., :rot], x[..., rot:]
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
