@@ -5,7 +5,6 @@ gradient of the one-process model with the kernels off, built from the same seed
 rtol 1e-5); the ranks count the fused calls, so a silent fall-back to PyTorch fails. The fused cross entropy
 alone at TP 2 matches torch's cross entropy on the gathered logits, including a rank whose vocabulary slice is
 all padding."""
-import os
 
 import pytest
 import torch
@@ -13,21 +12,10 @@ import torch.nn.functional as F
 
 from harness import run_distributed
 
-_saved = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"  # triton reads it at import and at each kernel's definition
-try:
-    pytest.importorskip("triton", reason="triton is not installed: the kernels extra (pip install -e '.[kernels]')")
-    try:
-        from megatronish import kernels
-        from megatronish.kernels import _triton
-        from megatronish.kernels import fused_cross_entropy, fused_norms, fused_rope, fused_swiglu  # noqa: F401
-    except ImportError as e:  # triton was imported earlier in this process without the interpreter
-        pytest.skip(f"cannot run the kernels through Triton's interpreter here: {e}", allow_module_level=True)
-finally:
-    if _saved is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = _saved
+from kernel_support import import_interpreted, not_interpreted_mark  # noqa: E402
+
+kernels, _triton, _mods = import_interpreted("fused_cross_entropy", "fused_norms", "fused_rope", "fused_swiglu")
+fused_cross_entropy = _mods[0]
 
 from megatronish.config import llama  # noqa: E402
 from megatronish.model import GPTModel  # noqa: E402
@@ -37,9 +25,7 @@ from megatronish.parallel.init import gather_to_global  # noqa: E402
 from megatronish.parallel.layers import allreduce_sequence_parallel_grads  # noqa: E402
 from megatronish.parallel.random import set_random_seed  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not _triton.INTERPRETED,
-                                reason="megatronish.kernels was loaded compiled before this module set "
-                                       "TRITON_INTERPRET=1")
+pytestmark = not_interpreted_mark(_triton)
 
 SEED, B, S, V = 1234, 2, 8, 150  # V=150 pads to 256 at TP 2: rank 1's slice holds 22 true entries
 # name -> (model config overrides, label smoothing, sequence parallel)

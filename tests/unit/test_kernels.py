@@ -5,36 +5,20 @@ bf16: equal to the exact result (fp32 math on the same bf16 inputs) rounded to b
 Every buffer a kernel allocates is filled with NaN first, so an element a kernel leaves unwritten fails.
 Shapes are tiny and include non-power-of-two hidden sizes and vocabulary slices (the interpreter is slow).
 """
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-# Triton decides whether to interpret when it is first imported and when each kernel is defined: run the
-# kernels imported here through the interpreter, then put the environment back.
-_saved = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
-try:
-    pytest.importorskip("triton", reason="triton is not installed: the kernels extra (pip install -e '.[kernels]')")
-    try:
-        from megatronish import kernels
-        from megatronish.kernels import _triton
-        from megatronish.kernels.fused_cross_entropy import vocab_parallel_cross_entropy as fused_ce
-    except ImportError as e:  # triton was imported earlier in this process without the interpreter
-        pytest.skip(f"cannot run the kernels through Triton's interpreter here: {e}", allow_module_level=True)
-finally:
-    if _saved is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = _saved
+from kernel_support import import_interpreted, not_interpreted_mark  # noqa: E402
+
+kernels, _triton, _mods = import_interpreted("fused_cross_entropy")
+fused_ce = _mods[0].vocab_parallel_cross_entropy
 
 from megatronish.model.rope import RotaryEmbedding, apply_rotary  # noqa: E402
 from megatronish.parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not _triton.INTERPRETED,
-                                reason="megatronish.kernels was loaded compiled before this module set "
-                                       "TRITON_INTERPRET=1")
+pytestmark = not_interpreted_mark(_triton)
 DTYPES = [torch.float32, torch.bfloat16]
 
 
