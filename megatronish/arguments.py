@@ -10,6 +10,7 @@ Differences from Megatron-LM are listed in ``docs/flags.md``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass
 from typing import Callable, TypeVar
@@ -711,12 +712,16 @@ def configs_from_args(args: argparse.Namespace, world_size: int) -> RunConfig:
 # ---------------------------------------------------------------------------------------------------------------
 # Entry-point helper
 # ---------------------------------------------------------------------------------------------------------------
-def exit_on_config_error(fn: Callable[[], T]) -> T:
-    """Run ``fn()``; on :class:`ConfigError` print ``error: <line>`` per problem to stderr (no traceback) and exit 2."""
+def exit_on_config_error(fn: Callable[[], T], *, once_per_node: bool = False) -> T:
+    """Run ``fn()``; on :class:`ConfigError` print ``error: <line>`` per problem to stderr (no traceback) and exit 2.
+
+    ``once_per_node``: for checks every process makes identically (flag validation under a launcher), only local
+    rank 0 prints, so the message appears once per node instead of once per process."""
     try:
         return fn()
     except ConfigError as e:
-        lines = str(e).splitlines() or [repr(e)]
-        sys.stderr.write("".join(f"error: {line}\n" for line in lines))
-        sys.stderr.flush()
+        if not once_per_node or os.environ.get("LOCAL_RANK", "0") == "0":
+            lines = str(e).splitlines() or [repr(e)]
+            sys.stderr.write("".join(f"error: {line}\n" for line in lines))
+            sys.stderr.flush()
         raise SystemExit(2) from None
