@@ -24,8 +24,8 @@ Table 2), per transformer layer and microbatch, with 16-bit activations and 1-by
 - selective recompute: TP ``s*b*h*(10 + 24/t)``, TP + SP ``34*s*b*h/t``
 - full recompute: the layer input only, ``2*s*b*h`` (``/t`` with SP)
 
-(the "34" assumes the MLP's 4h hidden size; the ``4h`` terms scale with ``ffn_hidden_size``: ``18 + 4*f/h``,
-as in Megatron's ``theoretical_memory_usage.py``). The first pipeline stage is the fullest: with 1F1B it holds
+(the "34" assumes multi-head attention and a 4h GeLU MLP; :func:`activation_bytes_per_layer` generalizes it to
+GQA, other FFN sizes and SwiGLU term by term). The first pipeline stage is the fullest: with 1F1B it holds
 ``min(M, p)`` microbatches of its ``L/p`` layers, i.e. the activations of ``L`` layers; the interleaved schedule
 multiplies this by ``1 + (p-1)/(p*v)``. Embedding input/dropout (``8sb + sbh`` per microbatch in flight) and, at
 ``p = 1``, the output layer and loss (``4sbh(1 + V/h)``) are added as Megatron does.
@@ -61,10 +61,18 @@ def bytes_per_parameter(params_dtype=torch.float32, grad_dtype=torch.float32, *,
 
 
 def activation_bytes_per_layer(s: int, b: int, h: int, a: int, *, t: int = 1, sequence_parallel: bool = False,
-                               recompute: str | None = None, ffn_hidden_size: int | None = None) -> float:
-    """Korthikanti et al. 2022, Table 2 (16-bit activations, 1-byte dropout masks), one layer, one microbatch."""
+                               recompute: str | None = None, ffn_hidden_size: int | None = None,
+                               kv_hidden_size: int | None = None, swiglu: bool = False) -> float:
+    """Korthikanti et al. 2022, Table 2 (16-bit activations, 1-byte dropout masks), one layer, one microbatch.
+
+    The 34 of the paper is 10 replicated bytes per ``s*b*h`` (two norm inputs 4, the QKV and FC1 inputs 4, two
+    dropout masks 2) plus 24 TP-sharded ones (Q and K 4, V 2, projection input 2, activation input 8, FC2 input
+    8). With ``kv_hidden_size`` (GQA: query groups x head size) K and V shrink to ``2*kv/h`` each; with FFN size
+    ``f`` the MLP terms are ``4*f/h``, or ``6*f/h`` with SwiGLU (its input holds gate and up)."""
     f = 4 * h if ffn_hidden_size is None else ffn_hidden_size
-    linear = 18 + 4 * f / h  # 34 for f = 4h: 10 (replicated: LN inputs, dropout masks/outputs) + 24 (TP-sharded)
+    kv = h if kv_hidden_size is None else kv_hidden_size
+    sharded = 4 + 4 * kv / h + (6 if swiglu else 4) * f / h  # 24 for MHA, f = 4h, no SwiGLU
+    linear = 10 + sharded
     attn = 5 * a * s / h  # scores, softmax, dropout mask and output
     sp = sequence_parallel and t > 1
     if recompute == "full":
@@ -77,7 +85,8 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, *, t: int = 1, se
 
 
 def cpu_activation_bytes_per_layer(s: int, b: int, h: int, a: int, *, t: int = 1, sequence_parallel: bool = False,
-                                   recompute: str | None = None, ffn_hidden_size: int | None = None) -> float:
+                                   recompute: str | None = None, ffn_hidden_size: int | None = None,
+                                   kv_hidden_size: int | None = None, swiglu: bool = False) -> float:
     """What this implementation saves per layer in 16-bit on CPU: :func:`activation_bytes_per_layer` plus three
     known deviations (accounted for tensor by tensor with the saved-tensor hooks):
 
@@ -86,11 +95,13 @@ def cpu_activation_bytes_per_layer(s: int, b: int, h: int, a: int, *, t: int = 1
     - under SP the column-parallel linears (QKV, FC1) keep their all-gathered input for the weight gradient,
       where Megatron keeps the shard and all-gathers again in backward: ``+2 * 2*s*b*h*(1 - 1/t)``;
     - without selective recompute, the CPU SDPA (math) kernel upcasts q, k, v to fp32 and saves fp32 copies of
-      them (12 bytes per element instead of 6: ``+6*s*b*h/t``) and fp32 probabilities, dropout mask and dropped
-      probabilities (12 bytes per score instead of 5: ``+7*a*s*s*b/t``).
-    (Multi-head attention; ``full`` recompute is the formula's.)"""
+      them (4 bytes more per element: ``+(2 + 4*kv/h)*s*b*h/t``, 6 for multi-head attention) and fp32
+      probabilities, dropout mask and dropped probabilities (12 bytes per score instead of 5: ``+7*a*s*s*b/t``);
+    - SwiGLU as ``silu(gate) * up`` also keeps ``silu(gate)`` for the product's backward: ``+2*f/h * s*b*h/t``.
+    (``full`` recompute is the formula's.)"""
     base = activation_bytes_per_layer(s, b, h, a, t=t, sequence_parallel=sequence_parallel, recompute=recompute,
-                                      ffn_hidden_size=ffn_hidden_size)
+                                      ffn_hidden_size=ffn_hidden_size, kv_hidden_size=kv_hidden_size,
+                                      swiglu=swiglu)
     if recompute == "full":
         return base
     sp = sequence_parallel and t > 1
@@ -98,8 +109,12 @@ def cpu_activation_bytes_per_layer(s: int, b: int, h: int, a: int, *, t: int = 1
     extra = 2 * sbh / (t if sp else 1)
     if sp:
         extra += 4 * sbh * (1 - 1 / t)
+    kv = h if kv_hidden_size is None else kv_hidden_size
     if recompute != "selective":
-        extra += 6 * sbh / t + 7 * a * s * s * b / t
+        extra += (2 + 4 * kv / h) * sbh / t + 7 * a * s * s * b / t
+    if swiglu:
+        f = 4 * h if ffn_hidden_size is None else ffn_hidden_size
+        extra += 2 * f / h * sbh / t
     return base + extra
 
 
@@ -116,7 +131,8 @@ def activation_bytes(model_cfg, *, micro_batch_size: int, tp: int = 1, pp: int =
     s, b, h = m.seq_length, micro_batch_size, m.hidden_size
     per_layer = activation_bytes_per_layer(s, b, h, m.num_attention_heads, t=tp,
                                            sequence_parallel=sequence_parallel,
-                                           recompute=m.recompute_granularity, ffn_hidden_size=m.ffn_hidden_size)
+                                           recompute=m.recompute_granularity, ffn_hidden_size=m.ffn_hidden_size,
+                                           kv_hidden_size=m.num_query_groups * m.kv_channels, swiglu=m.swiglu)
     if pp == 1:
         in_flight = 1.0
     elif vp > 1:

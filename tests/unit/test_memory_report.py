@@ -45,6 +45,15 @@ def test_activation_formulas():
         pytest.approx(34 * sbh / 8)
     assert activation_bytes_per_layer(s, b, h, a, t=8, recompute="selective") == pytest.approx(sbh * (10 + 24 / 8))
     assert activation_bytes_per_layer(s, b, h, a, t=8, sequence_parallel=True, recompute="full") == 2 * sbh / 8
+    # Llama-3-8B-like layer: GQA with 8 groups of 128 (kv = 1024) and a SwiGLU FFN of 14336, term by term in
+    # bytes per s*b*h: replicated 10; sharded Q 2 + K 2*kv/h + V 2*kv/h + projection input 2, SwiGLU input
+    # (gate and up) 2*2f/h, FC2 input 2f/h.
+    kv, f = 1024, 14336
+    sharded = 2 + 2 * kv / h + 2 * kv / h + 2 + 4 * f / h + 2 * f / h
+    assert activation_bytes_per_layer(s, b, h, a, t=8, ffn_hidden_size=f, kv_hidden_size=kv, swiglu=True) == \
+        pytest.approx(sbh * (10 + sharded / 8 + 5 * a * s / (h * 8)))
+    assert activation_bytes_per_layer(s, b, h, a, ffn_hidden_size=4 * h, kv_hidden_size=h) == \
+        activation_bytes_per_layer(s, b, h, a)
     assert interleave_factor(4, 1) == 1 and interleave_factor(4, 2) == pytest.approx(1 + 3 / 8)
     # whole first stage: L layers' worth (p microbatches of L/p layers), times the interleave factor
     cfg = gpt2(num_layers=8, hidden_size=h, num_attention_heads=a, vocab_size=1000, seq_length=s)
