@@ -100,7 +100,9 @@ write_config() {
         echo "SlurmUser=root"
         echo "SlurmdUser=root"
         echo "AuthType=auth/munge"
-        echo "AuthInfo=socket=$DIR/munge/munge.socket"
+        # cred_expire: how long a finished job's credentials stay revoked, and so how long a requeued job is held
+        # before it may start again (default 120 s); starting it earlier fails its launch ("credential revoked").
+        echo "AuthInfo=socket=$DIR/munge/munge.socket,cred_expire=10"
         echo "StateSaveLocation=$DIR/ctld"
         echo "SlurmdSpoolDir=$DIR/spool/%n"
         echo "SlurmctldPidFile=$DIR/run/slurmctld.pid"
