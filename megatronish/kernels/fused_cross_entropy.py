@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel import groups
+from ..parallel.cross_entropy import loss_from_local_stats
 from ._triton import INTERPRETED, empty, exact_bf16, pow2, tl, to_out, triton
 
 
@@ -110,17 +111,7 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
         if label_smoothing > 0:  # sum of the shifted logits of this slice's true entries
             n_valid = max(0, min(part, total_vocab - start))
             stats.append(sum_x - n_valid * logits_max)
-        stats = torch.stack(stats)
-        if world > 1:
-            dist.all_reduce(stats, group=group)
-        predicted, sum_exp = stats[0], stats[1]
-        log_sum_exp = sum_exp.log()
-        loss = log_sum_exp - predicted
-        smoothing = 0.0
-        if label_smoothing > 0:
-            smoothing = label_smoothing * total_vocab / (total_vocab - 1)
-            mean_log_probs = stats[2] / total_vocab - log_sum_exp
-            loss = (1.0 - smoothing) * loss - smoothing * mean_log_probs
+        loss, sum_exp, smoothing = loss_from_local_stats(stats, group, world, label_smoothing, total_vocab)
         # the input itself when x2 is a view of it (so autograd's version check names the input)
         ctx.save_for_backward(logits if x2.data_ptr() == logits.data_ptr() else x2, tgt, logits_max, sum_exp)
         ctx.shape, ctx.start, ctx.total_vocab, ctx.smoothing = logits.shape, start, total_vocab, smoothing

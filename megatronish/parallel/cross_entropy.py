@@ -17,6 +17,27 @@ import torch.distributed as dist
 from . import groups
 
 
+def loss_from_local_stats(stats: list, group, world: int, label_smoothing: float, total_vocab: int):
+    """The one all-reduce of the per-token statistics of this rank's vocabulary slice, and the loss from it.
+
+    ``stats``: ``[predicted, sum_exp]`` (the target's shifted logit where this slice holds the target, else 0;
+    this slice's sum of ``exp(logit - global max)``), plus, with label smoothing, the sum of this slice's shifted
+    true logits. Returns ``(loss, sum_exp, smoothing)``: the per-token loss, the global sum of exponentials and
+    the weight ``alpha * V / (V - 1)`` that the backward spreads over the vocabulary (0 without smoothing)."""
+    stats = torch.stack(stats)
+    if world > 1:
+        dist.all_reduce(stats, group=group)
+    predicted, sum_exp = stats[0], stats[1]
+    log_sum_exp = sum_exp.log()
+    loss = log_sum_exp - predicted
+    smoothing = 0.0
+    if label_smoothing > 0:
+        smoothing = label_smoothing * total_vocab / (total_vocab - 1)
+        mean_log_probs = stats[2] / total_vocab - log_sum_exp
+        loss = (1.0 - smoothing) * loss - smoothing * mean_log_probs
+    return loss, sum_exp, smoothing
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, label_smoothing, vocab_size, group):
@@ -44,20 +65,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             finite = shifted if valid is None else shifted.masked_fill(~valid, 0.0)
             sum_logits = finite.sum(dim=-1)
         exp = shifted.exp_()  # in place: `shifted` is not needed any more; padded entries: exp(-inf) = 0
+        if label_smoothing > 0 and not 0.0 < label_smoothing < 1.0:
+            raise ValueError(f"--label-smoothing must be in (0, 1), got {label_smoothing}")
         stats = [predicted, exp.sum(dim=-1)] + ([sum_logits] if sum_logits is not None else [])
-        stats = torch.stack(stats)
-        if world > 1:
-            dist.all_reduce(stats, group=group)
-        predicted, sum_exp = stats[0], stats[1]
-        log_sum_exp = sum_exp.log()
-        loss = log_sum_exp - predicted
-        smoothing = 0.0
-        if label_smoothing > 0:
-            if not 0.0 < label_smoothing < 1.0:
-                raise ValueError(f"--label-smoothing must be in (0, 1), got {label_smoothing}")
-            smoothing = label_smoothing * total_vocab / (total_vocab - 1)
-            mean_log_probs = stats[2] / total_vocab - log_sum_exp
-            loss = (1.0 - smoothing) * loss - smoothing * mean_log_probs
+        loss, sum_exp, smoothing = loss_from_local_stats(stats, group, world, label_smoothing, total_vocab)
         softmax = exp.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(softmax, local_target, outside, valid)
         ctx.smoothing, ctx.total_vocab, ctx.in_dtype = smoothing, total_vocab, vocab_parallel_logits_dtype
