@@ -351,13 +351,19 @@ def read_bytes_entry(iter_dir: str, md: Metadata, key: str):
     if info is None or not isinstance(md.state_dict_metadata.get(key), BytesStorageMetadata):
         raise CheckpointError(f"checkpoint {iter_dir} has no {key!r} entry; it was not written by this program "
                               "or the save did not finish")
+    raw, path = _read_range(iter_dir, info, key)
+    return loads(raw, f"entry {key!r} in {path}")
+
+
+def _read_range(iter_dir: str, info, key: str) -> tuple[bytes, str]:
+    """The bytes of one stored item (``info``: its storage record) and the shard path they came from."""
     path = os.path.join(iter_dir, info.relative_path)
     with open(path, "rb") as f:
         f.seek(info.offset)
         raw = f.read(info.length)
     if len(raw) != info.length:
         raise CheckpointError(f"checkpoint shard {path} is truncated (entry {key!r})")
-    return loads(raw, f"entry {key!r} in {path}")
+    return raw, path
 
 
 def read_tensor(iter_dir: str, md: Metadata, key: str) -> torch.Tensor:
@@ -371,10 +377,7 @@ def read_tensor(iter_dir: str, md: Metadata, key: str) -> torch.Tensor:
         if info.transform_descriptors:
             raise CheckpointError(f"{key!r} in {iter_dir} uses storage transforms {info.transform_descriptors}, "
                                   "which this reader does not support")
-        path = os.path.join(iter_dir, info.relative_path)
-        with open(path, "rb") as f:
-            f.seek(info.offset)
-            raw = f.read(info.length)
+        raw, path = _read_range(iter_dir, info, key)
         try:
             part = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - any decoding failure is a damaged file

@@ -90,6 +90,8 @@ class Checkpointer:
         self.ck = cfg.checkpoint
         self.models = models
         self.opt = optimizer_state(optimizer)
+        # --overlap-param-gather: the parameters are complete only after this (None without such an optimizer)
+        self._finish_param_sync = getattr(optimizer, "finish_param_sync", None)
         self.scheduler = scheduler
         self.fp8 = _Fp8States(fp8) if fp8 else None  # one FP8 manager, or one per model chunk
         self.named = named_params(models)
@@ -224,6 +226,8 @@ class Checkpointer:
         if iter_dir == self._on_disk:
             return  # this exact state is already on disk
         stage = bool(ck.async_save)
+        if self._finish_param_sync is not None:
+            self._finish_param_sync()  # the entries below read the parameters
         entries = model_entries(self.named, self.tp_rank, self.tp, stage=stage)
         opt_common = None
         if not ck.no_save_optim and self.opt is not None:

@@ -283,14 +283,13 @@ def pretrain(cfg) -> TrainState:
                 and state.iteration < train_iters:
             _run_eval(chunks, valid_ds, cfg, state, forward_step, schedule, dev, writer, logging_rank)
             window_start = time.perf_counter()
-        if cfg.checkpoint.save:
-            optimizer.finish_param_sync()  # a save reads the parameters (--overlap-param-gather)
         state.exit_reason = checkpointer.after_iteration(state)  # --save-interval, exit conditions
         if state.exit_reason:
             break
 
     if t.eval_iters and not state.exit_reason:
         _run_eval(chunks, valid_ds, cfg, state, forward_step, schedule, dev, writer, logging_rank)
+    optimizer.finish_param_sync()  # callers get complete parameters (--overlap-param-gather)
     checkpointer.finish(state)  # final save; waits for background writes
     writer.close()
     return state
