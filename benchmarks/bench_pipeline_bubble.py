@@ -65,7 +65,7 @@ class SleepStage(nn.Module):
 
 def _worker(rank, world, v, m, tf, tb, iters, trace_path):
     dims = ParallelDims(world_size=world, pp=world, vp=v)
-    groups.initialize_model_parallel(dims)
+    ctx = groups.initialize_model_parallel(dims)
     chunks = [SleepStage(tf / v, tb / v) for _ in range(v)]
 
     def forward_step(data_iterator, model):
@@ -79,7 +79,7 @@ def _worker(rank, world, v, m, tf, tb, iters, trace_path):
         data = [iter([torch.ones(SHAPE) for _ in range(m)]) for _ in range(v)]
         dist.barrier()
         func(forward_step, data if v > 1 else data[0], chunks if v > 1 else chunks[0], m, tensor_shape=SHAPE,
-             timeline=timeline)
+             timeline=timeline, parallel=ctx)
         events = gather_timeline(timeline)
         if rank == 0:
             bubbles.append(bubble_fraction(events))

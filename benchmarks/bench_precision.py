@@ -75,15 +75,15 @@ def measure_layer(rank, world, s, b, h, a):
     from megatronish.parallel.dims import ParallelDims
     from megatronish.parallel.random import set_random_seed
 
-    groups.initialize_model_parallel(ParallelDims(world_size=world, tp=world))
-    set_random_seed(1, 0, groups.get_tensor_model_parallel_rank())
+    ctx = groups.initialize_model_parallel(ParallelDims(world_size=world, tp=world))
+    set_random_seed(1, 0, ctx.tp_rank)
     out = []
     for sp, rec in [(False, None), (True, None), (True, "selective"), (False, "selective")]:
         if world == 1 and sp:
             continue
         cfg = gpt2(num_layers=2, hidden_size=h, num_attention_heads=a, vocab_size=96, seq_length=s,
                    recompute_granularity=rec)
-        layer = TransformerLayer(cfg, 0, sp, torch.bfloat16).train()
+        layer = TransformerLayer(cfg, 0, sp, torch.bfloat16, tp_group=ctx.tp_group).train()
         x = torch.randn(s // world if sp else s, b, h, dtype=torch.bfloat16, requires_grad=True)
         with SavedActivationCounter(layer.parameters()) as c:
             y = layer(x)

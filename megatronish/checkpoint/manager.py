@@ -1,13 +1,12 @@
-"""Checkpointing inside the training loop: load after set-up, save every ``--save-interval`` iterations, on
-``--exit-interval`` / ``--exit-duration-in-mins`` / the exit signal, and at the end of training.
-
-:class:`Checkpointer` is built once by ``pretrain`` (on every rank, after the model, optimizer and scheduler)
-and called at three points: :meth:`Checkpointer.load` before the first iteration, :meth:`Checkpointer.after_iteration`
-at the end of each iteration (returns an exit reason or None), :meth:`Checkpointer.finish` after the loop.
+"""Saving and loading a training run's state: :class:`Checkpointer` is built once by ``pretrain`` (on every
+rank, after the model, optimizer and scheduler) and called at three points: :meth:`Checkpointer.load` before the
+first iteration, :meth:`Checkpointer.save` whenever the training loop decides (``--save-interval``, the exit
+conditions of :mod:`megatronish.training.exit`), :meth:`Checkpointer.finish` after the loop. When to save and
+when to stop is the training loop's business; this module only saves and loads.
 
 Asynchronous saves (``--async-save``): the rank's pieces are copied to CPU (the training loop then resumes)
-and a background thread writes them through DCP on a dedicated gloo process group; rank 0 replaces the tracker
-once DCP reports every rank's files complete. Each iteration the ranks agree (one small all-reduce) whether
+and a background thread writes them through DCP on the parallel context's gloo ``io`` group; rank 0 replaces
+the tracker once DCP reports every rank's files complete. Each iteration the ranks agree (one small all-reduce) whether
 the save finished or failed, so an error surfaces at the same iteration everywhere; the next save or the exit
 waits for the previous one.
 """
@@ -22,8 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .. import device
-from ..parallel import groups
-from ..training.signals import DistributedSignalHandler, any_rank
+from ..parallel.context import ParallelContext
 from . import dcp_io, layout
 from .common import (COMMON, FORMAT, FP8, MODEL, OPTIMIZER, SHAPE_FIELDS, common_state, jsonable, rng_key)
 from .dcp_io import CheckpointError, Obj, Sharded
@@ -85,7 +83,7 @@ class _Fp8States:
 class Checkpointer:
     """Save/load for one training run (see the module docstring)."""
 
-    def __init__(self, cfg, models, optimizer, scheduler, *, fp8=None):
+    def __init__(self, cfg, models, optimizer, scheduler, *, parallel: ParallelContext, fp8=None):
         self.cfg = cfg
         self.ck = cfg.checkpoint
         self.models = models
@@ -96,18 +94,12 @@ class Checkpointer:
         self.fp8 = _Fp8States(fp8) if fp8 else None  # one FP8 manager, or one per model chunk
         self.named = named_params(models)
         self.names = {id(p): (name, p.desc) for name, p in self.named}
-        self.start_time = time.time()
-        self.tp_rank = groups.get_tensor_model_parallel_rank() if groups.is_initialized() else 0
-        self.tp = groups.get_tensor_model_parallel_world_size() if groups.is_initialized() else 1
-        self._group = None
-        if dist.is_initialized() and (self.ck.save or self.ck.load):
-            # DCP's collectives get their own group: async saves run them from a background thread
-            self._group = dist.new_group(backend="gloo")
+        self.tp_rank, self.tp = parallel.tp_rank, parallel.tp_size
+        # DCP's collectives get their own (gloo) group: async saves run them from a background thread
+        self._group = parallel.io_group if dist.is_initialized() else None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: tuple[int, concurrent.futures.Future] | None = None
         self._on_disk: str | None = None  # the iteration directory this run last loaded or saved
-        self.signal_handler = DistributedSignalHandler(self.ck.exit_signal).install() \
-            if self.ck.exit_signal_handler else None
 
     # ------------------------------------------------------------------------------------------------ load
     def load(self, state) -> bool:
@@ -298,38 +290,8 @@ class Checkpointer:
         """Block until a pending asynchronous save is complete (collective)."""
         self.poll(block=True)
 
-    # ------------------------------------------------------------------------------------------------ loop
-    def after_iteration(self, state) -> str | None:
-        """Called by every rank after each iteration: surface async-save errors, save at ``--save-interval``,
-        and decide (together) whether to exit. Returns the exit reason, or None to continue."""
-        ck = self.ck
-        self.poll()
-        if self.signal_handler is not None and self.signal_handler.signals_received():
-            if ck.save:
-                self.save(state)
-            _log(f"exiting program after receiving {self.ck.exit_signal} at iteration {state.iteration}")
-            return "signal"
-        saved = False
-        if ck.save and ck.save_interval and state.iteration % ck.save_interval == 0:
-            self.save(state)
-            saved = True
-        if ck.exit_duration_in_mins:
-            minutes = (time.time() - self.start_time) / 60.0
-            if any_rank(minutes > ck.exit_duration_in_mins):
-                if ck.save and not saved:
-                    self.save(state)
-                _log(f"exiting program after {minutes:.2f} minutes at iteration {state.iteration}")
-                return "duration"
-        if ck.exit_interval and state.iteration % ck.exit_interval == 0:
-            if ck.save and not saved:
-                self.save(state)
-            _log(f"exiting program at iteration {state.iteration}")
-            return "interval"
-        return None
-
     def finish(self, state) -> None:
-        """After the loop: save the final state (unless just saved), wait for background writes, release the
-        signal handler."""
+        """After the loop: save the final state (unless just saved) and wait for background writes."""
         try:
             if self.ck.save and state.iteration > 0:
                 self.save(state)
@@ -338,16 +300,12 @@ class Checkpointer:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
-            if self._group is not None:
-                dist.destroy_process_group(self._group)
-                self._group = None
-            if self.signal_handler is not None:
-                self.signal_handler.release()
             sys.stdout.flush()
 
 
-def setup_checkpointing(cfg, models, optimizer, scheduler, state, *, fp8=None) -> Checkpointer:
+def setup_checkpointing(cfg, models, optimizer, scheduler, state, *, parallel: ParallelContext,
+                        fp8=None) -> Checkpointer:
     """Build the run's :class:`Checkpointer` and resume from ``--load`` into ``state`` (collective)."""
-    ckpt = Checkpointer(cfg, models, optimizer, scheduler, fp8=fp8)
+    ckpt = Checkpointer(cfg, models, optimizer, scheduler, parallel=parallel, fp8=fp8)
     ckpt.load(state)
     return ckpt

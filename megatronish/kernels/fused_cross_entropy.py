@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..parallel import groups
 from ..parallel.cross_entropy import loss_from_local_stats
 from ._triton import INTERPRETED, empty, exact_bf16, pow2, tl, to_out, triton
 
@@ -146,7 +145,5 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
     :func:`megatronish.parallel.cross_entropy.vocab_parallel_cross_entropy`. ``block_v``: vocabulary chunk
     per step (a power of two; default 4096 compiled); ``inplace_backward=False`` writes the gradient to a
     new buffer instead of over the logits."""
-    if group is None and groups.is_initialized():
-        group = groups.get_tensor_model_parallel_group()
     return _FusedVocabParallelCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing, vocab_size,
                                                  group, block_v, inplace_backward)

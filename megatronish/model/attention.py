@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..parallel import groups
+from ..parallel.context import group_size
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..parallel.random import checkpoint, get_rng_tracker
 from .rope import apply_rotary
@@ -22,9 +22,9 @@ from .rope import apply_rotary
 
 class SelfAttention(nn.Module):
     def __init__(self, config: ModelConfig, sequence_parallel: bool, output_init_std: float,
-                 params_dtype=torch.float32, device=None):
+                 params_dtype=torch.float32, device=None, tp_group=None):
         super().__init__()
-        tp = groups.get_tensor_model_parallel_world_size()
+        tp = group_size(tp_group)
         c = config
         self.heads_per_group = c.num_attention_heads // c.num_query_groups
         self.local_groups = c.num_query_groups // tp
@@ -36,11 +36,11 @@ class SelfAttention(nn.Module):
         qkv_out = (c.num_attention_heads + 2 * c.num_query_groups) * c.kv_channels
         self.linear_qkv = ColumnParallelLinear(c.hidden_size, qkv_out, bias=c.qkv_bias, gather_output=False,
                                                sequence_parallel=sequence_parallel, init_std=c.init_method_std,
-                                               params_dtype=params_dtype, device=device)
+                                               params_dtype=params_dtype, device=device, tp_group=tp_group)
         self.linear_proj = RowParallelLinear(c.num_attention_heads * c.kv_channels, c.hidden_size,
                                              bias=c.add_bias_linear, input_is_parallel=True, skip_bias_add=True,
                                              sequence_parallel=sequence_parallel, init_std=output_init_std,
-                                             params_dtype=params_dtype, device=device)
+                                             params_dtype=params_dtype, device=device, tp_group=tp_group)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None):
         qkv, _ = self.linear_qkv(x)  # [s, b, groups/t * (heads/groups + 2) * d]

@@ -10,7 +10,8 @@ global names, so ``init_parameters(seed)`` gives every chunk its piece of the on
 from __future__ import annotations
 
 from ..config import ModelConfig
-from ..parallel.dims import ConfigError, ParallelDims
+from ..parallel.context import ParallelContext
+from ..parallel.dims import ConfigError
 from .gpt import GPTModel
 
 __all__ = ["build_model_chunks", "check_layer_split"]
@@ -33,20 +34,20 @@ def check_layer_split(num_layers: int, pp: int, vp: int = 1) -> None:
         f"pipeline size")
 
 
-def build_model_chunks(config: ModelConfig, dims: ParallelDims, pp_rank: int, *, sequence_parallel: bool = False,
+def build_model_chunks(config: ModelConfig, parallel: ParallelContext, *, sequence_parallel: bool = False,
                        device=None, **kw) -> list[GPTModel]:
-    """The ``dims.vp`` chunks of pipeline rank ``pp_rank`` (uninitialized: call ``init_parameters(seed)``).
+    """This rank's ``vp`` chunks under ``parallel`` (uninitialized: call ``init_parameters(seed)``).
 
     Extra keywords (``label_smoothing``, ``params_dtype``) go to every :class:`GPTModel`.
     """
+    dims, pp_rank = parallel.dims, parallel.pp_rank
     check_layer_split(config.num_layers, dims.pp, dims.vp)
-    if not 0 <= pp_rank < dims.pp:
-        raise ValueError(f"pp_rank {pp_rank} out of range [0, {dims.pp})")
     chunks = []
     for c in range(dims.vp):
         layers = dims.layer_range(config.num_layers, pp_rank, c)
         chunks.append(GPTModel(config, sequence_parallel=sequence_parallel,
                                pre_process=pp_rank == 0 and c == 0,
                                post_process=pp_rank == dims.pp - 1 and c == dims.vp - 1,
-                               first_layer=layers.start, num_local_layers=len(layers), device=device, **kw))
+                               first_layer=layers.start, num_local_layers=len(layers), device=device,
+                               parallel=parallel, **kw))
     return chunks

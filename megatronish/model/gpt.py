@@ -2,7 +2,8 @@
 
 One pipeline stage of the model: ``pre_process`` (first stage) owns the embedding, ``post_process`` (last
 stage) the final norm, output layer and loss; ``first_layer``/``num_local_layers`` say which global layers
-this stage holds. Parameter names are global (``decoder.layers.<global number>...``) through
+this stage holds. ``parallel`` is the run's :class:`~megatronish.parallel.context.ParallelContext` (default: one
+process); the model reads its tensor-parallel group from it and nothing else. Parameter names are global (``decoder.layers.<global number>...``) through
 :meth:`GPTModel.global_name`, which is what initialization and checkpoints key on.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch import nn
 
 from .. import kernels
 from ..config import ModelConfig
-from ..parallel import groups
+from ..parallel.context import ParallelContext
 from ..parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..parallel.init import TensorDesc, initialize_slice, set_desc
 from ..parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
@@ -33,15 +34,16 @@ class Embedding(nn.Module):
     """Word (+ learned position) embeddings and dropout; returns ``[s, b, h]`` (``[s/t, b, h]`` under SP)."""
 
     def __init__(self, config: ModelConfig, padded_vocab: int, sequence_parallel: bool,
-                 params_dtype=torch.float32, device=None):
+                 params_dtype=torch.float32, device=None, tp_group=None):
         super().__init__()
         c = config
         self.sequence_parallel = sequence_parallel
+        self.tp_group = tp_group
         self.dropout = c.hidden_dropout
         self.word_embeddings = VocabParallelEmbedding(padded_vocab, c.hidden_size, vocab_size=c.vocab_size,
                                                       sequence_parallel=sequence_parallel,
                                                       init_std=c.init_method_std, params_dtype=params_dtype,
-                                                      device=device)
+                                                      device=device, tp_group=tp_group)
         self.position_embeddings = None
         if c.position_embedding_type == "learned_absolute":
             w = nn.Parameter(torch.empty(c.max_position_embeddings, c.hidden_size, dtype=params_dtype,
@@ -57,7 +59,7 @@ class Embedding(nn.Module):
                 position_ids = torch.arange(input_ids.size(1), device=input_ids.device).expand_as(input_ids)
             pos = self.position_embeddings(position_ids).transpose(0, 1)  # [b, s, h] -> [s, b, h]
             if self.sequence_parallel:
-                pos = scatter_to_sequence_parallel_region(pos)  # this rank's chunk; bwd all-gathers the grad
+                pos = scatter_to_sequence_parallel_region(pos, self.tp_group)  # this rank's chunk; bwd all-gathers the grad
             x = x + pos
         rng = get_rng_tracker().fork() if self.sequence_parallel and self.training and self.dropout > 0 \
             else contextlib.nullcontext()
@@ -68,10 +70,12 @@ class Embedding(nn.Module):
 class GPTModel(nn.Module):
     def __init__(self, config: ModelConfig, *, sequence_parallel: bool = False, pre_process: bool = True,
                  post_process: bool = True, first_layer: int = 0, num_local_layers: int | None = None,
-                 label_smoothing: float = 0.0, params_dtype=torch.float32, device=None):
+                 label_smoothing: float = 0.0, params_dtype=torch.float32, device=None,
+                 parallel: ParallelContext | None = None):
         super().__init__()
         c = config
-        tp = groups.get_tensor_model_parallel_world_size()
+        self.parallel = parallel = parallel or ParallelContext.single()
+        tp, tp_group = parallel.tp_size, parallel.tp_group
         self.config, self.pre_process, self.post_process = c, pre_process, post_process
         self.sequence_parallel = sequence_parallel and tp > 1
         self.label_smoothing = label_smoothing
@@ -81,12 +85,12 @@ class GPTModel(nn.Module):
         self.tied = not c.untie_embeddings_and_output_weights
         self.input_tensor: torch.Tensor | None = None  # hidden states from the previous pipeline stage
 
-        self.embedding = Embedding(c, self.padded_vocab_size, self.sequence_parallel, params_dtype, device) \
-            if pre_process else None
+        self.embedding = Embedding(c, self.padded_vocab_size, self.sequence_parallel, params_dtype, device,
+                                   tp_group) if pre_process else None
         self.rotary = RotaryEmbedding(c.kv_channels, c.rotary_percent, c.rotary_base) \
             if c.position_embedding_type == "rope" else None
         self.decoder = TransformerBlock(c, first_layer, num_local_layers, post_process, self.sequence_parallel,
-                                        params_dtype, device)
+                                        params_dtype, device, tp_group)
         self.cross_entropy_loss_fusion = c.cross_entropy_loss_fusion
         if c.use_triton_kernels or c.cross_entropy_loss_fusion:
             kernels.check_kernels_available([f for f, on in (("--use-triton-kernels", c.use_triton_kernels),
@@ -102,7 +106,8 @@ class GPTModel(nn.Module):
             self.output_layer = ColumnParallelLinear(
                 c.hidden_size, self.padded_vocab_size, bias=False, gather_output=False,
                 sequence_parallel=self.sequence_parallel, init_std=c.init_method_std,
-                skip_weight_param_allocation=self.tied and pre_process, params_dtype=params_dtype, device=device)
+                skip_weight_param_allocation=self.tied and pre_process, params_dtype=params_dtype, device=device,
+                tp_group=tp_group)
             if self.output_layer.weight is not None:
                 d = self.output_layer.weight.desc
                 set_desc(self.output_layer.weight, TensorDesc(d.global_shape, 0, 1, "normal", d.std,
@@ -132,8 +137,7 @@ class GPTModel(nn.Module):
 
     def init_parameters(self, seed: int) -> None:
         """Fill every parameter with its slice of the global value given by ``(seed, global name)``."""
-        tp_rank = groups.get_tensor_model_parallel_rank()
-        tp = groups.get_tensor_model_parallel_world_size()
+        tp_rank, tp = self.parallel.tp_rank, self.parallel.tp_size
         for name, p in self.named_global_parameters():
             initialize_slice(p, p.desc, seed, name, tp_rank, tp)
 
@@ -149,7 +153,7 @@ class GPTModel(nn.Module):
         x = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor
         rotary = None
         if self.rotary is not None:
-            s = x.size(0) * (groups.get_tensor_model_parallel_world_size() if self.sequence_parallel else 1)
+            s = x.size(0) * (self.parallel.tp_size if self.sequence_parallel else 1)
             rotary = self.rotary(s, device=x.device)
         x = self.decoder(x, rotary)
         if not self.post_process:
@@ -160,5 +164,5 @@ class GPTModel(nn.Module):
             return logits.transpose(0, 1).contiguous()
         loss_fn = kernels.vocab_parallel_cross_entropy if self.cross_entropy_loss_fusion \
             else vocab_parallel_cross_entropy
-        loss = loss_fn(logits, labels.t(), self.label_smoothing, self.config.vocab_size)
+        loss = loss_fn(logits, labels.t(), self.label_smoothing, self.config.vocab_size, self.parallel.tp_group)
         return loss.t().contiguous()  # [b, s]

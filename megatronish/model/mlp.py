@@ -16,7 +16,7 @@ from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, sequence_parallel: bool, output_init_std: float,
-                 params_dtype=torch.float32, device=None):
+                 params_dtype=torch.float32, device=None, tp_group=None):
         super().__init__()
         c = config
         self.swiglu, self.openai_gelu = c.swiglu, c.openai_gelu
@@ -25,11 +25,11 @@ class MLP(nn.Module):
         self.linear_fc1 = ColumnParallelLinear(c.hidden_size, fc1_out, bias=c.add_bias_linear,
                                                sequence_parallel=sequence_parallel, init_std=c.init_method_std,
                                                stride=2 if c.swiglu else 1, params_dtype=params_dtype,
-                                               device=device)
+                                               device=device, tp_group=tp_group)
         self.linear_fc2 = RowParallelLinear(c.ffn_hidden_size, c.hidden_size, bias=c.add_bias_linear,
                                             input_is_parallel=True, skip_bias_add=True,
                                             sequence_parallel=sequence_parallel, init_std=output_init_std,
-                                            params_dtype=params_dtype, device=device)
+                                            params_dtype=params_dtype, device=device, tp_group=tp_group)
 
     def forward(self, x: torch.Tensor):
         h, _ = self.linear_fc1(x)  # [s, b, ffn/t] (x2 with SwiGLU)

@@ -6,7 +6,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..parallel import groups
+from ..parallel.context import ParallelContext
 
 
 def _grad(p):
@@ -14,11 +14,12 @@ def _grad(p):
     return p.grad if g is None else g
 
 
-def counts_once(p, tp_rank: int) -> bool:
+def counts_once(p, parallel: ParallelContext) -> bool:
     """False for copies: a TP-replicated parameter off TP rank 0, and the tied word embedding's copy on
     the last pipeline stage (its first-stage original is counted)."""
-    if getattr(p, "shared_embedding", False) and groups.is_initialized() and not groups.is_pipeline_first_stage():
+    if getattr(p, "shared_embedding", False) and not parallel.is_first_stage:
         return False
+    tp_rank = parallel.tp_rank
     return bool(getattr(p, "tensor_model_parallel", False)) or tp_rank == 0
 
 
@@ -36,13 +37,13 @@ def sum_of_squares(tensors, group=None) -> torch.Tensor:
     return sq
 
 
-def global_norm(params, use_grad: bool = True) -> float:
-    """L2 norm over the whole model of the grads (or the values) of ``params`` (this rank's share).
-    Grads are DP-identical after the reduction, so the sum runs over the model-parallel group only."""
-    tp_rank = groups.get_tensor_model_parallel_rank() if groups.is_initialized() else 0
-    tensors = [(_grad(p) if use_grad else p) for p in params if counts_once(p, tp_rank)]
-    group = groups.get_model_parallel_group() if groups.is_initialized() else None
-    return math.sqrt(sum_of_squares(tensors, group).item())
+def global_norm(params, use_grad: bool = True, parallel: ParallelContext | None = None) -> float:
+    """L2 norm over the whole model of the grads (or the values) of ``params`` (this rank's share under
+    ``parallel``; default one process). Grads are DP-identical after the reduction, so the sum runs over the
+    model-parallel group only."""
+    parallel = parallel or ParallelContext.single()
+    tensors = [(_grad(p) if use_grad else p) for p in params if counts_once(p, parallel)]
+    return math.sqrt(sum_of_squares(tensors, parallel.mp_group).item())
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float | None:
@@ -54,11 +55,11 @@ def clip_coefficient(norm: float, max_norm: float) -> float | None:
     return None
 
 
-def clip_grad_norm(params, max_norm: float) -> float:
+def clip_grad_norm(params, max_norm: float, parallel: ParallelContext | None = None) -> float:
     """Scale every grad by ``max_norm / (norm + 1e-6)`` when the global norm exceeds ``max_norm``; returns
     the norm before clipping."""
     params = list(params)
-    norm = global_norm(params)
+    norm = global_norm(params, parallel=parallel)
     coeff = clip_coefficient(norm, max_norm)
     if coeff is not None:
         grads = [g for g in map(_grad, params) if g is not None]

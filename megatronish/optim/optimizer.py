@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from .. import device
-from ..parallel import groups
+from ..parallel.context import ParallelContext
 from .clip_grads import clip_coefficient, clip_grad_norm, counts_once, sum_of_squares
 
 
@@ -110,8 +110,9 @@ class MegatronOptimizer:
     def __init__(self, chunks, *, optimizer: str = "adam", lr: float = 1e-4, weight_decay: float = 0.01,
                  adam_beta1: float = 0.9, adam_beta2: float = 0.999, adam_eps: float = 1e-8,
                  sgd_momentum: float = 0.9, clip_grad: float = 1.0, grad_scaler=None,
-                 use_distributed_optimizer: bool = False):
+                 use_distributed_optimizer: bool = False, parallel: ParallelContext | None = None):
         self.chunks = list(chunks)
+        self.parallel = parallel or ParallelContext.single()
         self.clip_grad = clip_grad
         self.grad_scaler = grad_scaler
         self.distributed = use_distributed_optimizer
@@ -152,7 +153,6 @@ class MegatronOptimizer:
         self._init_states()
         self.num_steps = 0  # successful inner steps
         self._main_loaded = False
-        self.tp_rank = groups.get_tensor_model_parallel_rank() if groups.is_initialized() else 0
 
     # ---- construction ------------------------------------------------------------------------------
     def _make_slot(self, chunk, ci: int, p) -> _Slot | None:
@@ -281,9 +281,9 @@ class MegatronOptimizer:
     def _stats_group(self):
         """Where gradient statistics (norm, overflow) are summed: the model-parallel group, or with the
         distributed optimizer the whole world (its DP shards are disjoint)."""
-        if not groups.is_initialized():
+        if self.parallel.world_size == 1:
             return None
-        return dist.group.WORLD if self.distributed else groups.get_model_parallel_group()
+        return dist.group.WORLD if self.distributed else self.parallel.mp_group
 
     def _prepare_grads(self) -> list[torch.Tensor]:
         grads = []
@@ -309,8 +309,8 @@ class MegatronOptimizer:
         """Global L2 norm of the main gradients, each element of the global model counted once."""
         if not self.distributed and not self.float16:
             from .clip_grads import global_norm
-            return global_norm(self.model_params)
-        tensors = [s.main.grad for s in self.slots if counts_once(s.model, self.tp_rank)]
+            return global_norm(self.model_params, parallel=self.parallel)
+        tensors = [s.main.grad for s in self.slots if counts_once(s.model, self.parallel)]
         sq = sum_of_squares(tensors)
         group = self._stats_group()
         if group is not None and dist.get_world_size(group) > 1:
@@ -329,7 +329,7 @@ class MegatronOptimizer:
                 self._release_grads()
                 return False, None
         if not self.distributed and not self.float16:
-            norm = clip_grad_norm(self.model_params, self.clip_grad)  # the DDP buffers are the main grads
+            norm = clip_grad_norm(self.model_params, self.clip_grad, self.parallel)  # DDP buffers: main grads
         else:
             norm = self.grad_norm()
             coeff = clip_coefficient(norm, self.clip_grad)
@@ -406,14 +406,14 @@ def _collective_device() -> torch.device:
     return device.current_device() if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def get_megatron_optimizer(chunks, optim_cfg, *, grad_scaler=None, use_distributed_optimizer: bool = False
-                           ) -> MegatronOptimizer:
+def get_megatron_optimizer(chunks, optim_cfg, *, grad_scaler=None, use_distributed_optimizer: bool = False,
+                           parallel: ParallelContext | None = None) -> MegatronOptimizer:
     """The run's optimizer over all DDP chunks, from an :class:`~megatronish.config.OptimizerConfig`."""
     o = optim_cfg
     return MegatronOptimizer(chunks, optimizer=o.optimizer, lr=o.lr, weight_decay=o.weight_decay,
                              adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
                              sgd_momentum=o.sgd_momentum, clip_grad=o.clip_grad, grad_scaler=grad_scaler,
-                             use_distributed_optimizer=use_distributed_optimizer)
+                             use_distributed_optimizer=use_distributed_optimizer, parallel=parallel)
 
 
 __all__ = ["MegatronOptimizer", "get_megatron_optimizer", "build_optimizer", "clip_grad_norm", "no_weight_decay",

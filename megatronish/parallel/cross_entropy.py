@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import groups
 
 
 def loss_from_local_stats(stats: list, group, world: int, label_smoothing: float, total_vocab: int):
@@ -93,9 +92,8 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
     """Per-token loss ``[s, b]`` (fp32) from logits ``[s, b, V/t]`` and targets ``[s, b]``.
 
     ``vocab_size`` is the true (unpadded) vocabulary; entries past it are never predicted. The gradient
-    w.r.t. the logits is returned in their dtype.
+    w.r.t. the logits is returned in their dtype. ``group``: the tensor-parallel group the vocabulary is split
+    over (None: not split).
     """
-    if group is None and groups.is_initialized():
-        group = groups.get_tensor_model_parallel_group()
     loss = _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing, vocab_size, group)
     return loss

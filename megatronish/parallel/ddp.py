@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import groups
+from .context import ParallelContext, group_rank, group_size
 
 
 @dataclass
@@ -62,10 +62,9 @@ class DistributedDataParallel(nn.Module):
                  overlap_param_gather: bool = False):
         super().__init__()
         self.module = module
-        self.dp_group = dp_group if dp_group is not None else (
-            groups.get_data_parallel_group(with_context_parallel=True) if groups.is_initialized() else None)
-        self.dp_size = 1 if self.dp_group is None else dist.get_world_size(self.dp_group)
-        self.dp_rank = 0 if self.dp_group is None else dist.get_rank(self.dp_group)
+        self.dp_group = dp_group  # the data x context parallel group (ParallelContext.dp_cp_group); None: no DP
+        self.dp_size = group_size(dp_group)
+        self.dp_rank = group_rank(dp_group)
         self.overlap_grad_reduce = overlap_grad_reduce
         self.use_distributed_optimizer = use_distributed_optimizer
         self.overlap_param_gather = overlap_param_gather and use_distributed_optimizer
@@ -221,20 +220,18 @@ class DistributedDataParallel(nn.Module):
             module.register_forward_pre_hook(hook)
 
 
-def finalize_model_grads(chunks: list[DistributedDataParallel]) -> None:
+def finalize_model_grads(chunks: list[DistributedDataParallel], parallel: ParallelContext) -> None:
     """After the last backward of an iteration: (1) DP reduction of every chunk; (2) TP all-reduce of the
     gradients of TP-replicated parameters that saw sequence-sharded activations; (3) all-reduce of the tied
     word-embedding gradient over the embedding group (first and last pipeline stage)."""
-    for chunk in chunks:
-        chunk.finish_grad_sync()
-    if not groups.is_initialized():
-        return
     from .layers import allreduce_sequence_parallel_grads
 
     for chunk in chunks:
-        allreduce_sequence_parallel_grads(chunk.module, grad_attr="main_grad")
-    emb_group = groups.get_group("embedding")
-    if emb_group is not None and len(groups.get_group_ranks("embedding")) > 1:
+        chunk.finish_grad_sync()
+    for chunk in chunks:
+        allreduce_sequence_parallel_grads(chunk.module, parallel.tp_group, grad_attr="main_grad")
+    emb_group = parallel.embedding_group
+    if emb_group is not None and len(parallel.embedding_ranks) > 1:
         shared = [p for c in chunks for p in c.module.parameters() if getattr(p, "shared_embedding", False)]
         for p in shared:
             dist.all_reduce(p.main_grad, group=emb_group)

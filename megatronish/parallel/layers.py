@@ -3,7 +3,8 @@
 Each parameter is allocated at its local shape and carries its global :class:`TensorDesc`; values are filled
 later by :func:`megatronish.parallel.init.initialize_slice` from ``(seed, global name)``.
 Activations are ``[s, b, h]``; under sequence parallelism the ``s`` of inputs/outputs outside the TP region
-is this rank's ``s/t`` chunk.
+is this rank's ``s/t`` chunk. Each layer takes ``tp_group``, the tensor-parallel group it is split over (from
+the run's :class:`~megatronish.parallel.context.ParallelContext`; ``None``: not split).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import groups
+from .context import group_rank, group_size
 from .init import TensorDesc, local_shape, set_desc
 from .mappings import (copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
                        gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
@@ -21,10 +22,6 @@ from .mappings import (copy_to_tensor_model_parallel_region, gather_from_sequenc
 def _new_param(desc: TensorDesc, tp: int, dtype, device) -> nn.Parameter:
     p = nn.Parameter(torch.empty(local_shape(desc, tp), dtype=dtype, device=device))
     return set_desc(p, desc)
-
-
-def _tp_world() -> int:
-    return groups.get_tensor_model_parallel_world_size()
 
 
 class ColumnParallelLinear(nn.Module):
@@ -38,9 +35,10 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, *, bias: bool = True, gather_output: bool = False,
                  skip_bias_add: bool = False, sequence_parallel: bool = False, init_std: float = 0.02,
                  stride: int = 1, skip_weight_param_allocation: bool = False, params_dtype=torch.float32,
-                 device=None):
+                 device=None, tp_group=None):
         super().__init__()
-        tp = _tp_world()
+        self.tp_group = tp_group
+        tp = group_size(tp_group)
         if output_size % (tp * stride):
             raise ValueError(f"output size {output_size} is not divisible by stride {stride} x TP {tp}")
         if gather_output and sequence_parallel:
@@ -57,13 +55,13 @@ class ColumnParallelLinear(nn.Module):
         """``weight`` overrides the layer's own (a tied output layer passes the embedding's)."""
         weight = self.weight if weight is None else weight
         if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True)  # [s/t,b,h] -> [s,b,h]
+            x = gather_from_sequence_parallel_region(x, True, self.tp_group)  # [s/t,b,h] -> [s,b,h]
         else:
-            x = copy_to_tensor_model_parallel_region(x)
+            x = copy_to_tensor_model_parallel_region(x, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
         out = F.linear(x, weight, bias) if self.fp8 is None else self.fp8(x, weight, bias)  # [s, b, out/t]
         if self.gather_output:
-            out = gather_from_tensor_model_parallel_region(out)  # [s, b, out]
+            out = gather_from_tensor_model_parallel_region(out, self.tp_group)  # [s, b, out]
         return out, (self.bias if self.skip_bias_add else None)
 
 
@@ -77,9 +75,10 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = True, input_is_parallel: bool = True,
                  skip_bias_add: bool = False, sequence_parallel: bool = False, init_std: float = 0.02,
-                 params_dtype=torch.float32, device=None):
+                 params_dtype=torch.float32, device=None, tp_group=None):
         super().__init__()
-        tp = _tp_world()
+        self.tp_group = tp_group
+        tp = group_size(tp_group)
         if input_size % tp:
             raise ValueError(f"input size {input_size} is not divisible by TP {tp}")
         self.sequence_parallel = sequence_parallel and tp > 1
@@ -95,12 +94,12 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor):
         if not self.input_is_parallel:
-            x = scatter_to_tensor_model_parallel_region(x)
+            x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
         out = F.linear(x, self.weight) if self.fp8 is None else self.fp8(x, self.weight, None)  # partial [s,b,out]
         if self.sequence_parallel:
-            out = reduce_scatter_to_sequence_parallel_region(out)  # [s/t, b, out]
+            out = reduce_scatter_to_sequence_parallel_region(out, self.tp_group)  # [s/t, b, out]
         else:
-            out = reduce_from_tensor_model_parallel_region(out)
+            out = reduce_from_tensor_model_parallel_region(out, self.tp_group)
         if self.skip_bias_add:
             return out, self.bias
         return (out + self.bias if self.bias is not None else out), None
@@ -115,9 +114,11 @@ class VocabParallelEmbedding(nn.Module):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, vocab_size: int | None = None,
-                 sequence_parallel: bool = False, init_std: float = 0.02, params_dtype=torch.float32, device=None):
+                 sequence_parallel: bool = False, init_std: float = 0.02, params_dtype=torch.float32, device=None,
+                 tp_group=None):
         super().__init__()
-        tp = _tp_world()
+        self.tp_group = tp_group
+        tp = group_size(tp_group)
         if num_embeddings % tp:
             raise ValueError(f"padded vocabulary {num_embeddings} is not divisible by TP {tp}")
         self.num_embeddings, self.per_rank = num_embeddings, num_embeddings // tp
@@ -127,31 +128,30 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.t()  # [b, s] -> [s, b]
-        if _tp_world() > 1:
-            start = groups.get_tensor_model_parallel_rank() * self.per_rank
+        if group_size(self.tp_group) > 1:
+            start = group_rank(self.tp_group) * self.per_rank
             outside = (ids < start) | (ids >= start + self.per_rank)
             local = (ids - start).masked_fill(outside, 0)
             out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)  # [s, b, h] partial
         else:
             return F.embedding(ids, self.weight)
         if self.sequence_parallel:
-            return reduce_scatter_to_sequence_parallel_region(out)  # [s/t, b, h]
-        return reduce_from_tensor_model_parallel_region(out)
+            return reduce_scatter_to_sequence_parallel_region(out, self.tp_group)  # [s/t, b, h]
+        return reduce_from_tensor_model_parallel_region(out, self.tp_group)
 
 
-def allreduce_sequence_parallel_grads(module: nn.Module, grad_attr: str = "grad") -> None:
+def allreduce_sequence_parallel_grads(module: nn.Module, tp_group, grad_attr: str = "grad") -> None:
     """Sum over TP the gradients of parameters that are replicated across TP but see only this rank's
     sequence chunk under sequence parallelism (norm weights and biases, row-parallel biases): one
     all-reduce of a flat buffer. ``grad_attr="main_grad"`` reduces the DDP buffers instead of ``.grad``."""
-    group = groups.get_tensor_model_parallel_group() if groups.is_initialized() else None
-    if group is None or _tp_world() == 1:
+    if group_size(tp_group) == 1:
         return
     grads = [getattr(p, grad_attr, None) for p in module.parameters() if getattr(p, "sequence_parallel", False)]
     grads = [g for g in grads if g is not None]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
-    torch.distributed.all_reduce(flat, group=group)
+    torch.distributed.all_reduce(flat, group=tp_group)
     offset = 0
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))

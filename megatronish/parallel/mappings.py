@@ -1,7 +1,8 @@
 """Autograd communication primitives of Megatron's tensor and sequence parallelism.
 
-Each is a tiny ``autograd.Function`` whose docstring says what it does forward and backward. All take an
-optional ``group`` (default: the tensor-parallel group) and are the identity when the group has one rank.
+Each is a tiny ``autograd.Function`` whose docstring says what it does forward and backward. All take the
+``group`` to communicate over (the tensor-parallel group, from the run's
+:class:`~megatronish.parallel.context.ParallelContext`); ``None`` or a one-rank group makes them the identity.
 Shapes: activations are ``[s, b, h]``, so "first dim" is the sequence and "last dim" the hidden/vocab.
 """
 from __future__ import annotations
@@ -9,21 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import groups
-
-
-def _tp_group(group):
-    if group is not None:
-        return group
-    return groups.get_tensor_model_parallel_group() if groups.is_initialized() else None
-
-
-def _world(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def _rank(group) -> int:
-    return 0 if group is None else dist.get_rank(group)
+from .context import group_rank as _rank
+from .context import group_size as _world
 
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
@@ -160,28 +148,28 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
 
 
 def copy_to_tensor_model_parallel_region(x, group=None):
-    return _CopyToTensorParallelRegion.apply(x, _tp_group(group))
+    return _CopyToTensorParallelRegion.apply(x, group)
 
 
 def reduce_from_tensor_model_parallel_region(x, group=None):
-    return _ReduceFromTensorParallelRegion.apply(x, _tp_group(group))
+    return _ReduceFromTensorParallelRegion.apply(x, group)
 
 
 def scatter_to_tensor_model_parallel_region(x, group=None):
-    return _ScatterToTensorParallelRegion.apply(x, _tp_group(group))
+    return _ScatterToTensorParallelRegion.apply(x, group)
 
 
 def gather_from_tensor_model_parallel_region(x, group=None):
-    return _GatherFromTensorParallelRegion.apply(x, _tp_group(group))
+    return _GatherFromTensorParallelRegion.apply(x, group)
 
 
 def scatter_to_sequence_parallel_region(x, group=None):
-    return _ScatterToSequenceParallelRegion.apply(x, _tp_group(group))
+    return _ScatterToSequenceParallelRegion.apply(x, group)
 
 
 def gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=None):
-    return _GatherFromSequenceParallelRegion.apply(x, _tp_group(group), tensor_parallel_output_grad)
+    return _GatherFromSequenceParallelRegion.apply(x, group, tensor_parallel_output_grad)
 
 
 def reduce_scatter_to_sequence_parallel_region(x, group=None):
-    return _ReduceScatterToSequenceParallelRegion.apply(x, _tp_group(group))
+    return _ReduceScatterToSequenceParallelRegion.apply(x, group)

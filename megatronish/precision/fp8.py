@@ -141,12 +141,6 @@ def fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor, b_scal
 
 
 # ---- per-tensor scaling state ---------------------------------------------------------------------
-def _amax_group():
-    from ..parallel import groups
-    if not (dist.is_available() and dist.is_initialized() and groups.is_initialized()):
-        return None
-    return groups.get_amax_reduction_group()
-
 
 def _all_reduce_max(t: torch.Tensor, group) -> torch.Tensor:
     if group is not None and dist.get_world_size(group) > 1:
@@ -196,16 +190,14 @@ class ScalingState:
 class Fp8LinearState:
     """The three scaling states of one linear layer; calling it runs the FP8 linear (the layer's hook)."""
 
-    def __init__(self, recipe: Fp8Recipe, name: str = ""):
+    def __init__(self, recipe: Fp8Recipe, name: str = "", group=None):
         self.name, self.recipe = name, recipe
         self.states = {r: ScalingState(recipe, recipe.dtype(r)) for r in ROLES}
-        self.group = None  # resolved at first use (process groups may be built after enable_fp8)
+        self.group = group if recipe.reduce_amax else None  # the amax-reduction group (tensor x data parallel)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if not _FP8_ENABLED[0]:
             return torch.nn.functional.linear(x, weight, bias)
-        if self.group is None and self.recipe.reduce_amax:
-            self.group = _amax_group()
         return _Fp8Linear.apply(x, weight, bias, self)
 
 
@@ -269,9 +261,10 @@ def _is_parallel_linear(m) -> bool:
 class Fp8Manager:
     """Owns the FP8 states of a model's linears (keyed by global layer name); Stateful."""
 
-    def __init__(self, recipe: Fp8Recipe, linears: dict[str, object]):
+    def __init__(self, recipe: Fp8Recipe, linears: dict[str, object], group=None):
         self.recipe = recipe
         self.linears = linears  # global name -> layer (its ``fp8`` hook is an Fp8LinearState)
+        self.group = group if recipe.reduce_amax else None  # the amax-reduction group
 
     def states(self):
         for name, layer in self.linears.items():
@@ -287,7 +280,7 @@ class Fp8Manager:
         if not states:
             return
         amaxes = torch.stack([s.pending for s in states])
-        group = _amax_group() if self.recipe.reduce_amax else None
+        group = self.group
         if group is not None:
             amaxes = _all_reduce_max(amaxes.to(_collective_device()), group).cpu()
         for s, a in zip(states, amaxes):
@@ -318,9 +311,12 @@ def _collective_device() -> torch.device:
 
 def enable_fp8(model: torch.nn.Module, recipe: Fp8Recipe) -> Fp8Manager:
     """Run the column/row-parallel linears inside the model's transformer layers in FP8 (the embedding and
-    output layer stay in high precision, as in Megatron). Returns the manager to ``update()`` every step."""
+    output layer stay in high precision, as in Megatron). Returns the manager to ``update()`` every step.
+    Amaxes are reduced over the amax-reduction group of the model's parallel context (``model.parallel``)."""
     from ..model.transformer import TransformerLayer
     global_name = getattr(model, "global_name", lambda n: n)
+    parallel = getattr(model, "parallel", None)
+    group = parallel.amax_reduction_group() if parallel is not None else None
     linears = {}
     for prefix, module in model.named_modules():
         if not isinstance(module, TransformerLayer):
@@ -328,11 +324,11 @@ def enable_fp8(model: torch.nn.Module, recipe: Fp8Recipe) -> Fp8Manager:
         for sub, lin in module.named_modules():
             if _is_parallel_linear(lin):
                 name = global_name(f"{prefix}.{sub}.weight")[: -len(".weight")]
-                lin.fp8 = Fp8LinearState(recipe, name)
+                lin.fp8 = Fp8LinearState(recipe, name, group)
                 linears[name] = lin
     if not linears:
         raise ValueError("enable_fp8: the model has no parallel linear layers inside transformer layers")
-    return Fp8Manager(recipe, linears)
+    return Fp8Manager(recipe, linears, group)
 
 
 def disable_fp8(model: torch.nn.Module) -> None:

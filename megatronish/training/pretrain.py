@@ -1,8 +1,14 @@
-"""``pretrain(cfg)``: the training loop behind ``pretrain_gpt.py``.
+"""``pretrain(cfg)``: the training loop behind ``pretrain_gpt.py``, in three parts.
 
-Set-up order (fixed): distributed init -> process groups -> RNG seeds -> model (layout-invariant init) ->
-DDP wrapper -> optimizer and LR/WD scheduler -> datasets. Then each iteration runs the schedule over
-``num_microbatches`` microbatches, finalizes gradients (DP, SP, embedding group), clips, steps, and logs.
+- :func:`setup`: distributed init -> the parallel context (every process group) -> RNG seeds -> model
+  (layout-invariant init) -> DDP wrapper -> optimizer and LR/WD scheduler -> datasets -> checkpoint load. The
+  order is fixed; it returns a :class:`TrainContext` holding the run's live objects.
+- :func:`train_step`: one iteration: the schedule over ``num_microbatches`` microbatches, gradient finalization
+  (DP, SP, embedding group), the optimizer step (unscale, clip, step), FP8 scales, the LR/WD schedule.
+- :class:`TrainLogger`: the per-interval record (JSON lines, TensorBoard, W&B) and Megatron's log line, both
+  from one record; evaluations.
+
+When to save and when to stop is :class:`megatronish.training.exit.ExitPolicy`'s.
 """
 from __future__ import annotations
 
@@ -24,11 +30,13 @@ from ..optim.grad_scaler import build_grad_scaler
 from ..optim.lr_schedule import OptimizerParamScheduler, scheduler_steps_from_config
 from ..optim.optimizer import get_megatron_optimizer
 from ..parallel import groups
+from ..parallel.context import ParallelContext
 from ..parallel.ddp import DistributedDataParallel, finalize_model_grads
 from ..parallel.pipeline.schedules import get_forward_backward_func, pipeline_tensor_shape
 from ..parallel.pipeline.timeline import PipelineTimeline, gather_timeline, write_chrome_trace
 from ..parallel.random import set_random_seed
 from ..precision.fp8 import Fp8Manager, Fp8Recipe, check_transformer_impl, enable_fp8
+from .exit import ExitPolicy
 from .flops import device_peak_tflops, num_floating_point_operations
 from .memory import ActivationMeter, report_theoretical_memory
 from .metrics import MetricsWriter, print_rank_last, train_log_line
@@ -48,7 +56,7 @@ class TrainState:
 
 @dataclass
 class TrainContext:
-    """The run's live objects, reachable from ``pretrain`` (and by callers through ``TrainState.context``)."""
+    """The run's live objects, made by :func:`setup` (callers reach them through ``TrainState.context``)."""
 
     models: list
     chunks: list
@@ -56,6 +64,14 @@ class TrainContext:
     scheduler: object = None
     fp8: object = None  # megatronish.precision.fp8.Fp8Manager under --fp8-format (its state is checkpointed)
     memory: object = None  # megatronish.training.memory.ActivationMeter: estimate and first-iteration measurement
+    parallel: ParallelContext | None = None  # the degrees and this rank's process groups
+    cfg: object = None  # the RunConfig
+    schedule: object = None  # the pipeline schedule, bound to its dtype, loss scaling and parallel context
+    forward_step: object = None
+    train_ds: object = None
+    valid_ds: object = None
+    checkpointer: object = None
+    device: object = None
 
 
 def init_distributed(backend: str | None, timeout_minutes: float) -> None:
@@ -70,30 +86,27 @@ def init_distributed(backend: str | None, timeout_minutes: float) -> None:
     dist.init_process_group(backend or device.default_backend(), timeout=timedelta(minutes=timeout_minutes))
 
 
-def _is_logging_rank() -> bool:
-    return (groups.is_pipeline_last_stage() and groups.get_tensor_model_parallel_rank() == 0
-            and groups.get_data_parallel_rank(with_context_parallel=True) == 0)
+def _is_logging_rank(parallel: ParallelContext) -> bool:
+    return parallel.is_last_stage and parallel.tp_rank == 0 and parallel.dp_cp_rank == 0
 
 
-def _reported_loss(stats: list[dict]) -> float:
+def _reported_loss(stats: list[dict], parallel: ParallelContext) -> float:
     """The iteration's loss: mean over microbatches on the last stage, averaged over DP, then sent to every
     pipeline rank (so every rank can report it)."""
     loss = torch.zeros((), dtype=torch.float32, device=device.current_device())
-    if groups.is_pipeline_last_stage():
+    if parallel.is_last_stage:
         loss = torch.stack([s["lm loss"].float() for s in stats]).mean()
-        group = groups.get_data_parallel_group(with_context_parallel=True)
-        if dist.get_world_size(group) > 1:
+        group = parallel.dp_cp_group
+        if group is not None and group.size() > 1:
             dist.all_reduce(loss, group=group)
-            loss /= dist.get_world_size(group)
-    if groups.get_pipeline_model_parallel_world_size() > 1:
-        dist.broadcast(loss, src=groups.get_group_ranks("pp")[-1], group=groups.get_pipeline_model_parallel_group())
+            loss /= group.size()
+    if parallel.pp_size > 1:
+        dist.broadcast(loss, src=parallel.ranks("pp")[-1], group=parallel.pp_group)
     return loss.item()
 
 
-def _microbatches(dataset, consumed: int, mbs: int, num_mb: int, dev):
-    dp_size = groups.get_data_parallel_world_size(with_context_parallel=True)
-    dp_rank = groups.get_data_parallel_rank(with_context_parallel=True)
-    for idx in global_batch_indices(consumed, mbs, dp_size, dp_rank, num_mb):
+def _microbatches(dataset, consumed: int, mbs: int, num_mb: int, dev, parallel: ParallelContext):
+    for idx in global_batch_indices(consumed, mbs, parallel.dp_cp_size, parallel.dp_cp_rank, num_mb):
         batch = collate([{k: torch.as_tensor(v) for k, v in dataset[i].items()} for i in idx])
         yield {k: v.to(dev) for k, v in batch.items()}
 
@@ -127,28 +140,34 @@ def build_datasets(cfg):
     return build_file_datasets(cfg)
 
 
-def _data_iterators(dataset, consumed: int, cfg, num_chunks: int, dev):
+def _data_iterators(run: TrainContext, dataset, consumed: int):
     """One iterator over this iteration's microbatches per model chunk (each chunk reads them in order)."""
-    t = cfg.train
-    its = [_microbatches(dataset, consumed, t.micro_batch_size, cfg.num_microbatches, dev) for _ in range(num_chunks)]
-    return its[0] if num_chunks == 1 else its
+    cfg = run.cfg
+    its = [_microbatches(dataset, consumed, cfg.train.micro_batch_size, cfg.num_microbatches, run.device,
+                         run.parallel) for _ in run.chunks]
+    return its[0] if len(its) == 1 else its
 
 
-def evaluate(chunks, dataset, cfg, state: TrainState, forward_step, schedule, dev) -> float:
+def _model_arg(run: TrainContext):
+    return run.chunks if len(run.chunks) > 1 else run.chunks[0]
+
+
+def evaluate(run: TrainContext, state: TrainState, dataset=None) -> float:
     """Mean validation loss over ``--eval-iters`` global batches (DP-averaged); evaluations continue
     through the validation set."""
-    t = cfg.train
-    for c in chunks:
+    t = run.cfg.train
+    dataset = run.valid_ds if dataset is None else dataset
+    for c in run.chunks:
         c.eval()
     losses = []
     with torch.no_grad():
         for _ in range(t.eval_iters):
-            it = _data_iterators(dataset, state.valid_consumed_samples, cfg, len(chunks), dev)
+            it = _data_iterators(run, dataset, state.valid_consumed_samples)
             state.valid_consumed_samples += t.global_batch_size
-            stats = schedule(forward_step, it, chunks if len(chunks) > 1 else chunks[0], cfg.num_microbatches,
-                             forward_only=True, tensor_shape=_tensor_shape(cfg))
-            losses.append(_reported_loss(stats))
-    for c in chunks:
+            stats = run.schedule(run.forward_step, it, _model_arg(run), run.cfg.num_microbatches,
+                                 forward_only=True)
+            losses.append(_reported_loss(stats, run.parallel))
+    for c in run.chunks:
         c.train()
     return sum(losses) / len(losses) if losses else float("nan")
 
@@ -158,10 +177,12 @@ def _enable_fp8(models, model_cfg):
     recipe = Fp8Recipe.from_config(model_cfg)
     if recipe is None:
         return None
-    linears = {}
+    linears, group = {}, None
     for m in models:
-        linears.update(enable_fp8(m, recipe).linears)
-    return Fp8Manager(recipe, linears)
+        manager = enable_fp8(m, recipe)
+        linears.update(manager.linears)
+        group = manager.group
+    return Fp8Manager(recipe, linears, group)
 
 
 def _tensor_shape(cfg):
@@ -170,136 +191,190 @@ def _tensor_shape(cfg):
                                  tp=cfg.parallel.tp, sequence_parallel=cfg.sequence_parallel)
 
 
-def pretrain(cfg) -> TrainState:
-    """Train (and evaluate) as configured by a :class:`megatronish.config.RunConfig`."""
-    t, o, lg = cfg.train, cfg.optim, cfg.logging
+# ============================================================================================== set-up
+def setup(cfg) -> tuple[TrainContext, TrainState]:
+    """Everything before the first iteration, in the fixed order of the module docstring (collective)."""
+    t, o = cfg.train, cfg.optim
     check_transformer_impl(cfg.model.transformer_impl)  # before any process group (TE needs CUDA)
     init_distributed(t.distributed_backend, t.distributed_timeout_minutes)
-    if not groups.is_initialized():
-        groups.initialize_model_parallel(cfg.parallel, timeout_minutes=t.distributed_timeout_minutes)
+    parallel = groups.initialize_model_parallel(cfg.parallel, timeout_minutes=t.distributed_timeout_minutes)
     dev = device.current_device()
-    set_random_seed(t.seed, pp_rank=groups.get_pipeline_model_parallel_rank(),
-                    tp_rank=groups.get_tensor_model_parallel_rank())
+    set_random_seed(t.seed, pp_rank=parallel.pp_rank, tp_rank=parallel.tp_rank)
 
-    models = build_model_chunks(cfg.model, cfg.parallel, groups.get_pipeline_model_parallel_rank(),
-                                sequence_parallel=cfg.sequence_parallel, device=dev, params_dtype=o.params_dtype)
+    models = build_model_chunks(cfg.model, parallel, sequence_parallel=cfg.sequence_parallel, device=dev,
+                                params_dtype=o.params_dtype)
     for m in models:
         m.init_parameters(t.seed)  # the fp32 values of the one-process model, cast to the params dtype
     fp8 = _enable_fp8(models, cfg.model)
-    chunks = [DistributedDataParallel(m, overlap_grad_reduce=o.overlap_grad_reduce, bucket_size=o.ddp_bucket_size,
-                                      grad_dtype=o.grad_dtype, use_distributed_optimizer=o.use_distributed_optimizer,
+    chunks = [DistributedDataParallel(m, dp_group=parallel.dp_cp_group, overlap_grad_reduce=o.overlap_grad_reduce,
+                                      bucket_size=o.ddp_bucket_size, grad_dtype=o.grad_dtype,
+                                      use_distributed_optimizer=o.use_distributed_optimizer,
                                       overlap_param_gather=o.overlap_param_gather)
               for m in models]
-    params = [p for m in models for p in m.parameters()]
     grad_scaler = build_grad_scaler(o.fp16, o.loss_scale, o.initial_loss_scale, o.min_loss_scale,
                                     o.loss_scale_window, o.hysteresis)
     optimizer = get_megatron_optimizer(chunks, o, grad_scaler=grad_scaler,
-                                       use_distributed_optimizer=o.use_distributed_optimizer)
+                                       use_distributed_optimizer=o.use_distributed_optimizer, parallel=parallel)
     schedule = functools.partial(get_forward_backward_func(cfg.parallel.pp, cfg.parallel.vp),
-                                 dtype=o.params_dtype, grad_scale_func=optimizer.scale_loss if grad_scaler else None)
-    model_arg = chunks if len(chunks) > 1 else chunks[0]
-    tensor_shape = _tensor_shape(cfg)
+                                 dtype=o.params_dtype, grad_scale_func=optimizer.scale_loss if grad_scaler else None,
+                                 tensor_shape=_tensor_shape(cfg), parallel=parallel)
     scheduler = OptimizerParamScheduler(optimizer, **scheduler_steps_from_config(cfg))
     train_ds, valid_ds = build_datasets(cfg)
-    forward_step = _forward_step(cfg.data.reset_position_ids)
-
-    logging_rank = _is_logging_rank()
-    writer = MetricsWriter(logging_rank, lg.metrics_file, lg.tensorboard_dir, lg.wandb_project or None,
-                           lg.wandb_entity or None, lg.wandb_exp_name or None, lg.wandb_save_dir or None)
-    state = TrainState()
-    state.context = TrainContext(models, chunks, optimizer, scheduler, fp8)
-    checkpointer = setup_checkpointing(cfg, models, optimizer, scheduler, state, fp8=fp8)  # --load; --save below
+    run = TrainContext(models, chunks, optimizer, scheduler, fp8, parallel=parallel, cfg=cfg, schedule=schedule,
+                       forward_step=_forward_step(cfg.data.reset_position_ids), train_ds=train_ds,
+                       valid_ds=valid_ds, device=dev)
+    state = TrainState(context=run)
+    run.checkpointer = setup_checkpointing(cfg, models, optimizer, scheduler, state, parallel=parallel,
+                                           fp8=fp8)  # --load
     optimizer.reload_model_params()  # fp32 master copies from the (loaded) 16-bit model, unless loaded themselves
-    print_rank0 = lambda msg: print_rank_last(dist.get_rank() == 0, msg)  # noqa: E731 - the first stage is fullest
+    print_rank0 = _print_rank0()
     estimate = report_theoretical_memory(cfg, optimizer, models, print_fn=print_rank0)
-    meter = state.context.memory = ActivationMeter(params, estimate=estimate["activations"])
-    train_iters = t.train_iters
-    flops_per_iter = num_floating_point_operations(cfg.model, t.global_batch_size)
-    peak = device_peak_tflops(device.device_name())
-    tokens_per_iter = t.global_batch_size * cfg.model.seq_length
-    skipped = nan_iters = 0
-    window_losses, window_start, window_iters = [], time.perf_counter(), 0
+    run.memory = ActivationMeter([p for m in models for p in m.parameters()], estimate=estimate["activations"])
+    return run, state
 
-    if t.skip_train:
-        train_iters = 0
-    while state.iteration < train_iters:
-        for c in chunks:
-            c.zero_grad_buffer()
-        it = _data_iterators(train_ds, state.consumed_samples, cfg, len(chunks), dev)
-        timeline = PipelineTimeline() if lg.pipeline_timeline and state.iteration == train_iters - 1 else None
-        with meter.measure():  # saved-activation bytes (CPU) / allocator peak (CUDA), first iteration
-            stats = schedule(forward_step, it, model_arg, cfg.num_microbatches, tensor_shape=tensor_shape,
-                             timeline=timeline)
-        meter.report(print_fn=print_rank0)
-        if lg.pipeline_timeline and state.iteration == train_iters - 1:
-            events = gather_timeline(timeline)
-            if dist.get_rank() == 0:
-                write_chrome_trace(lg.pipeline_timeline, events,
-                                   metadata={"p": cfg.parallel.pp, "v": cfg.parallel.vp, "m": cfg.num_microbatches})
-        finalize_model_grads(chunks)
-        loss = _reported_loss(stats)
-        update_successful, grad_norm = optimizer.step()  # unscale/overflow check, clip, step, copy back
-        if fp8 is not None:
-            fp8.update()  # amax histories and next scales, once per optimizer step
-        if update_successful:  # Megatron: the LR/WD schedule advances only with an applied update
-            scheduler.step(increment=t.global_batch_size)
-        else:
-            skipped += 1
-            nan_iters += int(not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm)))
-        state.iteration += 1
-        state.consumed_samples += t.global_batch_size
-        state.history.append((state.iteration, loss))
-        window_losses.append(loss)
-        window_iters += 1
 
-        if state.iteration % lg.log_interval == 0 or state.iteration == train_iters:
-            device.synchronize()
-            elapsed = (time.perf_counter() - window_start) / window_iters
-            world = dist.get_world_size()
-            tflops = flops_per_iter / elapsed / world / 1e12
-            avg_loss = sum(window_losses) / len(window_losses)
-            if lg.log_params_norm:
-                optimizer.finish_param_sync()
-            params_norm = global_norm(params, use_grad=False) if lg.log_params_norm else None
-            lr = optimizer.param_groups[0]["lr"]
-            record = {"iteration": state.iteration, "consumed_samples": state.consumed_samples, "lm_loss": avg_loss,
-                      "lr": lr, "grad_norm": grad_norm, "loss_scale": optimizer.loss_scale,
-                      "elapsed_ms": elapsed * 1e3,
-                      "tokens_per_sec": tokens_per_iter / elapsed, "tflops": tflops,
-                      "skipped_iterations": skipped, "nan_iterations": nan_iters}
-            if params_norm is not None:
-                record["params_norm"] = params_norm
-            writer.write(record, state.iteration)
-            print_rank_last(logging_rank, train_log_line(
-                iteration=state.iteration, train_iters=train_iters, consumed_samples=state.consumed_samples,
-                elapsed_ms=elapsed * 1e3, tflops=tflops, tokens_per_sec=tokens_per_iter / elapsed, lr=lr,
-                global_batch_size=t.global_batch_size, loss=avg_loss, grad_norm=grad_norm,
-                loss_scale=optimizer.loss_scale,
-                skipped=skipped, nan=nan_iters, params_norm=params_norm,
-                mfu=(tflops / peak) if peak else None))
-            window_losses, window_start, window_iters = [], time.perf_counter(), 0
+def _print_rank0():
+    return lambda msg: print_rank_last(dist.get_rank() == 0, msg)  # the first stage is fullest
 
-        if t.eval_interval and t.eval_iters and state.iteration % t.eval_interval == 0 \
-                and state.iteration < train_iters:
-            _run_eval(chunks, valid_ds, cfg, state, forward_step, schedule, dev, writer, logging_rank)
-            window_start = time.perf_counter()
-        state.exit_reason = checkpointer.after_iteration(state)  # --save-interval, exit conditions
-        if state.exit_reason:
-            break
 
-    if t.eval_iters and not state.exit_reason:
-        _run_eval(chunks, valid_ds, cfg, state, forward_step, schedule, dev, writer, logging_rank)
-    optimizer.finish_param_sync()  # callers get complete parameters (--overlap-param-gather)
-    checkpointer.finish(state)  # final save; waits for background writes
-    writer.close()
+# ============================================================================================== one step
+@dataclass
+class StepResult:
+    loss: float
+    update_successful: bool
+    grad_norm: float | None
+
+
+def train_step(run: TrainContext, state: TrainState, timeline: PipelineTimeline | None = None) -> StepResult:
+    """One iteration on the global batch at ``state.consumed_samples``; advances ``state``."""
+    cfg = run.cfg
+    for c in run.chunks:
+        c.zero_grad_buffer()
+    it = _data_iterators(run, run.train_ds, state.consumed_samples)
+    with run.memory.measure():  # saved-activation bytes (CPU) / allocator peak (CUDA), first iteration
+        stats = run.schedule(run.forward_step, it, _model_arg(run), cfg.num_microbatches, timeline=timeline)
+    run.memory.report(print_fn=_print_rank0())
+    finalize_model_grads(run.chunks, run.parallel)
+    loss = _reported_loss(stats, run.parallel)
+    update_successful, grad_norm = run.optimizer.step()  # unscale/overflow check, clip, step, copy back
+    if run.fp8 is not None:
+        run.fp8.update()  # amax histories and next scales, once per optimizer step
+    if update_successful:  # Megatron: the LR/WD schedule advances only with an applied update
+        run.scheduler.step(increment=cfg.train.global_batch_size)
+    state.iteration += 1
+    state.consumed_samples += cfg.train.global_batch_size
+    state.history.append((state.iteration, loss))
+    return StepResult(loss, update_successful, grad_norm)
+
+
+# ============================================================================================== logging
+class TrainLogger:
+    """Per-interval averages, one record per log interval written to the metrics sinks and printed as
+    Megatron's log line; validation records."""
+
+    def __init__(self, run: TrainContext, train_iters: int):
+        cfg, lg = run.cfg, run.cfg.logging
+        self.run, self.cfg, self.train_iters = run, cfg, train_iters
+        self.logging_rank = _is_logging_rank(run.parallel)
+        self.writer = MetricsWriter(self.logging_rank, lg.metrics_file, lg.tensorboard_dir, lg.wandb_project or None,
+                                    lg.wandb_entity or None, lg.wandb_exp_name or None, lg.wandb_save_dir or None)
+        self.flops_per_iter = num_floating_point_operations(cfg.model, cfg.train.global_batch_size)
+        self.peak = device_peak_tflops(device.device_name())
+        self.tokens_per_iter = cfg.train.global_batch_size * cfg.model.seq_length
+        self.skipped = self.nan_iters = 0
+        self.restart_window()
+
+    def restart_window(self) -> None:
+        self.window_losses, self.window_start = [], time.perf_counter()
+
+    def after_step(self, state: TrainState, step: StepResult) -> None:
+        if not step.update_successful:
+            self.skipped += 1
+            self.nan_iters += int(not math.isfinite(step.loss)
+                                  or (step.grad_norm is not None and not math.isfinite(step.grad_norm)))
+        self.window_losses.append(step.loss)
+        if state.iteration % self.cfg.logging.log_interval == 0 or state.iteration == self.train_iters:
+            self._log(state, step.grad_norm)
+
+    def _log(self, state: TrainState, grad_norm: float | None) -> None:
+        run, lg = self.run, self.cfg.logging
+        device.synchronize()
+        elapsed = (time.perf_counter() - self.window_start) / len(self.window_losses)
+        tflops = self.flops_per_iter / elapsed / run.parallel.world_size / 1e12
+        params_norm = None
+        if lg.log_params_norm:
+            run.optimizer.finish_param_sync()
+            params_norm = global_norm([p for m in run.models for p in m.parameters()], use_grad=False,
+                                      parallel=run.parallel)
+        record = {"iteration": state.iteration, "consumed_samples": state.consumed_samples,
+                  "lm_loss": sum(self.window_losses) / len(self.window_losses),
+                  "lr": run.optimizer.param_groups[0]["lr"], "grad_norm": grad_norm,
+                  "loss_scale": run.optimizer.loss_scale, "elapsed_ms": elapsed * 1e3,
+                  "tokens_per_sec": self.tokens_per_iter / elapsed, "tflops": tflops,
+                  "skipped_iterations": self.skipped, "nan_iterations": self.nan_iters}
+        if params_norm is not None:
+            record["params_norm"] = params_norm
+        self.writer.write(record, state.iteration)
+        r = record
+        print_rank_last(self.logging_rank, train_log_line(
+            iteration=r["iteration"], train_iters=self.train_iters, consumed_samples=r["consumed_samples"],
+            elapsed_ms=r["elapsed_ms"], tflops=r["tflops"], tokens_per_sec=r["tokens_per_sec"], lr=r["lr"],
+            global_batch_size=self.cfg.train.global_batch_size, loss=r["lm_loss"], grad_norm=r["grad_norm"],
+            loss_scale=r["loss_scale"], skipped=r["skipped_iterations"], nan=r["nan_iterations"],
+            params_norm=params_norm, mfu=(tflops / self.peak) if self.peak else None))
+        self.restart_window()
+
+    def evaluate(self, state: TrainState) -> None:
+        loss = evaluate(self.run, state)
+        ppl = math.exp(min(20.0, loss))
+        state.valid_history.append((state.iteration, loss))
+        self.writer.write({"split": "valid", "iteration": state.iteration, "lm_loss": loss, "ppl": ppl},
+                          state.iteration)
+        bar = "-" * 100
+        print_rank_last(self.logging_rank, f"{bar}\n validation loss at iteration {state.iteration} | lm loss "
+                                           f"value: {loss:.6E} | lm loss PPL: {ppl:.6E} |\n{bar}")
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def _write_timeline(run: TrainContext, timeline: PipelineTimeline) -> None:
+    cfg = run.cfg
+    events = gather_timeline(timeline)
+    if dist.get_rank() == 0:
+        write_chrome_trace(cfg.logging.pipeline_timeline, events,
+                           metadata={"p": cfg.parallel.pp, "v": cfg.parallel.vp, "m": cfg.num_microbatches})
+
+
+# ============================================================================================== the loop
+def pretrain(cfg) -> TrainState:
+    """Train (and evaluate) as configured by a :class:`megatronish.config.RunConfig`."""
+    run, state = setup(cfg)
+    t = cfg.train
+    train_iters = 0 if t.skip_train else t.train_iters
+    logger = TrainLogger(run, train_iters)
+    exit_policy = ExitPolicy(cfg.checkpoint)
+    try:
+        while state.iteration < train_iters:
+            last = state.iteration == train_iters - 1
+            timeline = PipelineTimeline() if cfg.logging.pipeline_timeline and last else None
+            step = train_step(run, state, timeline)
+            if timeline is not None:
+                _write_timeline(run, timeline)
+            logger.after_step(state, step)
+            if t.eval_interval and t.eval_iters and state.iteration % t.eval_interval == 0 \
+                    and state.iteration < train_iters:
+                logger.evaluate(state)
+                logger.window_start = time.perf_counter()  # evaluation time is not training time
+            state.exit_reason = exit_policy.after_iteration(state, run.checkpointer)
+            if state.exit_reason:
+                break
+
+        if t.eval_iters and not state.exit_reason:
+            logger.evaluate(state)
+        run.optimizer.finish_param_sync()  # callers get complete parameters (--overlap-param-gather)
+        run.checkpointer.finish(state)  # final save; waits for background writes
+    finally:
+        exit_policy.release()
+    logger.close()
     return state
-
-
-def _run_eval(chunks, dataset, cfg, state, forward_step, schedule, dev, writer, logging_rank) -> None:
-    loss = evaluate(chunks, dataset, cfg, state, forward_step, schedule, dev)
-    ppl = math.exp(min(20.0, loss))
-    state.valid_history.append((state.iteration, loss))
-    writer.write({"split": "valid", "iteration": state.iteration, "lm_loss": loss, "ppl": ppl}, state.iteration)
-    bar = "-" * 100
-    print_rank_last(logging_rank, f"{bar}\n validation loss at iteration {state.iteration} | lm loss value: "
-                                  f"{loss:.6E} | lm loss PPL: {ppl:.6E} |\n{bar}")

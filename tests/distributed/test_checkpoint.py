@@ -246,10 +246,10 @@ def _fp8_worker(rank, world, root):
     groups.destroy_model_parallel()
     flags = NO_DROPOUT + ["--train-iters", "4"] + (TP2 + ["--save", root] if world == 2 else ["--load", root])
     cfg = configs_from_args(parse_args(BASE + flags), world)
-    groups.initialize_model_parallel(cfg.parallel)
-    models = build_model_chunks(cfg.model, cfg.parallel, 0)
+    ctx = groups.initialize_model_parallel(cfg.parallel)
+    models = build_model_chunks(cfg.model, ctx)
     manager = enable_fp8(models[0], Fp8Recipe(fp8_amax_history_len=3))
-    ck = Checkpointer(cfg, models, None, None, fp8=manager)
+    ck = Checkpointer(cfg, models, None, None, parallel=ctx, fp8=manager)
     if world == 2:
         for key, s in manager.states():  # the same on every rank, as after the amax all-reduce
             base = zlib.crc32(key.encode()) % 1000
@@ -278,8 +278,8 @@ def _offline_worker(rank, world, root):
     if world == 1:  # write global tensors as a converter would: here the initial weights, scaled
         groups.destroy_model_parallel()
         cfg = configs_from_args(parse_args(BASE + NO_DROPOUT + ["--train-iters", "3"]), 1)
-        groups.initialize_model_parallel(cfg.parallel)
-        (model,) = build_model_chunks(cfg.model, cfg.parallel, 0)
+        ctx = groups.initialize_model_parallel(cfg.parallel)
+        (model,) = build_model_chunks(cfg.model, ctx)
         model.init_parameters(123)
         tensors = {name: p.detach()[: cfg.model.vocab_size] * 1.5 if name.startswith("embedding.word") else
                    p.detach() * 1.5 for name, p in model.named_global_parameters()}

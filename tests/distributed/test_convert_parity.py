@@ -17,7 +17,7 @@ V, B, S = 100, 2, 16
 
 
 def _worker(rank, world):
-    groups.initialize_model_parallel(ParallelDims(world_size=world, tp=2, pp=2))
+    ctx = groups.initialize_model_parallel(ParallelDims(world_size=world, tp=2, pp=2))
     tp, tp_rank = 2, groups.get_tensor_model_parallel_rank()
     pp_rank = groups.get_pipeline_model_parallel_rank()
     out = {}
@@ -25,7 +25,7 @@ def _worker(rank, world):
         hf = tiny_hf_model(arch, vocab=V)
         cfg, a = model_config_from_hf(hf.config.to_dict())
         tensors = hf_state_dict_to_ours(hf.state_dict(), cfg, a, tp=tp)
-        (model,) = build_model_chunks(cfg, ParallelDims(world_size=world, tp=2, pp=2), pp_rank)
+        (model,) = build_model_chunks(cfg, ctx)
         load_into_model(model, tensors, tp_rank, tp)
         model.eval()
         ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(5))
@@ -36,7 +36,7 @@ def _worker(rank, world):
                 x = torch.empty(S, B, cfg.hidden_size)
                 dist.recv(x, groups.get_pipeline_model_parallel_prev_rank())
                 model.set_input_tensor(x)
-                logits = gather_from_tensor_model_parallel_region(model(ids))[..., :V]
+                logits = gather_from_tensor_model_parallel_region(model(ids), ctx.tp_group)[..., :V]
                 ref = hf(input_ids=ids).logits
                 out[a] = (logits - ref).abs().max().item()
                 torch.testing.assert_close(logits, ref, rtol=0, atol=1e-4, msg=lambda m: f"{a}: {m}")

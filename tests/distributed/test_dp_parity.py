@@ -86,19 +86,19 @@ def test_dp_and_tp_dp_parity(reference, opt):
 
 
 def _norm_worker(rank, world, tp, ref_norm):
-    groups.initialize_model_parallel(ParallelDims(world_size=world, tp=tp))
+    ctx = groups.initialize_model_parallel(ParallelDims(world_size=world, tp=tp))
     cfg = gpt2(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=96, seq_length=16,
                attention_dropout=0.0, hidden_dropout=0.0)
-    model = GPTModel(cfg, sequence_parallel=True)
+    model = GPTModel(cfg, sequence_parallel=True, parallel=ctx)
     model.init_parameters(5)
-    ddp = DistributedDataParallel(model, bucket_size=300)
+    ddp = DistributedDataParallel(model, dp_group=ctx.dp_cp_group, bucket_size=300)
     g = torch.Generator().manual_seed(1)
     ids, labels = torch.randint(0, 96, (4, 16), generator=g), torch.randint(0, 96, (4, 16), generator=g)
     dp, dp_rank = groups.get_data_parallel_world_size(), groups.get_data_parallel_rank()
     b = 4 // dp
     ddp(ids[dp_rank * b:(dp_rank + 1) * b], labels=labels[dp_rank * b:(dp_rank + 1) * b]).mean().backward()
-    finalize_model_grads([ddp])
-    return global_norm(model.parameters())
+    finalize_model_grads([ddp], ctx)
+    return global_norm(model.parameters(), parallel=ctx)
 
 
 def test_global_grad_norm_matches_single_process():

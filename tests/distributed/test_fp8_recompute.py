@@ -6,6 +6,7 @@ from harness import run_distributed
 from megatronish.config import gpt2, llama
 from megatronish.model import GPTModel
 from megatronish.parallel import groups
+from megatronish.parallel.context import ParallelContext
 from megatronish.parallel.dims import ParallelDims
 from megatronish.parallel.init import gather_to_global
 from megatronish.parallel.layers import allreduce_sequence_parallel_grads
@@ -22,8 +23,9 @@ def _cfg(flavor="gpt2", **kw):
     return (gpt2 if flavor == "gpt2" else llama)(**base)
 
 
-def _tp_rank():
-    return groups.get_tensor_model_parallel_rank() if groups.is_initialized() else 0
+def _ctx():
+    """The worker's parallel context; the one-process context in the test process itself."""
+    return groups.get_context() if groups.is_initialized() else ParallelContext.single()
 
 
 def _batch(seed=7):
@@ -32,8 +34,8 @@ def _batch(seed=7):
 
 
 def _build(cfg, sp=False, fp8=None):
-    set_random_seed(SEED, tp_rank=_tp_rank())
-    model = GPTModel(cfg, sequence_parallel=sp)
+    set_random_seed(SEED, tp_rank=_ctx().tp_rank)
+    model = GPTModel(cfg, sequence_parallel=sp, parallel=_ctx())
     model.init_parameters(SEED)
     model.train()
     return model, (enable_fp8(model, fp8) if fp8 else None)
@@ -44,13 +46,13 @@ def _train(cfg, steps, sp=False, fp8=None, lr=0.05):
     and the FP8 state (amax histories/scales, replicated over TP)."""
     model, mgr = _build(cfg, sp, fp8)
     ids, labels = _batch()
-    tp_group = groups.get_tensor_model_parallel_group() if groups.is_initialized() else None
+    tp_group = model.parallel.tp_group
     losses = []
     for _ in range(steps):
         model.zero_grad(set_to_none=True)
         loss = model(ids, labels=labels).mean()
         loss.backward()
-        allreduce_sequence_parallel_grads(model)
+        allreduce_sequence_parallel_grads(model, tp_group)
         if mgr is not None:
             mgr.update()
         grads = {n: gather_to_global(p.grad, p.desc, tp_group) for n, p in model.named_global_parameters()}

@@ -4,13 +4,25 @@ import torch.distributed as dist
 
 from harness import run_distributed
 from megatronish.parallel import groups
+from megatronish.parallel.context import ParallelContext, group_rank, group_size
 from megatronish.parallel.dims import ParallelDims
 
 
 def _worker(rank, world):
     dims = ParallelDims(world_size=world, tp=2, pp=2, tie_embeddings=True)  # dp = 2
-    groups.initialize_model_parallel(dims)
+    ctx = groups.initialize_model_parallel(dims)
     c = dims.coords(rank)
+    # the context the package passes around, and the Megatron-named accessors over it, agree with the dims
+    assert (ctx.tp_rank, ctx.pp_rank, ctx.dp_rank, ctx.cp_rank) == (c["tp"], c["pp"], c["dp"], c["cp"])
+    assert (ctx.tp_size, ctx.pp_size, ctx.dp_size, ctx.dp_cp_size) == (2, 2, 2, 2)
+    fake = ParallelContext.fake(dims, rank)  # the same answers without torch.distributed
+    for kind in ParallelDims.GROUP_KINDS:
+        assert fake.ranks(kind) == ctx.ranks(kind) == tuple(dims.group_of(kind, rank)), kind
+        if ctx.ranks(kind):
+            assert group_size(fake.group(kind)) == group_size(ctx.group(kind)) == len(ctx.ranks(kind)), kind
+            assert group_rank(fake.group(kind)) == group_rank(ctx.group(kind)) == ctx.rank_in(kind), kind
+    assert (fake.next_pp_rank, fake.prev_pp_rank) == (ctx.next_pp_rank, ctx.prev_pp_rank)
+    assert groups.get_context() is ctx
     assert groups.get_tensor_model_parallel_rank() == c["tp"]
     assert groups.get_pipeline_model_parallel_rank() == c["pp"]
     assert groups.get_data_parallel_rank() == c["dp"]
@@ -20,8 +32,8 @@ def _worker(rank, world):
     assert groups.get_pipeline_model_parallel_next_rank() == pp_ranks[(c["pp"] + 1) % 2]
     assert groups.is_rank_in_embedding_group()  # PP=2 and tied: both stages hold the embedding
     # each group sums exactly its members' ranks
-    for kind in ("tp", "pp", "dp", "dp_cp", "mp", "tp_dp", "embedding", "position_embedding"):
-        members = dims.group_of(kind, rank)
+    for kind in (*ParallelDims.GROUP_KINDS, "io"):
+        members = list(range(world)) if kind == "io" else dims.group_of(kind, rank)
         if not members:
             assert groups.get_group(kind) is None
             continue

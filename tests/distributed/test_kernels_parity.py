@@ -57,8 +57,8 @@ def _run(model):
     model.train()
     loss = model(ids, labels=labels)  # [b, s]
     loss.mean().backward()
-    allreduce_sequence_parallel_grads(model)
-    tp_group = groups.get_tensor_model_parallel_group() if groups.is_initialized() else None
+    tp_group = model.parallel.tp_group
+    allreduce_sequence_parallel_grads(model, tp_group)
     grads = {n: gather_to_global(p.grad, p.desc, tp_group) for n, p in model.named_global_parameters()}
     return loss.detach(), grads
 
@@ -74,7 +74,8 @@ def _reference(name):
 def _check_model(name, ref):
     overrides, smoothing, sp = VARIANTS[name]
     set_random_seed(SEED, tp_rank=groups.get_tensor_model_parallel_rank())
-    model = GPTModel(_config(overrides, fused=True), sequence_parallel=sp, label_smoothing=smoothing)
+    model = GPTModel(_config(overrides, fused=True), sequence_parallel=sp, label_smoothing=smoothing,
+                     parallel=groups.get_context())
     model.init_parameters(SEED)
     loss, grads = _run(model)
     r_loss, r_grads = ref
@@ -102,7 +103,8 @@ def _check_cross_entropy(rank):
                               label_smoothing=smoothing * vocab / (vocab - 1)).view(3, 2)
         ref.backward(dloss)
         mine = logits[..., rank * 128:(rank + 1) * 128].clone().requires_grad_()
-        loss = fused_cross_entropy.vocab_parallel_cross_entropy(mine * 1, target, smoothing, vocab, block_v=32)
+        loss = fused_cross_entropy.vocab_parallel_cross_entropy(mine * 1, target, smoothing, vocab,
+                                                                groups.get_tensor_model_parallel_group(), block_v=32)
         loss.backward(dloss)
         what = f"CE TP=2 vocab={vocab} smoothing={smoothing} {dtype}"
         torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=0, msg=lambda m: f"{what} loss: {m}")

@@ -32,11 +32,11 @@ def _batch():
 def _run(model):
     """Logits (global vocab, true entries only), mean loss, and {global name: global grad}."""
     ids, labels = _batch()
-    logits = gather_from_tensor_model_parallel_region(model(ids).detach())[..., :V]
+    tp_group = model.parallel.tp_group
+    logits = gather_from_tensor_model_parallel_region(model(ids).detach(), tp_group)[..., :V]
     loss = model(ids, labels=labels).mean()
     loss.backward()
-    allreduce_sequence_parallel_grads(model)
-    tp_group = groups.get_tensor_model_parallel_group() if groups.is_initialized() else None
+    allreduce_sequence_parallel_grads(model, tp_group)
     grads = {n: gather_to_global(p.grad, p.desc, tp_group) for n, p in model.named_global_parameters()}
     return logits, loss.detach(), grads
 
@@ -50,7 +50,7 @@ def _reference(flavor):
 
 def _compare(flavor, sp, ref):
     set_random_seed(SEED, tp_rank=groups.get_tensor_model_parallel_rank())
-    model = GPTModel(FLAVORS[flavor](), sequence_parallel=sp)
+    model = GPTModel(FLAVORS[flavor](), sequence_parallel=sp, parallel=groups.get_context())
     model.init_parameters(SEED)
     logits, loss, grads = _run(model)
     r_logits, r_loss, r_grads = ref

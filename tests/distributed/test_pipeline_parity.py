@@ -76,13 +76,13 @@ def _setup(world, flavor, tp, pp, vp, sp):
     dims = ParallelDims(world_size=world, tp=tp, pp=pp, vp=vp,
                         tie_embeddings=not cfg.untie_embeddings_and_output_weights)
     groups.destroy_model_parallel()
-    groups.initialize_model_parallel(dims)
+    ctx = groups.initialize_model_parallel(dims)
     pp_rank, tp_rank = groups.get_pipeline_model_parallel_rank(), groups.get_tensor_model_parallel_rank()
     set_random_seed(SEED, pp_rank=pp_rank, tp_rank=tp_rank)
-    chunks = build_model_chunks(cfg, dims, pp_rank, sequence_parallel=sp)
+    chunks = build_model_chunks(cfg, ctx, sequence_parallel=sp)
     for chunk in chunks:
         chunk.init_parameters(SEED)
-    return dims, [DistributedDataParallel(c) for c in chunks]
+    return dims, [DistributedDataParallel(c, dp_group=ctx.dp_cp_group) for c in chunks]
 
 
 def _iteration(dims, ddp, sp, timeline=None, outputs=None):
@@ -95,8 +95,8 @@ def _iteration(dims, ddp, sp, timeline=None, outputs=None):
     for chunk in ddp:
         chunk.zero_grad_buffer()
     stats = func(_forward_step(outputs), iterators if dims.vp > 1 else iterators[0], ddp if dims.vp > 1 else ddp[0],
-                 len(mine), tensor_shape=shape, timeline=timeline)
-    finalize_model_grads(ddp)
+                 len(mine), tensor_shape=shape, timeline=timeline, parallel=groups.get_context())
+    finalize_model_grads(ddp, groups.get_context())
     return stats, len(mine)
 
 

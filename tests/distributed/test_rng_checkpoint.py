@@ -6,6 +6,7 @@ from harness import run_distributed
 from megatronish.config import gpt2, llama
 from megatronish.model import GPTModel
 from megatronish.parallel import groups
+from megatronish.parallel.context import ParallelContext
 from megatronish.parallel.dims import ParallelDims
 from megatronish.parallel.random import checkpoint, get_rng_tracker, set_random_seed
 
@@ -20,9 +21,9 @@ def _cfg(flavor, **kw):
 
 
 def _loss_and_grads(cfg, sp, seed=SEED):
-    tp_rank = groups.get_tensor_model_parallel_rank() if groups.is_initialized() else 0
-    set_random_seed(seed, tp_rank=tp_rank)
-    model = GPTModel(cfg, sequence_parallel=sp)
+    ctx = groups.get_context() if groups.is_initialized() else ParallelContext.single()
+    set_random_seed(seed, tp_rank=ctx.tp_rank)
+    model = GPTModel(cfg, sequence_parallel=sp, parallel=ctx)
     model.init_parameters(SEED)
     model.train()
     g = torch.Generator().manual_seed(5)

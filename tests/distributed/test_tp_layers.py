@@ -53,7 +53,7 @@ def _check_layers(rank, world, tp):
             if sp and gather:
                 continue
             layer = ColumnParallelLinear(H, OUT, bias=True, gather_output=gather, sequence_parallel=sp,
-                                         stride=stride)
+                                         stride=stride, tp_group=g)
             _init(layer)
             W, b = _full(layer.weight).requires_grad_(), _full(layer.bias).requires_grad_()
             xin = _seq_chunk(x, sp).clone().requires_grad_()
@@ -72,7 +72,8 @@ def _check_layers(rank, world, tp):
 
         # ---- RowParallelLinear ----------------------------------------------------------------------
         for parallel_in in ((True,) if sp else (True, False)):
-            layer = RowParallelLinear(H, OUT, bias=True, input_is_parallel=parallel_in, sequence_parallel=sp)
+            layer = RowParallelLinear(H, OUT, bias=True, input_is_parallel=parallel_in, sequence_parallel=sp,
+                                      tp_group=g)
             _init(layer)
             W, b = _full(layer.weight).requires_grad_(), _full(layer.bias).requires_grad_()
             cols = torch.arange(r * H // t, (r + 1) * H // t)
@@ -92,7 +93,7 @@ def _check_layers(rank, world, tp):
 
         # ---- VocabParallelEmbedding -----------------------------------------------------------------
         V, VP = 50, 64
-        emb = VocabParallelEmbedding(VP, H, vocab_size=V, sequence_parallel=sp)
+        emb = VocabParallelEmbedding(VP, H, vocab_size=V, sequence_parallel=sp, tp_group=g)
         _init(emb)
         E = _full(emb.weight).requires_grad_()
         assert torch.all(E[V:] == 0), "padding rows must start at zero"
@@ -114,7 +115,7 @@ def _check_layers(rank, world, tp):
     for alpha in (0.0, 0.1):
         for vocab in (V, VP):
             local = logits_full.chunk(t, dim=-1)[r].clone().requires_grad_()
-            loss = vocab_parallel_cross_entropy(local, target, label_smoothing=alpha, vocab_size=vocab)
+            loss = vocab_parallel_cross_entropy(local, target, label_smoothing=alpha, vocab_size=vocab, group=g)
             ref_logits = logits_full[..., :vocab].clone().requires_grad_()
             logp = torch.log_softmax(ref_logits, dim=-1)
             q = torch.full_like(logp, alpha / (vocab - 1))
@@ -128,11 +129,11 @@ def _check_layers(rank, world, tp):
             _close(local.grad, full_grad.chunk(t, dim=-1)[r], f"cross entropy(alpha={alpha}) logits grad")
     # the dense op itself, no smoothing, no padding
     local = logits_full.chunk(t, dim=-1)[r]
-    _close(vocab_parallel_cross_entropy(local, target),
+    _close(vocab_parallel_cross_entropy(local, target, group=g),
            F.cross_entropy(logits_full.reshape(-1, VP), target.reshape(-1), reduction="none").view(S, B),
            "cross entropy vs F.cross_entropy")
     # gather_output round trip: the all-gather reassembles the full logits
-    _close(gather_from_tensor_model_parallel_region(local), logits_full, "gather last dim")
+    _close(gather_from_tensor_model_parallel_region(local, g), logits_full, "gather last dim")
     return True
 
 

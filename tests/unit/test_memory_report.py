@@ -71,8 +71,8 @@ def _measure(rank, world):
     from megatronish.parallel.dims import ParallelDims
     from megatronish.parallel.random import set_random_seed
 
-    groups.initialize_model_parallel(ParallelDims(world_size=world, tp=world))
-    set_random_seed(1, 0, groups.get_tensor_model_parallel_rank())
+    ctx = groups.initialize_model_parallel(ParallelDims(world_size=world, tp=world))
+    set_random_seed(1, 0, ctx.tp_rank)
     t, out = world, {}
     for name, sp, rec in [("no SP", False, None), ("SP", True, None), ("SP + selective", True, "selective"),
                           ("selective", False, "selective")]:
@@ -80,7 +80,7 @@ def _measure(rank, world):
             continue
         cfg = gpt2(num_layers=2, hidden_size=H, num_attention_heads=A, vocab_size=96, seq_length=S,
                    recompute_granularity=rec, attention_dropout=0.1, hidden_dropout=0.1)
-        layer = TransformerLayer(cfg, 0, sp and t > 1, torch.bfloat16).train()
+        layer = TransformerLayer(cfg, 0, sp and t > 1, torch.bfloat16, tp_group=ctx.tp_group).train()
         x = torch.randn(S // t if sp else S, B, H, dtype=torch.bfloat16, requires_grad=True)
         with SavedActivationCounter(layer.parameters()) as counter:
             y = layer(x)

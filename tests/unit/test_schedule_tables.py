@@ -184,6 +184,7 @@ def test_interleaving_needs_microbatches_multiple_of_p():
 def test_layer_split_error_names_flags():
     from megatronish.config import gpt2
     from megatronish.model.build import build_model_chunks, check_layer_split
+    from megatronish.parallel.context import ParallelContext
     from megatronish.parallel.dims import ParallelDims
 
     with pytest.raises(ConfigError, match=r"--num-layers 6 .* --pipeline-model-parallel-size 2 x 2 virtual.*"
@@ -191,7 +192,7 @@ def test_layer_split_error_names_flags():
         check_layer_split(6, 2, 2)
     with pytest.raises(ConfigError, match=r"--num-layers 6 is not divisible by --pipeline-model-parallel-size 4"):
         build_model_chunks(gpt2(num_layers=6, hidden_size=32, num_attention_heads=4, vocab_size=64),
-                           ParallelDims(world_size=4, pp=4), 0)
+                           ParallelContext.fake(ParallelDims(world_size=4, pp=4), 0))
 
 
 def test_get_forward_backward_func():
@@ -203,13 +204,14 @@ def test_get_forward_backward_func():
 def test_build_model_chunks_layer_assignment():
     from megatronish.config import gpt2
     from megatronish.model.build import build_model_chunks
+    from megatronish.parallel.context import ParallelContext
     from megatronish.parallel.dims import ParallelDims
 
     cfg = gpt2(num_layers=8, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=16)
     dims = ParallelDims(world_size=2, pp=2, vp=2)
     layers = {}
-    for r in range(2):
-        for c, chunk in enumerate(build_model_chunks(cfg, dims, r)):
+    for r in range(2):  # pipeline rank r is global rank r here; its context is built without processes
+        for c, chunk in enumerate(build_model_chunks(cfg, ParallelContext.fake(dims, r))):
             names = {n.split(".")[2] for n, _ in chunk.named_global_parameters() if n.startswith("decoder.layers")}
             layers[(r, c)] = sorted(int(i) for i in names)
             assert chunk.pre_process == (r == 0 and c == 0) and chunk.post_process == (r == 1 and c == 1)

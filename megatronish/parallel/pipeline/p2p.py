@@ -28,23 +28,21 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import groups
 from .timeline import span
 
 __all__ = ["P2PCommunicator"]
 
 _TAG_ACTIVATION, _TAG_GRADIENT = 0, 1
-_READY_GROUPS: list = []  # groups that have run one collective (held, so no id is reused)
 
 
 class P2PCommunicator:
-    """Sends and receives this rank's pipeline tensors. Defaults come from :mod:`megatronish.parallel.groups`.
+    """Sends and receives this rank's pipeline tensors over ``parallel``'s pipeline group.
 
     ``tensor_shape``: ``(s, b, h)`` (``s`` already divided by TP under sequence parallelism and by CP).
     ``timeline``: an optional :class:`~megatronish.parallel.pipeline.timeline.PipelineTimeline`.
     """
 
-    def __init__(self, tensor_shape, dtype=torch.float32, device=None, *, group=None, timeline=None):
+    def __init__(self, tensor_shape, dtype=torch.float32, device=None, *, parallel, timeline=None):
         self.tensor_shape = tuple(int(d) for d in tensor_shape)
         if len(self.tensor_shape) != 3:
             raise ValueError(f"pipeline tensors are [s, b, h]; got shape {self.tensor_shape}")
@@ -54,13 +52,11 @@ class P2PCommunicator:
 
             device = _device.current_device()
         self.device = torch.device(device)
-        self.group = group if group is not None else groups.get_pipeline_model_parallel_group()
-        self.pp_rank = groups.get_pipeline_model_parallel_rank()
-        self.pp_size = groups.get_pipeline_model_parallel_world_size()
-        self.next_rank = groups.get_pipeline_model_parallel_next_rank()
-        self.prev_rank = groups.get_pipeline_model_parallel_prev_rank()
+        self.group = parallel.pp_group
+        self.pp_rank, self.pp_size = parallel.pp_rank, parallel.pp_size
+        self.next_rank, self.prev_rank = parallel.next_pp_rank, parallel.prev_pp_rank
         self.timeline = timeline
-        self._ensure_ready()
+        self._ensure_ready(parallel.p2p_ready)
 
     @property
     def is_first_stage(self) -> bool:
@@ -70,12 +66,13 @@ class P2PCommunicator:
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
 
-    def _ensure_ready(self) -> None:
-        # NCCL wants the first op on a group that batches p2p to involve every member: run one collective.
-        if self.pp_size == 1 or any(g is self.group for g in _READY_GROUPS):
+    def _ensure_ready(self, ready: set) -> None:
+        # NCCL wants the first op on a group that batches p2p to involve every member: run one collective,
+        # once per group (``ready`` lives on the parallel context).
+        if self.pp_size == 1 or id(self.group) in ready:
             return
         dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
-        _READY_GROUPS.append(self.group)
+        ready.add(id(self.group))
 
     # ---- the one transport -------------------------------------------------------------------------------
     def _check(self, t: torch.Tensor, what: str) -> torch.Tensor:

@@ -389,29 +389,32 @@ def _device_of(chunks):
     return None
 
 
-def _communicator(p2p, tensor_shape, dtype, chunks, timeline):
+def _communicator(p2p, tensor_shape, dtype, chunks, timeline, parallel):
     if p2p is not None:
         return p2p
-    if tensor_shape is None:
+    if tensor_shape is None or parallel is None:
         raise ValueError("pipelined schedules need tensor_shape=(s [/tp under sequence parallelism], "
-                         "micro batch, hidden); see pipeline_tensor_shape()")
+                         "micro batch, hidden) (see pipeline_tensor_shape()) and parallel= the run's "
+                         "ParallelContext, or a p2p communicator")
     from .p2p import P2PCommunicator
 
-    return P2PCommunicator(tensor_shape, dtype, _device_of(chunks), timeline=timeline)
+    return P2PCommunicator(tensor_shape, dtype, _device_of(chunks), parallel=parallel, timeline=timeline)
 
 
 def forward_backward_pipelining_without_interleaving(
         forward_step, data_iterator, model, num_microbatches: int, forward_only: bool = False, *,
-        tensor_shape=None, dtype=torch.float32, timeline=None, p2p=None, grad_scale_func=None) -> list[dict]:
+        tensor_shape=None, dtype=torch.float32, timeline=None, p2p=None, grad_scale_func=None,
+        parallel=None) -> list[dict]:
     """1F1B over this rank's one chunk (``model``: a module or a one-element list).
 
     ``tensor_shape``: ``(s [/t under SP], b, h)`` of the tensors between stages; ``dtype`` their dtype;
-    ``timeline``: optional :class:`~megatronish.parallel.pipeline.timeline.PipelineTimeline`; ``p2p``: a
-    communicator to use instead of building one. Returns the loss stats (last stage; ``[]`` elsewhere).
+    ``timeline``: optional :class:`~megatronish.parallel.pipeline.timeline.PipelineTimeline`; ``parallel``: the
+    run's :class:`~megatronish.parallel.context.ParallelContext` (its pipeline group); ``p2p``: a communicator
+    to use instead of building one. Returns the loss stats (last stage; ``[]`` elsewhere).
     """
     chunks = _as_list(model, 1, "model")
     data = _as_list(data_iterator, 1, "data_iterator")
-    comm = _communicator(p2p, tensor_shape, dtype, chunks, timeline)
+    comm = _communicator(p2p, tensor_shape, dtype, chunks, timeline, parallel)
     run = _Runner(forward_step, data, chunks, num_microbatches, forward_only, comm.is_last_stage, timeline,
                   grad_scale_func)
     try:
@@ -423,13 +426,14 @@ def forward_backward_pipelining_without_interleaving(
 
 def forward_backward_pipelining_with_interleaving(
         forward_step, data_iterator, model, num_microbatches: int, forward_only: bool = False, *,
-        tensor_shape=None, dtype=torch.float32, timeline=None, p2p=None, grad_scale_func=None) -> list[dict]:
+        tensor_shape=None, dtype=torch.float32, timeline=None, p2p=None, grad_scale_func=None,
+        parallel=None) -> list[dict]:
     """Interleaved 1F1B over this rank's ``v`` chunks (``model``: list of chunks, ``data_iterator``: list of one
     iterator per chunk; each chunk reads microbatches 0..M-1 in order). ``num_microbatches`` must be a
     multiple of the pipeline size. Other arguments as the non-interleaved schedule."""
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     data = _as_list(data_iterator, len(chunks), "data_iterator")
-    comm = _communicator(p2p, tensor_shape, dtype, chunks, timeline)
+    comm = _communicator(p2p, tensor_shape, dtype, chunks, timeline, parallel)
     check_interleaving(comm.pp_size, len(chunks), num_microbatches)
     run = _Runner(forward_step, data, chunks, num_microbatches, forward_only, comm.is_last_stage, timeline,
                   grad_scale_func)
