@@ -17,7 +17,7 @@ from torch import nn
 
 from .. import kernels
 from ..config import ModelConfig
-from ..parallel.context import ParallelContext
+from ..parallel.context import ParallelContext, Shared
 from ..parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..parallel.init import TensorDesc, initialize_slice, set_desc
 from ..parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
@@ -38,7 +38,7 @@ class Embedding(nn.Module):
         super().__init__()
         c = config
         self.sequence_parallel = sequence_parallel
-        self.tp_group = tp_group
+        self._tp_group = Shared(tp_group)
         self.dropout = c.hidden_dropout
         self.word_embeddings = VocabParallelEmbedding(padded_vocab, c.hidden_size, vocab_size=c.vocab_size,
                                                       sequence_parallel=sequence_parallel,
@@ -59,7 +59,7 @@ class Embedding(nn.Module):
                 position_ids = torch.arange(input_ids.size(1), device=input_ids.device).expand_as(input_ids)
             pos = self.position_embeddings(position_ids).transpose(0, 1)  # [b, s, h] -> [s, b, h]
             if self.sequence_parallel:
-                pos = scatter_to_sequence_parallel_region(pos, self.tp_group)  # this rank's chunk; bwd all-gathers the grad
+                pos = scatter_to_sequence_parallel_region(pos, self._tp_group.value)  # this rank's chunk; bwd all-gathers the grad
             x = x + pos
         rng = get_rng_tracker().fork() if self.sequence_parallel and self.training and self.dropout > 0 \
             else contextlib.nullcontext()

@@ -22,7 +22,7 @@ from datetime import timedelta
 
 from .dims import ParallelDims
 
-__all__ = ["GROUP_KINDS", "FakeGroup", "ParallelContext", "group_size", "group_rank"]
+__all__ = ["GROUP_KINDS", "FakeGroup", "ParallelContext", "Shared", "group_size", "group_rank"]
 
 # The group kinds, in creation order (fixed; every rank walks it identically): ParallelDims' one list. "io" is
 # a gloo group over the whole world, created last, that checkpoint I/O uses (its collectives may run from a
@@ -43,6 +43,26 @@ class FakeGroup:
 
     def rank(self) -> int:
         return self.ranks.index(self.member)
+
+    def __getattr__(self, name):  # what torch.distributed would call to communicate
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise RuntimeError(f"a fake process group (ranks {list(self.ranks)}) cannot communicate ({name}); "
+                           "ParallelContext.fake is for shapes and plans: build the real context with "
+                           "groups.initialize_model_parallel to run collectives")
+
+
+class Shared:
+    """Holds an object that copies of a module share: ``copy.deepcopy`` of a model keeps its process groups
+    (which cannot be copied) instead of failing."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __deepcopy__(self, memo):
+        return self
 
 
 def group_size(group) -> int:

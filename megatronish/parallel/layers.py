@@ -12,11 +12,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .context import group_rank, group_size
+from .context import Shared, group_rank, group_size
 from .init import TensorDesc, local_shape, set_desc
 from .mappings import (copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
                        gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
                        reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_model_parallel_region)
+
+
+class _TensorParallel(nn.Module):
+    """A layer split over ``tp_group`` (kept shared by copies of the layer)."""
+
+    @property
+    def tp_group(self):
+        return self._tp_group.value
 
 
 def _new_param(desc: TensorDesc, tp: int, dtype, device) -> nn.Parameter:
@@ -24,7 +32,7 @@ def _new_param(desc: TensorDesc, tp: int, dtype, device) -> nn.Parameter:
     return set_desc(p, desc)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(_TensorParallel):
     """``Y = X A^T + b`` with ``A`` split along its output dim: weight ``[out/t, in]``, bias ``[out/t]``.
 
     Input is replicated over TP (or, with ``sequence_parallel``, sequence-sharded and all-gathered here);
@@ -37,7 +45,7 @@ class ColumnParallelLinear(nn.Module):
                  stride: int = 1, skip_weight_param_allocation: bool = False, params_dtype=torch.float32,
                  device=None, tp_group=None):
         super().__init__()
-        self.tp_group = tp_group
+        self._tp_group = Shared(tp_group)
         tp = group_size(tp_group)
         if output_size % (tp * stride):
             raise ValueError(f"output size {output_size} is not divisible by stride {stride} x TP {tp}")
@@ -65,7 +73,7 @@ class ColumnParallelLinear(nn.Module):
         return out, (self.bias if self.skip_bias_add else None)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_TensorParallel):
     """``Y = X A^T + b`` with ``A`` split along its input dim: weight ``[out, in/t]``, bias ``[out]`` replicated.
 
     Partial products are all-reduced over TP (or reduce-scattered along ``s`` under sequence parallelism);
@@ -77,7 +85,7 @@ class RowParallelLinear(nn.Module):
                  skip_bias_add: bool = False, sequence_parallel: bool = False, init_std: float = 0.02,
                  params_dtype=torch.float32, device=None, tp_group=None):
         super().__init__()
-        self.tp_group = tp_group
+        self._tp_group = Shared(tp_group)
         tp = group_size(tp_group)
         if input_size % tp:
             raise ValueError(f"input size {input_size} is not divisible by TP {tp}")
@@ -105,7 +113,7 @@ class RowParallelLinear(nn.Module):
         return (out + self.bias if self.bias is not None else out), None
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(_TensorParallel):
     """Embedding with the (padded) vocabulary split over TP: this rank holds rows ``[r*V/t, (r+1)*V/t)``.
 
     Takes ids ``[b, s]`` and returns ``[s, b, h]`` (``[s/t, b, h]`` under sequence parallelism: the partial
@@ -117,7 +125,7 @@ class VocabParallelEmbedding(nn.Module):
                  sequence_parallel: bool = False, init_std: float = 0.02, params_dtype=torch.float32, device=None,
                  tp_group=None):
         super().__init__()
-        self.tp_group = tp_group
+        self._tp_group = Shared(tp_group)
         tp = group_size(tp_group)
         if num_embeddings % tp:
             raise ValueError(f"padded vocabulary {num_embeddings} is not divisible by TP {tp}")

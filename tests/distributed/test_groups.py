@@ -1,8 +1,12 @@
 """Process groups built on every rank match ParallelDims' rank lists and really communicate."""
+import copy
+
 import torch
 import torch.distributed as dist
 
 from harness import run_distributed
+from megatronish.config import gpt2
+from megatronish.model import GPTModel
 from megatronish.parallel import groups
 from megatronish.parallel.context import ParallelContext, group_rank, group_size
 from megatronish.parallel.dims import ParallelDims
@@ -23,6 +27,14 @@ def _worker(rank, world):
             assert group_rank(fake.group(kind)) == group_rank(ctx.group(kind)) == ctx.rank_in(kind), kind
     assert (fake.next_pp_rank, fake.prev_pp_rank) == (ctx.next_pp_rank, ctx.prev_pp_rank)
     assert groups.get_context() is ctx
+    # a model holds its groups; a deep copy shares them (process groups cannot be copied) and computes the same
+    model = GPTModel(gpt2(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=32, seq_length=4,
+                          hidden_dropout=0.0, attention_dropout=0.0), parallel=ctx)
+    model.init_parameters(3)
+    twin = copy.deepcopy(model)
+    assert twin.parallel is ctx and twin.output_layer.tp_group is ctx.tp_group
+    ids = torch.arange(8).view(2, 4)
+    assert torch.equal(twin(ids), model(ids))
     assert groups.get_tensor_model_parallel_rank() == c["tp"]
     assert groups.get_pipeline_model_parallel_rank() == c["pp"]
     assert groups.get_data_parallel_rank() == c["dp"]

@@ -1,0 +1,131 @@
+"""The package's shape, checked from its source: imports point down the floors of docs/architecture.md and form
+no cycle; process groups are made in one place and reach the code through the parallel context, never through
+the accessor layer that exists for users' code."""
+import ast
+import os
+from collections import defaultdict
+
+import megatronish
+
+PKG = os.path.dirname(megatronish.__file__)
+
+# The floors, top to bottom (docs/architecture.md). A module may import from its own room or from a lower floor.
+FLOORS = {
+    "tools": 6,  # console entry points (the tools/*.py scripts' logic)
+    "arguments": 5, "training": 5, "convert": 5, "testing": 5,
+    "checkpoint": 4, "optim": 4, "precision": 4,
+    "model": 3,
+    "config": 2, "kernels": 2, "data": 2,
+    "parallel": 1,
+    "errors": 0, "device": 0, "__init__": 0, "_C": 0,
+}
+
+
+def _modules():
+    """{dotted module name: path} for every source file of the package."""
+    out = {}
+    for dirpath, _, files in os.walk(PKG):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                rel = os.path.relpath(path, os.path.dirname(PKG))[:-3].replace(os.sep, ".")
+                out[rel[: -len(".__init__")] if rel.endswith(".__init__") else rel] = path
+    return out
+
+
+def _imports(name, path, modules):
+    """Every ``megatronish`` module that ``name`` imports, at module level or inside functions (lazy imports
+    count: they run up the floors just the same)."""
+    is_pkg = path.endswith("__init__.py")
+    package = name if is_pkg else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            candidates = [f"{target}.{a.name}" for a in node.names] + [target]
+        elif isinstance(node, ast.Import):
+            candidates = [a.name for a in node.names]
+        else:
+            continue
+        for c in candidates:
+            if c in modules:
+                found.add(c)
+                break
+    return found - {name}
+
+
+def _room(module):
+    parts = module.split(".")
+    return "__init__" if len(parts) == 1 else parts[1]
+
+
+def test_every_room_has_a_floor():
+    rooms = {_room(m) for m in _modules()}
+    assert rooms <= FLOORS.keys(), f"give {sorted(rooms - FLOORS.keys())} a floor here and in docs/architecture.md"
+
+
+def test_imports_point_down_the_floors():
+    modules = _modules()
+    upward = []
+    for name, path in modules.items():
+        for target in _imports(name, path, modules):
+            a, b = _room(name), _room(target)
+            if a != b and FLOORS[a] < FLOORS[b]:
+                upward.append(f"{name} (floor {FLOORS[a]}) imports {target} (floor {FLOORS[b]})")
+    assert not upward, "imports running up the floors:\n" + "\n".join(upward)
+
+
+def test_no_import_cycle():
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    # a package's __init__ re-exporting its own modules is not a cycle through them
+    for name in graph:
+        graph[name] = {t for t in graph[name] if not (name.startswith(t + ".") and modules[t].endswith("__init__.py"))}
+    state, stack, cycles = {}, [], []
+
+    def visit(n):
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph[n]):
+            if state.get(m) == 1:
+                cycles.append(stack[stack.index(m):] + [m])
+            elif m not in state:
+                visit(m)
+        stack.pop()
+        state[n] = 2
+
+    for n in sorted(graph):
+        if n not in state:
+            visit(n)
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def _calls_and_attrs(path):
+    tree = ast.parse(open(path).read(), path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            yield node.value.id, node.attr, node.lineno
+
+
+def test_process_groups_are_made_in_one_place():
+    makers = sorted(os.path.relpath(p, PKG) for m, p in _modules().items()
+                    if any(attr == "new_group" for _, attr, _ in _calls_and_attrs(p)))
+    assert makers == ["parallel/context.py"], makers
+
+
+def test_the_package_does_not_read_the_accessor_layer():
+    """``groups.*`` is for users' code: the package itself only builds the context through it (the entry)."""
+    uses = []
+    for name, path in _modules().items():
+        if name == "megatronish.parallel.groups":
+            continue
+        for owner, attr, line in _calls_and_attrs(path):
+            if owner == "groups" and attr != "initialize_model_parallel":
+                uses.append(f"{name}:{line} groups.{attr}")
+            if attr == "is_initialized" and owner != "dist":
+                uses.append(f"{name}:{line} {owner}.is_initialized")
+    assert not uses, "\n".join(uses)
