@@ -296,7 +296,105 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     raise ValueError(f"--cp-comm-type {comm_type!r}: choose one of {', '.join(CP_COMM_TYPES)}")
 
 
+def _hierarchical_chunks(n: int, a: int, o: int) -> list[int]:
+    """Chunk ids held, in storage order, by the a2a group ``o`` (CP ranks ``a*o ... a*o+a-1``) after its a2a."""
+    return [c for r in range(a * o, a * (o + 1)) for c in (r, 2 * n - 1 - r)]
+
+
+def _chunk_blocks(q_chunks: list[int], k_chunks: list[int]):
+    """The attention blocks between two sets of chunks: per query chunk, the strictly earlier key chunks (no mask)
+    and the same chunk (causal); later key chunks are never seen."""
+    for qi, qc in enumerate(q_chunks):
+        earlier = [ki for ki, kc in enumerate(k_chunks) if kc < qc]
+        same = [ki for ki, kc in enumerate(k_chunks) if kc == qc]
+        if earlier:
+            yield qi, earlier, False
+        if same:
+            yield qi, same, True
+
+
+def _take(t: torch.Tensor, chunks: list[int], c: int) -> torch.Tensor:
+    """Chunks ``chunks`` (storage positions) of ``t`` along dim 2, concatenated."""
+    if len(chunks) == 1:
+        return t[:, :, chunks[0] * c:(chunks[0] + 1) * c].contiguous()
+    return torch.cat([t[:, :, i * c:(i + 1) * c] for i in chunks], dim=2)
+
+
+class _ChunkRingAttention(torch.autograd.Function):
+    """Ring attention over ``group`` where member ``o`` holds the chunks ``chunk_sets[o]`` (any set, in storage
+    order, ``c`` tokens each): the ring of ``a2a+p2p``. Same protocol as :class:`_RingAttention`."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, chunk_sets, c, scale):
+        n, r = group_size(group), group_rank(group)
+        rep = q.size(1) // k.size(1)
+        kv = torch.stack([k, v]).contiguous()
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        for i in range(n):
+            if i < n - 1:
+                nxt, reqs = _ring_exchange(kv, group)
+            for qi, kis, causal in _chunk_blocks(chunk_sets[r], chunk_sets[(r - i) % n]):
+                qs = slice(qi * c, (qi + 1) * c)
+                kb, vb = (_expand_kv(_take(t, kis, c), rep) for t in kv)
+                o, l = _block_forward(q[:, :, qs].contiguous(), kb, vb, causal, scale)
+                out[:, :, qs], lse[:, :, qs] = _merge(out[:, :, qs], lse[:, :, qs], o, l)
+            if i < n - 1:
+                for req in reqs:
+                    req.wait()
+                kv = nxt
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.chunk_sets, ctx.c, ctx.scale = group, chunk_sets, c, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, chunk_sets, c, scale = ctx.group, ctx.chunk_sets, ctx.c, ctx.scale
+        n, r = group_size(group), group_rank(group)
+        rep = q.size(1) // k.size(1)
+        dout = dout.contiguous()
+        kv = torch.stack([k, v]).contiguous()
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        for i in range(n):
+            if i < n - 1:
+                nxt, reqs = _ring_exchange(kv, group)
+            for qi, kis, causal in _chunk_blocks(chunk_sets[r], chunk_sets[(r - i) % n]):
+                qs = slice(qi * c, (qi + 1) * c)
+                kb, vb = (_expand_kv(_take(t, kis, c), rep) for t in kv)
+                gq, gk, gv = _block_backward(dout[:, :, qs], q[:, :, qs].contiguous(), kb, vb,
+                                             out[:, :, qs].contiguous(), lse[:, :, qs].contiguous(), causal, scale)
+                dq[:, :, qs] += gq.float()
+                gk, gv = _reduce_kv(gk.float(), rep), _reduce_kv(gv.float(), rep)
+                for j, ki in enumerate(kis):
+                    dkv[0][:, :, ki * c:(ki + 1) * c] += gk[:, :, j * c:(j + 1) * c]
+                    dkv[1][:, :, ki * c:(ki + 1) * c] += gv[:, :, j * c:(j + 1) * c]
+            if i < n - 1:
+                for req in reqs:
+                    req.wait()
+                kv = nxt
+            if n > 1:
+                dkv, reqs = _ring_exchange(dkv, group)
+                for req in reqs:
+                    req.wait()
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+
+
 def _hierarchical_attention(q, k, v, inner, outer, scale):
-    """a2a inside ``inner`` (heads scattered, the inner group's tokens gathered in sequence order within it), then a
-    ring over ``outer`` whose members each hold the tokens of one inner group."""
-    raise NotImplementedError("--cp-comm-type a2a+p2p is not available yet")
+    """a2a inside ``inner`` (adjacent CP ranks: heads scattered, their tokens gathered), then a ring over ``outer``
+    whose members each hold one inner group's chunks, then a2a back."""
+    a, p = group_size(inner), group_size(outer)
+    n, c = a * p, q.size(2) // 2
+    chunk_sets = [_hierarchical_chunks(n, a, o) for o in range(p)]
+    qh, kh, vh = (_SeqToHeads.apply(t, inner) if a > 1 else t for t in (q, k, v))  # [b, h/a, 2ac, d]
+    if p > 1:
+        out = _ChunkRingAttention.apply(qh, kh, vh, outer, chunk_sets, c, scale)
+    else:  # one inner group holds the whole sequence: reorder and run plain causal attention
+        order = torch.argsort(torch.tensor(chunk_sets[0], device=q.device))
+        perm = torch.cat([torch.arange(i * c, (i + 1) * c, device=q.device) for i in order.tolist()])
+        out = F.scaled_dot_product_attention(qh.index_select(2, perm), kh.index_select(2, perm),
+                                             vh.index_select(2, perm), is_causal=True, scale=scale,
+                                             enable_gqa=qh.size(1) != kh.size(1)).index_select(2, torch.argsort(perm))
+    return _HeadsToSeq.apply(out, inner) if a > 1 else out

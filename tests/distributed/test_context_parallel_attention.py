@@ -1,5 +1,5 @@
-"""Causal attention split over context-parallel ranks (load-balanced chunks; ring, all-to-all and all-gather
-communication) equals dense causal attention on one process: outputs and the gradients of q, k and v (fp32,
+"""Causal attention split over context-parallel ranks (load-balanced chunks; ring, all-to-all, all-gather and the
+hierarchical a2a+p2p communication) equals dense causal attention on one process: outputs and the gradients of q, k and v (fp32,
 rtol 1e-5), with and without grouped-query attention."""
 import math
 
@@ -47,6 +47,38 @@ def _worker(rank, world, refs):
                 torch.testing.assert_close(gather_from_context_parallel(mine, 2, g), full, rtol=1e-5, atol=1e-6,
                                            msg=lambda m: f"{what} {name}: {m}")
     return True
+
+
+def _hierarchical_worker(rank, world, refs):
+    """a2a+p2p at CP 4 with inner (a2a, adjacent ranks) x outer (ring) sizes 2 x 2, 4 x 1 and 1 x 4."""
+    ctx = groups.initialize_model_parallel(ParallelDims(world_size=world, cp=world))
+    g, r = ctx.cp_group, ctx.cp_rank
+    for a in (2, 4, 1):
+        inner = outer = None
+        for o in range(world // a):  # every rank creates every group, in one order
+            grp = torch.distributed.new_group(list(range(a * o, a * o + a)))
+            inner = grp if r // a == o else inner
+        for i in range(a):
+            grp = torch.distributed.new_group(list(range(i, world, a)))
+            outer = grp if r % a == i else outer
+        for (hq, hkv), ref in zip(CASES, refs):
+            if hkv % a:
+                continue
+            q, k, v, dout = (split_for_context_parallel(t, 2, world, r) for t in _inputs(hq, hkv))
+            q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+            out = context_parallel_attention(q, k, v, group=g, comm_type="a2a+p2p", scale=1 / math.sqrt(D),
+                                             inner_group=inner, outer_group=outer)
+            out.backward(dout)
+            what = f"CP{world} a2a+p2p {a}x{world // a} heads {hq}/{hkv}"
+            for name, mine, full in zip(("out", "dq", "dk", "dv"), (out.detach(), q.grad, k.grad, v.grad), ref):
+                torch.testing.assert_close(gather_from_context_parallel(mine, 2, g), full, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"{what} {name}: {m}")
+    return True
+
+
+def test_hierarchical_context_parallel_attention_matches_dense():
+    refs = [_reference(hq, hkv) for hq, hkv in CASES]
+    assert all(run_distributed(_hierarchical_worker, 4, refs))
 
 
 def test_chunk_index_is_megatrons_split():
