@@ -83,7 +83,7 @@ def measure_layer(rank, world, s, b, h, a):
             continue
         cfg = gpt2(num_layers=2, hidden_size=h, num_attention_heads=a, vocab_size=96, seq_length=s,
                    recompute_granularity=rec)
-        layer = TransformerLayer(cfg, 0, sp, torch.bfloat16, tp_group=ctx.tp_group).train()
+        layer = TransformerLayer(cfg, 0, sp, torch.bfloat16, parallel=ctx).train()
         x = torch.randn(s // world if sp else s, b, h, dtype=torch.bfloat16, requires_grad=True)
         with SavedActivationCounter(layer.parameters()) as c:
             y = layer(x)

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..parallel.context import group_size
+from ..parallel.context import ParallelContext
+from ..parallel.context_parallel import context_parallel_attention
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..parallel.random import checkpoint, get_rng_tracker
 from .rope import apply_rotary
@@ -22,10 +23,12 @@ from .rope import apply_rotary
 
 class SelfAttention(nn.Module):
     def __init__(self, config: ModelConfig, sequence_parallel: bool, output_init_std: float,
-                 params_dtype=torch.float32, device=None, tp_group=None):
+                 params_dtype=torch.float32, device=None, parallel: ParallelContext | None = None):
         super().__init__()
-        tp = group_size(tp_group)
+        self.parallel = parallel = parallel or ParallelContext.single()
+        tp, tp_group = parallel.tp_size, parallel.tp_group
         c = config
+        self.cp_comm_type = c.cp_comm_type
         self.heads_per_group = c.num_attention_heads // c.num_query_groups
         self.local_groups = c.num_query_groups // tp
         self.kv_channels = c.kv_channels
@@ -60,7 +63,13 @@ class SelfAttention(nn.Module):
         return self.linear_proj(ctx)  # (out, bias)
 
     def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``softmax(q k^T / sqrt(d) + causal) -> dropout -> @ v``: [b, heads, s, d] -> [b, heads, s, d]."""
+        """``softmax(q k^T / sqrt(d) + causal) -> dropout -> @ v``: [b, heads, s, d] -> [b, heads, s, d].
+        Under context parallelism ``s`` is this rank's two chunks and the keys of the whole sequence take part."""
+        p = self.parallel
+        if p.cp_size > 1:  # no attention dropout here (checked with the flags)
+            return context_parallel_attention(q, k, v, group=p.cp_group, comm_type=self.cp_comm_type,
+                                              scale=1.0 / math.sqrt(self.kv_channels),
+                                              inner_group=p.group("cp_inner"), outer_group=p.group("cp_outer"))
         dropout = self.dropout if self.training else 0.0
         # Dropout of the local heads' probabilities is inside the TP region: model-parallel RNG stream.
         rng = get_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext()

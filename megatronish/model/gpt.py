@@ -18,6 +18,7 @@ from torch import nn
 from .. import kernels
 from ..config import ModelConfig
 from ..parallel.context import ParallelContext, Shared
+from ..parallel.context_parallel import cp_chunk_index
 from ..parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..parallel.init import TensorDesc, initialize_slice, set_desc
 from ..parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
@@ -90,7 +91,7 @@ class GPTModel(nn.Module):
         self.rotary = RotaryEmbedding(c.kv_channels, c.rotary_percent, c.rotary_base) \
             if c.position_embedding_type == "rope" else None
         self.decoder = TransformerBlock(c, first_layer, num_local_layers, post_process, self.sequence_parallel,
-                                        params_dtype, device, tp_group)
+                                        params_dtype, device, parallel)
         self.cross_entropy_loss_fusion = c.cross_entropy_loss_fusion
         if c.use_triton_kernels or c.cross_entropy_loss_fusion:
             kernels.check_kernels_available([f for f, on in (("--use-triton-kernels", c.use_triton_kernels),
@@ -147,14 +148,22 @@ class GPTModel(nn.Module):
     # ---- forward ---------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None):
-        """``input_ids``/``labels``: ``[b, s]``. Returns the per-token loss ``[b, s]`` (fp32) if ``labels``
+        """``input_ids``/``labels``: ``[b, s]`` (under context parallelism this rank's tokens, chunks ``r`` and
+        ``2N-1-r``; positions default to theirs in the whole sequence). Returns the per-token loss ``[b, s]`` (fp32) if ``labels``
         are given on the last stage, else logits ``[b, s, V_padded/t]``; earlier stages return hidden
         states ``[s, b, h]``."""
+        p = self.parallel
+        if p.cp_size > 1 and position_ids is None and self.pre_process:  # this CP rank's tokens' global positions
+            position_ids = cp_chunk_index(input_ids.size(1) * p.cp_size, p.cp_size, p.cp_rank,
+                                          input_ids.device).expand_as(input_ids)
         x = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor
         rotary = None
         if self.rotary is not None:
-            s = x.size(0) * (self.parallel.tp_size if self.sequence_parallel else 1)
-            rotary = self.rotary(s, device=x.device)
+            s = x.size(0) * (p.tp_size if self.sequence_parallel else 1)  # this CP rank's tokens
+            rotary = self.rotary(s * p.cp_size, device=x.device)
+            if p.cp_size > 1:
+                index = cp_chunk_index(s * p.cp_size, p.cp_size, p.cp_rank, x.device)
+                rotary = tuple(t.index_select(0, index) if torch.is_tensor(t) else t for t in rotary)
         x = self.decoder(x, rotary)
         if not self.post_process:
             return x

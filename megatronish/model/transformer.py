@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..parallel.context import ParallelContext
 from ..parallel.random import checkpoint, get_rng_tracker
 from .attention import SelfAttention
 from .mlp import MLP
@@ -25,7 +26,7 @@ class TransformerLayer(nn.Module):
     """``x + drop(attn(norm(x)))`` then ``x + drop(mlp(norm(x)))``; ``layer_number`` is global (0-based)."""
 
     def __init__(self, config: ModelConfig, layer_number: int, sequence_parallel: bool,
-                 params_dtype=torch.float32, device=None, tp_group=None):
+                 params_dtype=torch.float32, device=None, parallel: ParallelContext | None = None):
         super().__init__()
         c = config
         self.layer_number = layer_number
@@ -35,9 +36,10 @@ class TransformerLayer(nn.Module):
         norm = lambda: build_norm(c.normalization, c.hidden_size, c.norm_epsilon, sequence_parallel,  # noqa: E731
                                   params_dtype, device)
         self.input_layernorm = norm()
-        self.self_attention = SelfAttention(c, sequence_parallel, out_std, params_dtype, device, tp_group)
+        parallel = parallel or ParallelContext.single()
+        self.self_attention = SelfAttention(c, sequence_parallel, out_std, params_dtype, device, parallel)
         self.pre_mlp_layernorm = norm()
-        self.mlp = MLP(c, sequence_parallel, out_std, params_dtype, device, tp_group)
+        self.mlp = MLP(c, sequence_parallel, out_std, params_dtype, device, parallel.tp_group)
 
     def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
         out, bias = self.self_attention(self.input_layernorm(x), rotary)
@@ -54,12 +56,13 @@ class TransformerBlock(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, first_layer: int, num_layers: int, post_process: bool,
-                 sequence_parallel: bool, params_dtype=torch.float32, device=None, tp_group=None):
+                 sequence_parallel: bool, params_dtype=torch.float32, device=None,
+                 parallel: ParallelContext | None = None):
         super().__init__()
         self.config = config
         self.sequence_parallel = sequence_parallel
         self.layers = nn.ModuleList(TransformerLayer(config, first_layer + i, sequence_parallel, params_dtype,
-                                                     device, tp_group) for i in range(num_layers))
+                                                     device, parallel) for i in range(num_layers))
         self.final_layernorm = build_norm(config.normalization, config.hidden_size, config.norm_epsilon,
                                           sequence_parallel, params_dtype, device) if post_process else None
 

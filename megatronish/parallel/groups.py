@@ -19,11 +19,12 @@ __all__ = ["initialize_model_parallel", "destroy_model_parallel", "is_initialize
 _current: list[ParallelContext] = []
 
 
-def initialize_model_parallel(dims: ParallelDims, timeout_minutes: float = 10.0,
-                              backend: str | None = None) -> ParallelContext:
+def initialize_model_parallel(dims: ParallelDims, timeout_minutes: float = 10.0, backend: str | None = None,
+                              hierarchical_cp_inner: int | None = None) -> ParallelContext:
     """Create every group of every kind (collective; ``torch.distributed`` must be initialized) and return the
     context holding them."""
-    ctx = ParallelContext.build(dims, timeout_minutes=timeout_minutes, backend=backend)
+    ctx = ParallelContext.build(dims, timeout_minutes=timeout_minutes, backend=backend,
+                                hierarchical_cp_inner=hierarchical_cp_inner)
     _current[:] = [ctx]
     return ctx
 

@@ -31,6 +31,7 @@ from ..optim.lr_schedule import OptimizerParamScheduler, scheduler_steps_from_co
 from ..optim.optimizer import get_megatron_optimizer
 from ..parallel import groups
 from ..parallel.context import ParallelContext
+from ..parallel.context_parallel import split_for_context_parallel
 from ..parallel.ddp import DistributedDataParallel, finalize_model_grads
 from ..parallel.pipeline.schedules import get_forward_backward_func, pipeline_tensor_shape
 from ..parallel.pipeline.timeline import PipelineTimeline, gather_timeline, write_chrome_trace
@@ -106,23 +107,35 @@ def _reported_loss(stats: list[dict], parallel: ParallelContext) -> float:
 
 
 def _microbatches(dataset, consumed: int, mbs: int, num_mb: int, dev, parallel: ParallelContext):
-    for idx in global_batch_indices(consumed, mbs, parallel.dp_cp_size, parallel.dp_cp_rank, num_mb):
+    # CP ranks of one data-parallel replica read the same samples (each keeps its chunks of the sequence)
+    for idx in global_batch_indices(consumed, mbs, parallel.dp_size, parallel.dp_rank, num_mb):
         batch = collate([{k: torch.as_tensor(v) for k, v in dataset[i].items()} for i in idx])
         yield {k: v.to(dev) for k, v in batch.items()}
 
 
-def _forward_step(reset_position_ids: bool):
+def _forward_step(reset_position_ids: bool, parallel: ParallelContext):
+    cp, cp_rank, cp_group = parallel.cp_size, parallel.cp_rank, parallel.cp_group
+
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
+        if cp > 1:  # this CP rank's two chunks of every [b, s] tensor (Megatron's get_batch_on_this_cp_rank)
+            batch = {k: split_for_context_parallel(v, 1, cp, cp_rank) for k, v in batch.items()}
         position_ids = batch["position_ids"].long() if reset_position_ids else None
         output = model(batch["tokens"].long(), position_ids=position_ids, labels=batch["labels"].long())
         mask = batch["loss_mask"].float()
 
         def loss_func(losses):  # per-token losses [b, s] -> masked token mean
             total = (losses.float() * mask).sum()
-            num_tokens = mask.sum().clamp(min=1)
-            loss = total / num_tokens
-            return loss, {"lm loss": loss.detach()}
+            if cp == 1:
+                num_tokens = mask.sum().clamp(min=1)
+                loss = total / num_tokens
+                return loss, {"lm loss": loss.detach()}
+            # The token-loss sum and the token count of the whole sequence: summed over CP. Gradients flow through
+            # this rank's sum only and are averaged over DP x CP, hence the factor CP (as Megatron does).
+            stats = torch.stack([total.detach(), mask.sum()])
+            dist.all_reduce(stats, group=cp_group)
+            num_tokens = stats[1].clamp(min=1)
+            return total * cp / num_tokens, {"lm loss": stats[0] / num_tokens}
 
         return output, loss_func
 
@@ -187,8 +200,8 @@ def _enable_fp8(models, model_cfg):
 
 def _tensor_shape(cfg):
     m = cfg.model
-    return pipeline_tensor_shape(m.seq_length, cfg.train.micro_batch_size, m.hidden_size,
-                                 tp=cfg.parallel.tp, sequence_parallel=cfg.sequence_parallel)
+    return pipeline_tensor_shape(m.seq_length, cfg.train.micro_batch_size, m.hidden_size, tp=cfg.parallel.tp,
+                                 cp=cfg.parallel.cp, sequence_parallel=cfg.sequence_parallel)
 
 
 # ============================================================================================== set-up
@@ -197,7 +210,9 @@ def setup(cfg) -> tuple[TrainContext, TrainState]:
     t, o = cfg.train, cfg.optim
     check_transformer_impl(cfg.model.transformer_impl)  # before any process group (TE needs CUDA)
     init_distributed(t.distributed_backend, t.distributed_timeout_minutes)
-    parallel = groups.initialize_model_parallel(cfg.parallel, timeout_minutes=t.distributed_timeout_minutes)
+    hcp = cfg.model.hierarchical_context_parallel_sizes
+    parallel = groups.initialize_model_parallel(cfg.parallel, timeout_minutes=t.distributed_timeout_minutes,
+                                                hierarchical_cp_inner=hcp[0] if hcp else None)
     dev = device.current_device()
     set_random_seed(t.seed, pp_rank=parallel.pp_rank, tp_rank=parallel.tp_rank)
 
@@ -221,7 +236,7 @@ def setup(cfg) -> tuple[TrainContext, TrainState]:
     scheduler = OptimizerParamScheduler(optimizer, **scheduler_steps_from_config(cfg))
     train_ds, valid_ds = build_datasets(cfg)
     run = TrainContext(models, chunks, optimizer, scheduler, fp8, parallel=parallel, cfg=cfg, schedule=schedule,
-                       forward_step=_forward_step(cfg.data.reset_position_ids), train_ds=train_ds,
+                       forward_step=_forward_step(cfg.data.reset_position_ids, parallel), train_ds=train_ds,
                        valid_ds=valid_ds, device=dev)
     state = TrainState(context=run)
     run.checkpointer = setup_checkpointing(cfg, models, optimizer, scheduler, state, parallel=parallel,

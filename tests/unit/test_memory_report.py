@@ -80,7 +80,7 @@ def _measure(rank, world):
             continue
         cfg = gpt2(num_layers=2, hidden_size=H, num_attention_heads=A, vocab_size=96, seq_length=S,
                    recompute_granularity=rec, attention_dropout=0.1, hidden_dropout=0.1)
-        layer = TransformerLayer(cfg, 0, sp and t > 1, torch.bfloat16, tp_group=ctx.tp_group).train()
+        layer = TransformerLayer(cfg, 0, sp and t > 1, torch.bfloat16, parallel=ctx).train()
         x = torch.randn(S // t if sp else S, B, H, dtype=torch.bfloat16, requires_grad=True)
         with SavedActivationCounter(layer.parameters()) as counter:
             y = layer(x)
