@@ -61,7 +61,6 @@ NOT_YET_SUPPORTED: dict[str, NotYet] = {
     nt.flag.lstrip("-").replace("-", "_") if dest is None else dest: nt
     for dest, nt in [
         # parallelism
-        (None, NotYet("--context-parallel-size", (1,), "context parallelism", "use 1")),
         (None, NotYet("--expert-model-parallel-size", (1,), "expert parallelism (mixture of experts)", "use 1")),
         (None, NotYet("--tp-comm-overlap", (False,), "tensor-parallel communication overlap", _DROP)),
         (None, NotYet("--use-torch-fsdp2", (False,), "FSDP2", _DROP)),
@@ -161,7 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
     flag(g, "--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     flag(g, "--num-virtual-stages-per-pipeline-rank", type=int, default=None)
     flag(g, "--sequence-parallel", **on, help="sequence parallelism in TP regions (no-op at TP 1)")
-    flag(g, "--context-parallel-size", type=int, default=1)
+    flag(g, "--context-parallel-size", type=int, default=1,
+         help="split every sequence over this many ranks (docs/context_parallel.md)")
+    flag(g, "--cp-comm-type", nargs="+", default=["p2p"], choices=["p2p", "a2a", "allgather", "a2a+p2p"],
+         help="context-parallel attention communication: one type, or one per layer")
+    flag(g, "--hierarchical-context-parallel-sizes", nargs="+", type=int, default=None,
+         help="a2a+p2p: the all-to-all size (adjacent ranks) and the ring size; their product is the CP size")
     flag(g, "--expert-model-parallel-size", type=int, default=1)
     flag(g, "--distributed-backend", default=None, choices=["nccl", "gloo"],
          help="default: nccl on CUDA, gloo on CPU (Megatron's default is nccl)")
@@ -346,6 +350,8 @@ def _model_kwargs(args, vocab_size: int) -> dict:
         fp8=args.fp8, fp8_recipe=args.fp8_recipe, fp8_margin=args.fp8_margin,
         fp8_amax_history_len=args.fp8_amax_history_len, fp8_amax_compute_algo=args.fp8_amax_compute_algo,
         transformer_impl=args.transformer_impl or "local",
+        cp_comm_type=list(args.cp_comm_type),
+        hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes,
         use_triton_kernels=args.use_triton_kernels, cross_entropy_loss_fusion=args.cross_entropy_loss_fusion)
 
 
@@ -539,8 +545,38 @@ def _check_precision(args, errors: list[str]) -> None:
             errors.append(str(e))
 
 
+def _check_context_parallel(args, errors: list[str]) -> None:
+    cp, types, sizes = args.context_parallel_size, list(args.cp_comm_type), args.hierarchical_context_parallel_sizes
+    flag = f"--context-parallel-size {cp}"
+    if len(types) not in (1, args.num_layers or 1):
+        errors.append(f"--cp-comm-type takes one type or one per layer (--num-layers {args.num_layers}), got "
+                      f"{len(types)}")
+    if sizes is not None and "a2a+p2p" not in types:
+        errors.append("--hierarchical-context-parallel-sizes goes with --cp-comm-type a2a+p2p; drop it or use that type")
+    if cp == 1:
+        return
+    if args.attention_dropout:
+        errors.append(f"{flag} needs --attention-dropout 0 (attention dropout inside context-parallel attention is "
+                      f"not available yet; Megatron's default is 0.1)")
+    tp = args.tensor_model_parallel_size
+    heads, groups = args.num_attention_heads, _query_groups(args)
+    if "a2a" in types and heads and groups and ((heads // tp) % cp or (groups // tp) % cp):
+        errors.append(f"--cp-comm-type a2a scatters the local attention heads over {flag}: the heads per TP rank "
+                      f"({heads} / {tp}) and the query groups per TP rank ({groups} / {tp}) must divide by {cp}")
+    if "a2a+p2p" in types:
+        if sizes is None or len(sizes) != 2 or sizes[0] * sizes[1] != cp or min(sizes) < 1:
+            errors.append(f"--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes INNER OUTER with INNER "
+                          f"x OUTER = {flag} (INNER adjacent ranks use all-to-all, the ring spans OUTER), got "
+                          f"{sizes}")
+        elif heads and groups and ((heads // tp) % sizes[0] or (groups // tp) % sizes[0]):
+            errors.append(f"--hierarchical-context-parallel-sizes {sizes[0]} {sizes[1]}: the heads per TP rank "
+                          f"({heads} / {tp}) and the query groups per TP rank ({groups} / {tp}) must divide by the "
+                          f"all-to-all size {sizes[0]}")
+
+
 def _check_model(args, errors: list[str]) -> None:
     _check_precision(args, errors)
+    _check_context_parallel(args, errors)
     mpe, s = args.max_position_embeddings, args.seq_length
     if mpe is not None and s is not None and args.position_embedding_type == "learned_absolute" and mpe < s:
         errors.append(f"--max-position-embeddings {mpe} is smaller than --seq-length {s} with learned absolute "

@@ -54,7 +54,7 @@ class ModelConfig:
     # fused Triton kernels (megatronish.kernels, docs/kernels.md)
     use_triton_kernels: bool = False  # --use-triton-kernels: RMSNorm/LayerNorm, RoPE, SwiGLU
     cross_entropy_loss_fusion: bool = False  # --cross-entropy-loss-fusion: the vocab-parallel loss
-    cp_comm_type: str = "p2p"  # --cp-comm-type: p2p | a2a | allgather | a2a+p2p (context parallelism)
+    cp_comm_type: str | list = "p2p"  # --cp-comm-type: p2p | a2a | allgather | a2a+p2p, or one per layer
     hierarchical_context_parallel_sizes: list | None = None  # a2a+p2p: [inner (a2a), outer (ring)]
 
     def __post_init__(self):

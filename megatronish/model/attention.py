@@ -23,12 +23,14 @@ from .rope import apply_rotary
 
 class SelfAttention(nn.Module):
     def __init__(self, config: ModelConfig, sequence_parallel: bool, output_init_std: float,
-                 params_dtype=torch.float32, device=None, parallel: ParallelContext | None = None):
+                 params_dtype=torch.float32, device=None, parallel: ParallelContext | None = None,
+                 layer_number: int = 0):
         super().__init__()
         self.parallel = parallel = parallel or ParallelContext.single()
         tp, tp_group = parallel.tp_size, parallel.tp_group
         c = config
-        self.cp_comm_type = c.cp_comm_type
+        types = [c.cp_comm_type] if isinstance(c.cp_comm_type, str) else list(c.cp_comm_type)
+        self.cp_comm_type = types[layer_number] if len(types) > 1 else types[0]  # --cp-comm-type, per layer
         self.heads_per_group = c.num_attention_heads // c.num_query_groups
         self.local_groups = c.num_query_groups // tp
         self.kv_channels = c.kv_channels

@@ -37,7 +37,8 @@ class TransformerLayer(nn.Module):
                                   params_dtype, device)
         self.input_layernorm = norm()
         parallel = parallel or ParallelContext.single()
-        self.self_attention = SelfAttention(c, sequence_parallel, out_std, params_dtype, device, parallel)
+        self.self_attention = SelfAttention(c, sequence_parallel, out_std, params_dtype, device, parallel,
+                                            layer_number)
         self.pre_mlp_layernorm = norm()
         self.mlp = MLP(c, sequence_parallel, out_std, params_dtype, device, parallel.tp_group)
 

@@ -267,7 +267,6 @@ def test_run_config_fields():
 # ------------------------------------------------------------------ not-yet-supported flags
 NOT_YET = [
     (["--reset-attention-mask"], "--reset-attention-mask"),
-    (["--context-parallel-size", "2"], "--context-parallel-size 2"),
     (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2"),
     (["--rampup-batch-size", "16", "16", "1000"], "--rampup-batch-size 16 16 1000"),
     (["--fp8-recipe", "mxfp8"], "--fp8-recipe mxfp8"),
@@ -295,8 +294,8 @@ def test_not_yet_table_covers_every_listed_flag():
 
 
 def test_not_yet_message_text():
-    assert ("--context-parallel-size 2: context parallelism is not available yet in this version; use 1"
-            in errors_of(["--context-parallel-size", "2"]))
+    assert ("--expert-model-parallel-size 2: expert parallelism (mixture of experts) is not available yet in this "
+            "version; use 1" in errors_of(["--expert-model-parallel-size", "2"]))
 
 
 # ------------------------------------------------------------------ validation rules (one per rule)

@@ -1,0 +1,45 @@
+"""Context-parallel flags: Megatron's names map onto the config, and each bad combination is one line naming
+the flags (before any process group starts)."""
+import pytest
+
+from megatronish.arguments import configs_from_args, parse_args, validate_args
+from megatronish.parallel.dims import ConfigError
+
+BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8", "--seq-length", "64",
+        "--micro-batch-size", "2", "--train-iters", "10", "--lr", "1e-3", "--mock-data", "--vocab-size", "100",
+        "--attention-dropout", "0"]
+
+
+def _errors(extra, world):
+    with pytest.raises(ConfigError) as e:
+        validate_args(parse_args(BASE + extra), world)
+    return str(e.value).splitlines()
+
+
+def test_flags_reach_the_config():
+    cfg = configs_from_args(parse_args(BASE + ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+                                               "--hierarchical-context-parallel-sizes", "2", "2"]), 8)
+    assert (cfg.parallel.cp, cfg.parallel.dp) == (4, 2)
+    assert cfg.model.cp_comm_type == ["a2a+p2p"] and cfg.model.hierarchical_context_parallel_sizes == [2, 2]
+    per_layer = configs_from_args(parse_args(BASE + ["--context-parallel-size", "2", "--cp-comm-type", "p2p",
+                                                     "a2a", "allgather", "p2p"]), 2)
+    assert per_layer.model.cp_comm_type == ["p2p", "a2a", "allgather", "p2p"]
+
+
+@pytest.mark.parametrize("extra, world, needles", [
+    (["--context-parallel-size", "2", "--seq-length", "66"], 2, ["--seq-length 66", "2 x --context-parallel-size"]),
+    (["--context-parallel-size", "2", "--seq-length", "68", "--tensor-model-parallel-size", "4", "--sequence-parallel"],
+     8, ["--seq-length 68", "--sequence-parallel"]),
+    (["--context-parallel-size", "3"], 4, ["--context-parallel-size 3", "world size 4"]),
+    (["--context-parallel-size", "16", "--cp-comm-type", "a2a", "--seq-length", "64"], 16,
+     ["--cp-comm-type a2a", "must divide by 16"]),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p"], 4, ["--hierarchical-context-parallel-sizes"]),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2",
+      "4"], 4, ["INNER x OUTER = --context-parallel-size 4"]),
+    (["--hierarchical-context-parallel-sizes", "2", "2"], 1, ["goes with --cp-comm-type a2a+p2p"]),
+    (["--context-parallel-size", "2", "--attention-dropout", "0.1"], 2, ["--attention-dropout 0"]),
+    (["--context-parallel-size", "2", "--cp-comm-type", "p2p", "a2a"], 2, ["one type or one per layer"]),
+])
+def test_bad_context_parallel_input_is_one_line(extra, world, needles):
+    lines = _errors(extra, world)
+    assert any(all(n in line for n in needles) for line in lines), lines
