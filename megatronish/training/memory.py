@@ -123,12 +123,13 @@ def interleave_factor(p: int, v: int) -> float:
     return 1.0 + (p - 1) / (p * v) if v > 1 else 1.0
 
 
-def activation_bytes(model_cfg, *, micro_batch_size: int, tp: int = 1, pp: int = 1, vp: int = 1,
+def activation_bytes(model_cfg, *, micro_batch_size: int, tp: int = 1, pp: int = 1, vp: int = 1, cp: int = 1,
                      sequence_parallel: bool = False, num_microbatches: int | None = None,
                      padded_vocab_size: int | None = None) -> float:
-    """Peak activation bytes of the fullest (first) pipeline stage's rank for one iteration."""
+    """Peak activation bytes of the fullest (first) pipeline stage's rank for one iteration. Under context
+    parallelism a rank holds ``s / cp`` tokens of every sequence."""
     m = model_cfg
-    s, b, h = m.seq_length, micro_batch_size, m.hidden_size
+    s, b, h = m.seq_length // cp, micro_batch_size, m.hidden_size
     per_layer = activation_bytes_per_layer(s, b, h, m.num_attention_heads, t=tp,
                                            sequence_parallel=sequence_parallel,
                                            recompute=m.recompute_granularity, ffn_hidden_size=m.ffn_hidden_size,
@@ -153,7 +154,7 @@ def theoretical_memory(cfg, num_params: int) -> dict:
     bpp = bytes_per_parameter(o.params_dtype, o.grad_dtype, optimizer=o.optimizer, sgd_momentum=o.sgd_momentum,
                               distributed=o.use_distributed_optimizer, dp=par.dp)
     act = activation_bytes(cfg.model, micro_batch_size=cfg.train.micro_batch_size, tp=par.tp, pp=par.pp,
-                           vp=par.vp, sequence_parallel=cfg.sequence_parallel,
+                           vp=par.vp, cp=par.cp, sequence_parallel=cfg.sequence_parallel,
                            num_microbatches=cfg.num_microbatches)
     return {"num_params": num_params, "bytes_per_param": bpp, "weights_and_optimizer": bpp * num_params,
             "activations": act}

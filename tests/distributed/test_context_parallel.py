@@ -95,3 +95,23 @@ def test_context_parallel_equals_one_process(world, references, tmp_path):
         got = run_distributed(_worker, world, cases, str(tmp_path), timeout=600)[0]
         for name, result in got.items():
             _assert_same(result, references[flavor], f"{flavor} {name}")
+
+
+def _resume_worker(rank, world, argv, tmp):
+    state = pretrain(configs_from_args(parse_args(BASE + argv), world))
+    return [loss for _, loss in state.history], state.consumed_samples
+
+
+def test_checkpoint_saved_at_cp2_resumes_at_cp1_and_cp4(references, tmp_path):
+    """CP does not change parameter shards: a save at CP 2 (iteration 4 of 8, --exit-interval) continues at CP 1
+    and CP 4 with the one-process losses of iterations 5-8, from the saved data position."""
+    ckpt = str(tmp_path / "ckpt")
+    first, consumed = run_distributed(_resume_worker, 2, CP2 + ["--save", ckpt, "--exit-interval", "4"], ckpt)[0]
+    ref = references["gpt2"][0]
+    assert consumed == 32
+    torch.testing.assert_close(torch.tensor(first), torch.tensor(ref[:4]), rtol=1e-5, atol=0)
+    for world, cp in ((1, []), (4, ["--context-parallel-size", "4", "--cp-comm-type", "a2a"])):
+        rest, consumed = run_distributed(_resume_worker, world, cp + ["--load", ckpt], ckpt)[0]
+        assert consumed == 64
+        torch.testing.assert_close(torch.tensor(rest), torch.tensor(ref[4:]), rtol=1e-5, atol=0,
+                                   msg=lambda m: f"resumed at world {world}: {m}")

@@ -43,3 +43,15 @@ def test_flags_reach_the_config():
 def test_bad_context_parallel_input_is_one_line(extra, world, needles):
     lines = _errors(extra, world)
     assert any(all(n in line for n in needles) for line in lines), lines
+
+
+def test_activation_estimate_divides_the_sequence_over_cp():
+    from megatronish.config import gpt2
+    from megatronish.training.memory import activation_bytes
+
+    long, half = (gpt2(num_layers=4, hidden_size=64, num_attention_heads=8, vocab_size=100, seq_length=s)
+                  for s in (512, 256))
+    assert activation_bytes(long, micro_batch_size=2, cp=2) == activation_bytes(half, micro_batch_size=2)
+    assert activation_bytes(long, micro_batch_size=2, cp=4, tp=2, sequence_parallel=True) == \
+        activation_bytes(gpt2(num_layers=4, hidden_size=64, num_attention_heads=8, vocab_size=100, seq_length=128),
+                         micro_batch_size=2, tp=2, sequence_parallel=True)
