@@ -238,39 +238,68 @@ def _a2a_attention(q, k, v, group, scale):
 
 
 # ================================================================================= all-gather
-class _GatherSeq(torch.autograd.Function):
-    """forward: all-gather along the sequence (dim 2, rank order); backward: reduce-scatter (sum) of the grads."""
+def _gather_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """All-gather along the sequence (dim 2): rank order."""
+    parts = [torch.empty_like(x) for _ in range(group_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=2)
+
+
+def _allgather_blocks(n: int, r: int, c: int):
+    """Per local query chunk: (query slice, key slice, causal) blocks over the gathered sequence (sequence order):
+    the keys before the chunk in full, the chunk's own keys causally."""
+    for chunk, qs in ((r, slice(0, c)), (2 * n - 1 - r, slice(c, 2 * c))):
+        if chunk:
+            yield qs, slice(0, chunk * c), False
+        yield qs, slice(chunk * c, (chunk + 1) * c), True
+
+
+class _AllGatherAttention(torch.autograd.Function):
+    """forward: all-gather K/V, each local query chunk attends to its prefix (flash blocks merged by log-sum-exp);
+    backward: the blocks' dK/dV reduce-scattered back to their owners."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        parts = [torch.empty_like(x) for _ in range(group_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=2)
+    def forward(ctx, q, k, v, group, scale):
+        n, r = group_size(group), group_rank(group)
+        c, rep = q.size(2) // 2, q.size(1) // k.size(1)
+        order = _true_order(n, 2 * c * n, q.device)
+        kf, vf = (_gather_seq(t, group).index_select(2, order) for t in (k, v))  # [b, h_kv, s, d], sequence order
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        for qs, ks, causal in _allgather_blocks(n, r, c):
+            kb, vb = (_expand_kv(t[:, :, ks].contiguous(), rep) for t in (kf, vf))
+            o, l = _block_forward(q[:, :, qs].contiguous(), kb, vb, causal, scale)
+            out[:, :, qs], lse[:, :, qs] = _merge(out[:, :, qs], lse[:, :, qs], o, l)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, kf, vf, out, lse, order)
+        ctx.group, ctx.scale = group, scale
+        return out
 
     @staticmethod
-    def backward(ctx, grad):
-        n = group_size(ctx.group)
-        parts = [t.contiguous() for t in grad.chunk(n, dim=2)]
-        out = torch.empty_like(parts[0])
-        dist.reduce_scatter(out, parts, group=ctx.group)
-        return out, None
+    def backward(ctx, dout):
+        q, kf, vf, out, lse, order = ctx.saved_tensors
+        group, scale = ctx.group, ctx.scale
+        n, r = group_size(group), group_rank(group)
+        c, rep = q.size(2) // 2, q.size(1) // kf.size(1)
+        dout = dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dkv = torch.zeros((2, *kf.shape), dtype=torch.float32, device=q.device)
+        for qs, ks, causal in _allgather_blocks(n, r, c):
+            kb, vb = (_expand_kv(t[:, :, ks].contiguous(), rep) for t in (kf, vf))
+            gq, gk, gv = _block_backward(dout[:, :, qs], q[:, :, qs].contiguous(), kb, vb,
+                                         out[:, :, qs].contiguous(), lse[:, :, qs].contiguous(), causal, scale)
+            dq[:, :, qs] += gq.float()
+            dkv[0][:, :, ks] += _reduce_kv(gk.float(), rep)
+            dkv[1][:, :, ks] += _reduce_kv(gv.float(), rep)
+        dkv = dkv.index_select(3, torch.argsort(order))  # back to rank order
+        parts = [t.contiguous() for t in dkv.chunk(n, dim=3)]
+        mine = torch.empty_like(parts[0])
+        dist.reduce_scatter(mine, parts, group=group)
+        return dq.to(q.dtype), mine[0].to(q.dtype), mine[1].to(q.dtype), None, None
 
 
 def _allgather_attention(q, k, v, group, scale):
-    from torch.nn.attention.bias import causal_lower_right
-
-    n, r = group_size(group), group_rank(group)
-    c, rep = q.size(2) // 2, q.size(1) // k.size(1)
-    s = 2 * c * n
-    order = _true_order(n, s, q.device)
-    kf, vf = (_expand_kv(_GatherSeq.apply(t, group).index_select(2, order), rep) for t in (k, v))  # [b, hq, s, d]
-    outs = []
-    for chunk, qs in ((r, slice(0, c)), (2 * n - 1 - r, slice(c, 2 * c))):
-        end = (chunk + 1) * c  # this chunk's queries see keys [0, end), causally (bottom-right aligned)
-        outs.append(F.scaled_dot_product_attention(q[:, :, qs], kf[:, :, :end], vf[:, :, :end], scale=scale,
-                                                   attn_mask=causal_lower_right(c, end)))
-    return torch.cat(outs, dim=2)
+    return _AllGatherAttention.apply(q, k, v, group, scale)
 
 
 # ================================================================================= entry point
