@@ -21,6 +21,8 @@ Inside a block attention runs PyTorch's flash kernels that return the log-sum-ex
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -72,25 +74,27 @@ def _true_order(n: int, s: int, device) -> torch.Tensor:
 
 
 # ================================================================================= block attention kernels
-def _block_forward(q, k, v, causal: bool, scale: float):
-    """Attention of one block: ``(out, lse)`` with ``lse`` fp32 ``[b, h, s_q]`` (flash kernels)."""
+def _block_forward(q, k, v, causal: bool, scale: float, mask=None):
+    """Attention of one block: ``(out, lse)`` with ``lse`` fp32 ``[b, h, s_q]`` (flash kernels). ``mask``: an
+    additive ``[b, 1, s_q, s_k]`` mask in the queries' dtype (document masking)."""
     if q.is_cuda:
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, None, True, 0.0, causal, scale=scale)[:2]
+            q, k, v, mask, True, 0.0, causal, scale=scale)[:2]
         return out, lse.float()
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
+                                                                          scale=scale)
     return out, lse.float()
 
 
-def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, mask=None):
     """Gradients of one block given the *merged* output and log-sum-exp (so the block's share is exact)."""
     if q.is_cuda:
         seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
+            dout, q, k, v, mask, out, lse, seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
         return dq, dk, dv
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+        dout, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
 
 
 def _expand_kv(t: torch.Tensor, rep: int) -> torch.Tensor:
@@ -106,12 +110,126 @@ def _reduce_kv(t: torch.Tensor, rep: int) -> torch.Tensor:
 
 
 def _merge(out, lse, blk_out, blk_lse):
-    """Fold a block's normalized output and log-sum-exp into the running ones (fp32)."""
-    if out is None:
-        return blk_out.float(), blk_lse
+    """Fold a block's normalized output and log-sum-exp into the running ones (fp32); rows that no key reached yet
+    (``-inf`` on both sides) stay empty."""
     new = torch.logaddexp(lse, blk_lse)
-    out = out * torch.exp(lse - new).unsqueeze(-1) + blk_out.float() * torch.exp(blk_lse - new).unsqueeze(-1)
-    return out, new
+    empty = torch.isinf(new)
+    w_old = torch.where(empty, 0.0, torch.exp(lse - new))
+    w_blk = torch.where(empty, 0.0, torch.exp(blk_lse - new))
+    return out * w_old.unsqueeze(-1) + blk_out.float() * w_blk.unsqueeze(-1), new
+
+
+# ================================================================================= the block plan
+@dataclass
+class _Block:
+    """Queries of storage chunks ``[q0, q1)`` against the keys of storage chunks ``k`` (chunk slots of ``c``
+    tokens); ``causal`` over the block, or an additive document ``mask`` with the rows it leaves any key."""
+
+    q0: int
+    q1: int
+    k: list
+    causal: bool
+    mask: torch.Tensor | None = None
+    rows: torch.Tensor | None = None  # [b, s_q] bool: rows with at least one key in this block
+
+
+def _plan(q_chunks: list[int], k_chunks: list[int], c: int, docs: torch.Tensor | None, dtype) -> list[_Block]:
+    """The attention blocks between the chunks a rank holds (``q_chunks``, in storage order) and a set of key
+    chunks (``k_chunks``): a query chunk sees earlier key chunks in full and its own chunk causally, never later
+    ones. With ``docs`` (document ids ``[b, s]`` of the whole sequence) every (query chunk, key chunk) pair gets
+    the mask "same document" (and causal on the diagonal); pairs sharing no document are skipped."""
+    if docs is None:
+        if q_chunks == k_chunks and q_chunks == sorted(q_chunks):  # one causal block covers them all
+            return [_Block(0, len(q_chunks), list(range(len(k_chunks))), True)]
+        blocks = []
+        for qi, qc in enumerate(q_chunks):
+            earlier = [ki for ki, kc in enumerate(k_chunks) if kc < qc]
+            if earlier:
+                last = blocks[-1] if blocks else None
+                if last is not None and not last.causal and last.q1 == qi and last.k == earlier:
+                    last.q1 = qi + 1  # consecutive query chunks seeing the same keys: one block
+                else:
+                    blocks.append(_Block(qi, qi + 1, earlier, False))
+            blocks += [_Block(qi, qi + 1, [ki], True) for ki, kc in enumerate(k_chunks) if kc == qc]
+        return blocks
+    blocks = []
+    tril = torch.ones(c, c, dtype=torch.bool, device=docs.device).tril()
+    for qi, qc in enumerate(q_chunks):
+        dq = docs[:, qc * c:(qc + 1) * c]
+        for ki, kc in enumerate(k_chunks):
+            if kc > qc:
+                continue
+            valid = dq[:, :, None] == docs[:, None, kc * c:(kc + 1) * c]  # [b, c, c]
+            if kc == qc:
+                valid &= tril
+            if valid.any():
+                mask = torch.zeros(valid.shape, dtype=dtype, device=docs.device).masked_fill_(~valid, float("-inf"))
+                blocks.append(_Block(qi, qi + 1, [ki], False, mask.unsqueeze(1), valid.any(-1)))
+    return blocks
+
+
+def _take(t: torch.Tensor, slots: list[int], c: int) -> torch.Tensor:
+    """Chunk slots ``slots`` of ``t`` along dim 2, concatenated (a view when they are consecutive)."""
+    if slots == list(range(slots[0], slots[-1] + 1)):
+        return t[:, :, slots[0] * c:(slots[-1] + 1) * c].contiguous()
+    return torch.cat([t[:, :, i * c:(i + 1) * c] for i in slots], dim=2)
+
+
+def _attend(q, kv, blocks, c, scale, out, lse) -> None:
+    """Forward of ``blocks`` (queries ``q``, stacked keys/values ``kv``), merged into ``out``/``lse`` in place."""
+    rep = q.size(1) // kv.size(2)
+    for blk in blocks:
+        qs = slice(blk.q0 * c, blk.q1 * c)
+        kb, vb = (_expand_kv(_take(t, blk.k, c), rep) for t in kv)
+        o, l = _block_forward(q[:, :, qs].contiguous(), kb, vb, blk.causal, scale, blk.mask)
+        if blk.rows is not None:  # rows this block leaves without a key: nothing to merge
+            l = l.masked_fill(~blk.rows[:, None, :], float("-inf"))
+        out[:, :, qs], lse[:, :, qs] = _merge(out[:, :, qs], lse[:, :, qs], o, l)
+
+
+def _attend_backward(dout, q, kv, out, lse, blocks, c, scale, dq, dkv) -> None:
+    """Backward of ``blocks``: adds into ``dq`` and ``dkv`` (fp32) in place."""
+    rep = q.size(1) // kv.size(2)
+    for blk in blocks:
+        qs = slice(blk.q0 * c, blk.q1 * c)
+        kb, vb = (_expand_kv(_take(t, blk.k, c), rep) for t in kv)
+        gq, gk, gv = _block_backward(dout[:, :, qs].contiguous(), q[:, :, qs].contiguous(), kb, vb,
+                                     out[:, :, qs].contiguous(), lse[:, :, qs].contiguous(), blk.causal, scale,
+                                     blk.mask)
+        dq[:, :, qs] += gq.float()
+        gk, gv = _reduce_kv(gk.float(), rep), _reduce_kv(gv.float(), rep)
+        for j, ki in enumerate(blk.k):
+            dkv[0][:, :, ki * c:(ki + 1) * c] += gk[:, :, j * c:(j + 1) * c]
+            dkv[1][:, :, ki * c:(ki + 1) * c] += gv[:, :, j * c:(j + 1) * c]
+
+
+def _empty_like_out(q):
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+class _LocalAttention(torch.autograd.Function):
+    """The block plan between the chunks of ``q`` and of ``k``/``v`` on this rank (no communication)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_chunks, k_chunks, c, scale, docs):
+        kv = torch.stack([k, v])
+        out, lse = _empty_like_out(q)
+        _attend(q, kv, _plan(q_chunks, k_chunks, c, docs, q.dtype), c, scale, out, lse)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, kv, out, lse)
+        ctx.args = (q_chunks, k_chunks, c, scale, docs)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, kv, out, lse = ctx.saved_tensors
+        q_chunks, k_chunks, c, scale, docs = ctx.args
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+        _attend_backward(dout, q, kv, out, lse, _plan(q_chunks, k_chunks, c, docs, q.dtype), c, scale, dq, dkv)
+        return dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None, None, None, None, None
 
 
 # ================================================================================= ring (p2p)
@@ -124,70 +242,58 @@ def _ring_exchange(send: torch.Tensor, group) -> tuple[torch.Tensor, list]:
     return recv, dist.batch_isend_irecv(ops)
 
 
-def _ring_steps(n: int, r: int, c: int):
-    """Per ring step: (step, query slice, key/value slice, causal) of the block this rank computes."""
-    full, first, second = slice(0, 2 * c), slice(0, c), slice(c, 2 * c)
-    yield 0, full, full, True
-    for i in range(1, n):
-        j = (r - i) % n
-        yield (i, full, first, False) if j < r else (i, second, full, False)
+def _wait(reqs) -> None:
+    for req in reqs:
+        req.wait()
 
 
 class _RingAttention(torch.autograd.Function):
-    """forward: causal attention over the whole sequence with K/V passed round the ring; backward: the same ring,
-    dK/dV travelling with their K/V back to their owner."""
+    """Ring attention over ``group``, whose member ``m`` holds the chunks ``chunk_sets[m]`` (``c`` tokens each,
+    in storage order). forward: K/V blocks travel round the ring while the block in hand is attended; backward:
+    the same ring, dK/dV travelling with their K/V and arriving home after the last step."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, scale):
+    def forward(ctx, q, k, v, group, chunk_sets, c, scale, docs):
         n, r = group_size(group), group_rank(group)
-        b, hq, s2, d = q.shape
-        c, rep = s2 // 2, hq // k.size(1)
-        kv = torch.stack([k, v]).contiguous()  # [2, b, h_kv, 2c, d]
-        out = torch.zeros(b, hq, s2, d, dtype=torch.float32, device=q.device)
-        lse = torch.full((b, hq, s2), float("-inf"), dtype=torch.float32, device=q.device)
-        for i, qs, ks, causal in _ring_steps(n, r, c):
+        kv = torch.stack([k, v]).contiguous()  # [2, b, h_kv, chunks*c, d]
+        out, lse = _empty_like_out(q)
+        for i in range(n):
             if i < n - 1:
                 nxt, reqs = _ring_exchange(kv, group)
-            kb, vb = (_expand_kv(t[:, :, ks].contiguous(), rep) for t in kv)
-            o, l = _block_forward(q[:, :, qs].contiguous(), kb, vb, causal, scale)
-            out[:, :, qs], lse[:, :, qs] = _merge(out[:, :, qs], lse[:, :, qs], o, l)
+            _attend(q, kv, _plan(chunk_sets[r], chunk_sets[(r - i) % n], c, docs, q.dtype), c, scale, out, lse)
             if i < n - 1:
-                for req in reqs:
-                    req.wait()
+                _wait(reqs)
                 kv = nxt
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale = group, scale
+        ctx.args = (group, chunk_sets, c, scale, docs)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, scale = ctx.group, ctx.scale
+        group, chunk_sets, c, scale, docs = ctx.args
         n, r = group_size(group), group_rank(group)
-        c, rep = q.size(2) // 2, q.size(1) // k.size(1)
         dout = dout.contiguous()
         kv = torch.stack([k, v]).contiguous()
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        for i, qs, ks, causal in _ring_steps(n, r, c):
+        for i in range(n):
             if i < n - 1:
                 nxt, reqs = _ring_exchange(kv, group)
-            kb, vb = (_expand_kv(t[:, :, ks].contiguous(), rep) for t in kv)
-            gq, gk, gv = _block_backward(dout[:, :, qs], q[:, :, qs].contiguous(), kb, vb,
-                                         out[:, :, qs].contiguous(), lse[:, :, qs].contiguous(), causal, scale)
-            dq[:, :, qs] += gq.float()
-            dkv[0][:, :, ks] += _reduce_kv(gk.float(), rep)
-            dkv[1][:, :, ks] += _reduce_kv(gv.float(), rep)
+            blocks = _plan(chunk_sets[r], chunk_sets[(r - i) % n], c, docs, q.dtype)
+            _attend_backward(dout, q, kv, out, lse, blocks, c, scale, dq, dkv)
             if i < n - 1:
-                for req in reqs:
-                    req.wait()
+                _wait(reqs)
                 kv = nxt
             if n > 1:  # the accumulated dK/dV follow their K/V to the next rank (after the last step: home)
                 dkv, reqs = _ring_exchange(dkv, group)
-                for req in reqs:
-                    req.wait()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+                _wait(reqs)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+
+
+def _local_chunks(n: int, r: int) -> list[int]:
+    return [r, 2 * n - 1 - r]
 
 
 # ================================================================================= all-to-all (Ulysses)
@@ -226,192 +332,57 @@ class _HeadsToSeq(torch.autograd.Function):
         return _all_to_all(grad, ctx.group, scatter_dim=1, gather_dim=2), None
 
 
-def _a2a_attention(q, k, v, group, scale):
-    n = group_size(group)
-    s = q.size(2) * n
-    order = _true_order(n, s, q.device)
-    back = torch.argsort(order)
+def _full_sequence_attention(q, k, v, scale, docs, c):
+    """Causal attention over a whole sequence in order: SDPA, or with documents the block plan over its chunks."""
+    if docs is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.size(1) != k.size(1))
+    chunks = list(range(q.size(2) // c))
+    return _LocalAttention.apply(q, k, v, chunks, chunks, c, scale, docs)
+
+
+def _a2a_attention(q, k, v, group, scale, docs):
+    n, c = group_size(group), q.size(2) // 2
+    order = _true_order(n, 2 * c * n, q.device)
     qh, kh, vh = (_SeqToHeads.apply(t, group).index_select(2, order) for t in (q, k, v))  # [b, h/N, s, d]
-    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
-                                         enable_gqa=qh.size(1) != kh.size(1))
-    return _HeadsToSeq.apply(out.index_select(2, back), group)
+    out = _full_sequence_attention(qh, kh, vh, scale, docs, c)
+    return _HeadsToSeq.apply(out.index_select(2, torch.argsort(order)), group)
 
 
 # ================================================================================= all-gather
-def _gather_seq(x: torch.Tensor, group) -> torch.Tensor:
-    """All-gather along the sequence (dim 2): rank order."""
-    parts = [torch.empty_like(x) for _ in range(group_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=2)
-
-
-def _allgather_blocks(n: int, r: int, c: int):
-    """Per local query chunk: (query slice, key slice, causal) blocks over the gathered sequence (sequence order):
-    the keys before the chunk in full, the chunk's own keys causally."""
-    for chunk, qs in ((r, slice(0, c)), (2 * n - 1 - r, slice(c, 2 * c))):
-        if chunk:
-            yield qs, slice(0, chunk * c), False
-        yield qs, slice(chunk * c, (chunk + 1) * c), True
-
-
-class _AllGatherAttention(torch.autograd.Function):
-    """forward: all-gather K/V, each local query chunk attends to its prefix (flash blocks merged by log-sum-exp);
-    backward: the blocks' dK/dV reduce-scattered back to their owners."""
+class _GatherSeq(torch.autograd.Function):
+    """forward: all-gather along the sequence (dim 2, rank order); backward: reduce-scatter (sum) of the grads."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, scale):
-        n, r = group_size(group), group_rank(group)
-        c, rep = q.size(2) // 2, q.size(1) // k.size(1)
-        order = _true_order(n, 2 * c * n, q.device)
-        kf, vf = (_gather_seq(t, group).index_select(2, order) for t in (k, v))  # [b, h_kv, s, d], sequence order
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-        for qs, ks, causal in _allgather_blocks(n, r, c):
-            kb, vb = (_expand_kv(t[:, :, ks].contiguous(), rep) for t in (kf, vf))
-            o, l = _block_forward(q[:, :, qs].contiguous(), kb, vb, causal, scale)
-            out[:, :, qs], lse[:, :, qs] = _merge(out[:, :, qs], lse[:, :, qs], o, l)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, kf, vf, out, lse, order)
-        ctx.group, ctx.scale = group, scale
-        return out
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(group_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=2)
 
     @staticmethod
-    def backward(ctx, dout):
-        q, kf, vf, out, lse, order = ctx.saved_tensors
-        group, scale = ctx.group, ctx.scale
-        n, r = group_size(group), group_rank(group)
-        c, rep = q.size(2) // 2, q.size(1) // kf.size(1)
-        dout = dout.contiguous()
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dkv = torch.zeros((2, *kf.shape), dtype=torch.float32, device=q.device)
-        for qs, ks, causal in _allgather_blocks(n, r, c):
-            kb, vb = (_expand_kv(t[:, :, ks].contiguous(), rep) for t in (kf, vf))
-            gq, gk, gv = _block_backward(dout[:, :, qs], q[:, :, qs].contiguous(), kb, vb,
-                                         out[:, :, qs].contiguous(), lse[:, :, qs].contiguous(), causal, scale)
-            dq[:, :, qs] += gq.float()
-            dkv[0][:, :, ks] += _reduce_kv(gk.float(), rep)
-            dkv[1][:, :, ks] += _reduce_kv(gv.float(), rep)
-        dkv = dkv.index_select(3, torch.argsort(order))  # back to rank order
-        parts = [t.contiguous() for t in dkv.chunk(n, dim=3)]
-        mine = torch.empty_like(parts[0])
-        dist.reduce_scatter(mine, parts, group=group)
-        return dq.to(q.dtype), mine[0].to(q.dtype), mine[1].to(q.dtype), None, None
+    def backward(ctx, grad):
+        parts = [t.contiguous() for t in grad.chunk(group_size(ctx.group), dim=2)]
+        out = torch.empty_like(parts[0])
+        dist.reduce_scatter(out, parts, group=ctx.group)
+        return out, None
 
 
-def _allgather_attention(q, k, v, group, scale):
-    return _AllGatherAttention.apply(q, k, v, group, scale)
+def _allgather_attention(q, k, v, group, scale, docs):
+    """All-gather K/V (in sequence order); each local query chunk attends to its prefix: the keys before it in
+    full, its own causally (flash blocks merged by log-sum-exp). Backward reduce-scatters dK/dV."""
+    n, r, c = group_size(group), group_rank(group), q.size(2) // 2
+    order = _true_order(n, 2 * c * n, q.device)
+    kf, vf = (_GatherSeq.apply(t, group).index_select(2, order) for t in (k, v))
+    return _LocalAttention.apply(q, kf, vf, _local_chunks(n, r), list(range(2 * n)), c, scale, docs)
 
 
-# ================================================================================= entry point
-def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, comm_type: str = "p2p",
-                               scale: float, inner_group=None, outer_group=None) -> torch.Tensor:
-    """Causal attention of this CP rank's queries over the whole sequence.
-
-    ``q``: ``[b, heads, 2c, d]``, ``k``/``v``: ``[b, kv_heads, 2c, d]`` (this rank's two chunks); returns
-    ``[b, heads, 2c, d]``. ``group``: the context-parallel group; ``a2a+p2p`` also needs ``inner_group`` (a2a) and
-    ``outer_group`` (the ring across inner groups).
-    """
-    if group_size(group) == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                              enable_gqa=q.size(1) != k.size(1))
-    if comm_type == "p2p":
-        return _RingAttention.apply(q, k, v, group, scale)
-    if comm_type == "a2a":
-        return _a2a_attention(q, k, v, group, scale)
-    if comm_type == "allgather":
-        return _allgather_attention(q, k, v, group, scale)
-    if comm_type == "a2a+p2p":
-        return _hierarchical_attention(q, k, v, inner_group, outer_group, scale)
-    raise ValueError(f"--cp-comm-type {comm_type!r}: choose one of {', '.join(CP_COMM_TYPES)}")
-
-
+# ================================================================================= a2a+p2p
 def _hierarchical_chunks(n: int, a: int, o: int) -> list[int]:
     """Chunk ids held, in storage order, by the a2a group ``o`` (CP ranks ``a*o ... a*o+a-1``) after its a2a."""
-    return [c for r in range(a * o, a * (o + 1)) for c in (r, 2 * n - 1 - r)]
+    return [c for r in range(a * o, a * (o + 1)) for c in _local_chunks(n, r)]
 
 
-def _chunk_blocks(q_chunks: list[int], k_chunks: list[int]):
-    """The attention blocks between two sets of chunks: per query chunk, the strictly earlier key chunks (no mask)
-    and the same chunk (causal); later key chunks are never seen."""
-    for qi, qc in enumerate(q_chunks):
-        earlier = [ki for ki, kc in enumerate(k_chunks) if kc < qc]
-        same = [ki for ki, kc in enumerate(k_chunks) if kc == qc]
-        if earlier:
-            yield qi, earlier, False
-        if same:
-            yield qi, same, True
-
-
-def _take(t: torch.Tensor, chunks: list[int], c: int) -> torch.Tensor:
-    """Chunks ``chunks`` (storage positions) of ``t`` along dim 2, concatenated."""
-    if len(chunks) == 1:
-        return t[:, :, chunks[0] * c:(chunks[0] + 1) * c].contiguous()
-    return torch.cat([t[:, :, i * c:(i + 1) * c] for i in chunks], dim=2)
-
-
-class _ChunkRingAttention(torch.autograd.Function):
-    """Ring attention over ``group`` where member ``o`` holds the chunks ``chunk_sets[o]`` (any set, in storage
-    order, ``c`` tokens each): the ring of ``a2a+p2p``. Same protocol as :class:`_RingAttention`."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, group, chunk_sets, c, scale):
-        n, r = group_size(group), group_rank(group)
-        rep = q.size(1) // k.size(1)
-        kv = torch.stack([k, v]).contiguous()
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-        for i in range(n):
-            if i < n - 1:
-                nxt, reqs = _ring_exchange(kv, group)
-            for qi, kis, causal in _chunk_blocks(chunk_sets[r], chunk_sets[(r - i) % n]):
-                qs = slice(qi * c, (qi + 1) * c)
-                kb, vb = (_expand_kv(_take(t, kis, c), rep) for t in kv)
-                o, l = _block_forward(q[:, :, qs].contiguous(), kb, vb, causal, scale)
-                out[:, :, qs], lse[:, :, qs] = _merge(out[:, :, qs], lse[:, :, qs], o, l)
-            if i < n - 1:
-                for req in reqs:
-                    req.wait()
-                kv = nxt
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.chunk_sets, ctx.c, ctx.scale = group, chunk_sets, c, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        group, chunk_sets, c, scale = ctx.group, ctx.chunk_sets, ctx.c, ctx.scale
-        n, r = group_size(group), group_rank(group)
-        rep = q.size(1) // k.size(1)
-        dout = dout.contiguous()
-        kv = torch.stack([k, v]).contiguous()
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        for i in range(n):
-            if i < n - 1:
-                nxt, reqs = _ring_exchange(kv, group)
-            for qi, kis, causal in _chunk_blocks(chunk_sets[r], chunk_sets[(r - i) % n]):
-                qs = slice(qi * c, (qi + 1) * c)
-                kb, vb = (_expand_kv(_take(t, kis, c), rep) for t in kv)
-                gq, gk, gv = _block_backward(dout[:, :, qs], q[:, :, qs].contiguous(), kb, vb,
-                                             out[:, :, qs].contiguous(), lse[:, :, qs].contiguous(), causal, scale)
-                dq[:, :, qs] += gq.float()
-                gk, gv = _reduce_kv(gk.float(), rep), _reduce_kv(gv.float(), rep)
-                for j, ki in enumerate(kis):
-                    dkv[0][:, :, ki * c:(ki + 1) * c] += gk[:, :, j * c:(j + 1) * c]
-                    dkv[1][:, :, ki * c:(ki + 1) * c] += gv[:, :, j * c:(j + 1) * c]
-            if i < n - 1:
-                for req in reqs:
-                    req.wait()
-                kv = nxt
-            if n > 1:
-                dkv, reqs = _ring_exchange(dkv, group)
-                for req in reqs:
-                    req.wait()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
-
-
-def _hierarchical_attention(q, k, v, inner, outer, scale):
+def _hierarchical_attention(q, k, v, inner, outer, scale, docs):
     """a2a inside ``inner`` (adjacent CP ranks: heads scattered, their tokens gathered), then a ring over ``outer``
     whose members each hold one inner group's chunks, then a2a back."""
     a, p = group_size(inner), group_size(outer)
@@ -419,11 +390,33 @@ def _hierarchical_attention(q, k, v, inner, outer, scale):
     chunk_sets = [_hierarchical_chunks(n, a, o) for o in range(p)]
     qh, kh, vh = (_SeqToHeads.apply(t, inner) if a > 1 else t for t in (q, k, v))  # [b, h/a, 2ac, d]
     if p > 1:
-        out = _ChunkRingAttention.apply(qh, kh, vh, outer, chunk_sets, c, scale)
-    else:  # one inner group holds the whole sequence: reorder and run plain causal attention
-        order = torch.argsort(torch.tensor(chunk_sets[0], device=q.device))
-        perm = torch.cat([torch.arange(i * c, (i + 1) * c, device=q.device) for i in order.tolist()])
-        out = F.scaled_dot_product_attention(qh.index_select(2, perm), kh.index_select(2, perm),
-                                             vh.index_select(2, perm), is_causal=True, scale=scale,
-                                             enable_gqa=qh.size(1) != kh.size(1)).index_select(2, torch.argsort(perm))
+        out = _RingAttention.apply(qh, kh, vh, outer, chunk_sets, c, scale, docs)
+    else:  # one inner group holds the whole sequence
+        out = _LocalAttention.apply(qh, kh, vh, chunk_sets[0], chunk_sets[0], c, scale, docs)
     return _HeadsToSeq.apply(out, inner) if a > 1 else out
+
+
+# ================================================================================= entry point
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, comm_type: str = "p2p",
+                               scale: float, inner_group=None, outer_group=None,
+                               document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of this CP rank's queries over the whole sequence.
+
+    ``q``: ``[b, heads, 2c, d]``, ``k``/``v``: ``[b, kv_heads, 2c, d]`` (this rank's two chunks); returns
+    ``[b, heads, 2c, d]``. ``group``: the context-parallel group; ``a2a+p2p`` also needs ``inner_group`` (a2a) and
+    ``outer_group`` (the ring across inner groups). ``document_ids``: ``[b, s]`` of the *whole* sequence (the same
+    on every CP rank): a token attends only to earlier tokens of its own document (``--reset-attention-mask``).
+    """
+    n = group_size(group)
+    if n == 1:
+        return _full_sequence_attention(q, k, v, scale, document_ids, q.size(2) // 2)
+    if comm_type == "p2p":
+        chunk_sets = [_local_chunks(n, m) for m in range(n)]
+        return _RingAttention.apply(q, k, v, group, chunk_sets, q.size(2) // 2, scale, document_ids)
+    if comm_type == "a2a":
+        return _a2a_attention(q, k, v, group, scale, document_ids)
+    if comm_type == "allgather":
+        return _allgather_attention(q, k, v, group, scale, document_ids)
+    if comm_type == "a2a+p2p":
+        return _hierarchical_attention(q, k, v, inner_group, outer_group, scale, document_ids)
+    raise ValueError(f"--cp-comm-type {comm_type!r}: choose one of {', '.join(CP_COMM_TYPES)}")
