@@ -86,8 +86,6 @@ NOT_YET_SUPPORTED: dict[str, NotYet] = {
         (None, NotYet("--use-flash-attn", (False,), "flash attention", _DROP)),
         (None, NotYet("--decoupled-lr", (None,), "a decoupled LR for the embedding and output layers", _DROP)),
         # data
-        (None, NotYet("--reset-attention-mask", (False,), "document-masked attention",
-                      "drop the flag (attention stays causal across documents)")),
         (None, NotYet("--tokenizer-type", (None,) + SUPPORTED_TOKENIZER_TYPES, "this tokenizer",
                       "choose one of " + ", ".join(SUPPORTED_TOKENIZER_TYPES))),
     ]
@@ -493,6 +491,9 @@ def _check_data(args, errors: list[str]) -> None:
     elif not args.mock_data and not args.data_path and not args.train_data_path:
         errors.append("no training data: pass --data-path PREFIX (or weighted prefixes), --train-data-path, "
                       "or --mock-data")
+    if args.mock_data and args.reset_attention_mask:
+        errors.append("--reset-attention-mask needs document boundaries from real data (--data-path); --mock-data "
+                      "has none")
     t = args.tokenizer_type
     if t is None:
         if args.vocab_size is None and not (args.vocab_file and args.merge_file):

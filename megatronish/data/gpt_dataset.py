@@ -129,12 +129,20 @@ def _get_ltor_masks_and_position_ids(
     return attention_mask, loss_mask, position_ids
 
 
+def document_ids(tokens: torch.Tensor, eod_token: int) -> torch.Tensor:
+    """``--reset-attention-mask`` in compact form: the document of each token, counted from 0 (``[..., s]``). An
+    end-of-document token closes its document, so tokens after it start the next one; a token attends only to
+    earlier tokens of its own document (Megatron's mask ``[i+1:, :i+1] = 0`` for each eod at ``i``)."""
+    is_eod = (tokens == eod_token).long()
+    return torch.cumsum(is_eod, dim=-1) - is_eod
+
+
 class GPTDataset(torch.utils.data.Dataset):
     """Fixed-length samples from the sequences ``indexed_indices`` of ``indexed_dataset``.
 
     ``num_samples`` is the minimum number of samples wanted (None: one epoch). Item ``i`` is a dict
-    of ``tokens``, ``labels`` (int64), ``loss_mask`` (float32), ``position_ids`` (int64) and, with
-    ``create_attention_mask``, ``attention_mask``.
+    of ``tokens``, ``labels`` (int64), ``loss_mask`` (float32), ``position_ids`` (int64), with
+    ``create_attention_mask`` ``attention_mask``, and with ``reset_attention_mask`` ``document_ids`` (int64).
     """
 
     def __init__(
@@ -292,6 +300,7 @@ class GPTDataset(torch.utils.data.Dataset):
             )
             if cacheable:
                 self._cached_masks = (attention_mask, loss_mask.clone(), position_ids)
+        docs = document_ids(tokens, cfg.eod_id) if cfg.reset_attention_mask else None
         pad = self._pad_token_id
         if padded or pad >= 0:  # pad ids can only appear in padded samples or as real tokens
             pad_labels = labels == pad
@@ -303,6 +312,8 @@ class GPTDataset(torch.utils.data.Dataset):
         item = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
         if cfg.create_attention_mask:
             item["attention_mask"] = attention_mask
+        if docs is not None:
+            item["document_ids"] = docs
         return item
 
 

@@ -47,7 +47,8 @@ class SelfAttention(nn.Module):
                                              sequence_parallel=sequence_parallel, init_std=output_init_std,
                                              params_dtype=params_dtype, device=device, tp_group=tp_group)
 
-    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None):
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+                document_ids: torch.Tensor | None = None):
         qkv, _ = self.linear_qkv(x)  # [s, b, groups/t * (heads/groups + 2) * d]
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.local_groups, self.heads_per_group + 2, self.kv_channels)
@@ -58,24 +59,32 @@ class SelfAttention(nn.Module):
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         if self.recompute_core_attention and self.training:
-            ctx = checkpoint(self._core_attention, q, k, v)
+            ctx = checkpoint(lambda *qkv: self._core_attention(*qkv, document_ids), q, k, v)
         else:
-            ctx = self._core_attention(q, k, v)
+            ctx = self._core_attention(q, k, v, document_ids)
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, heads/t * d]
         return self.linear_proj(ctx)  # (out, bias)
 
-    def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``softmax(q k^T / sqrt(d) + causal) -> dropout -> @ v``: [b, heads, s, d] -> [b, heads, s, d].
-        Under context parallelism ``s`` is this rank's two chunks and the keys of the whole sequence take part."""
+    def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``softmax(q k^T / sqrt(d) + mask) -> dropout -> @ v``: [b, heads, s, d] -> [b, heads, s, d]; the mask is
+        causal, and with ``document_ids`` ([b, s] of the whole sequence) also "same document". Under context
+        parallelism ``s`` is this rank's two chunks and the keys of the whole sequence take part."""
         p = self.parallel
         if p.cp_size > 1:  # no attention dropout here (checked with the flags)
             return context_parallel_attention(q, k, v, group=p.cp_group, comm_type=self.cp_comm_type,
                                               scale=1.0 / math.sqrt(self.kv_channels),
-                                              inner_group=p.group("cp_inner"), outer_group=p.group("cp_outer"))
+                                              inner_group=p.group("cp_inner"), outer_group=p.group("cp_outer"),
+                                              document_ids=document_ids)
         dropout = self.dropout if self.training else 0.0
+        mask = None
+        if document_ids is not None:  # [b, 1, s, s]: causal and within one document (Megatron's dense mask)
+            s = q.size(2)
+            causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+            mask = ((document_ids[:, :, None] == document_ids[:, None, :]) & causal).unsqueeze(1)
         # Dropout of the local heads' probabilities is inside the TP region: model-parallel RNG stream.
         rng = get_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext()
         with rng:
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
                                                   scale=1.0 / math.sqrt(self.kv_channels),
                                                   enable_gqa=self.heads_per_group > 1)

@@ -147,9 +147,10 @@ class GPTModel(nn.Module):
 
     # ---- forward ---------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None):
+                labels: torch.Tensor | None = None, document_ids: torch.Tensor | None = None):
         """``input_ids``/``labels``: ``[b, s]`` (under context parallelism this rank's tokens, chunks ``r`` and
-        ``2N-1-r``; positions default to theirs in the whole sequence). Returns the per-token loss ``[b, s]`` (fp32) if ``labels``
+        ``2N-1-r``; positions default to theirs in the whole sequence). ``document_ids``: ``[b, s]`` of the *whole*
+        sequence (``--reset-attention-mask``): attention stays within a document. Returns the per-token loss ``[b, s]`` (fp32) if ``labels``
         are given on the last stage, else logits ``[b, s, V_padded/t]``; earlier stages return hidden
         states ``[s, b, h]``."""
         p = self.parallel
@@ -164,7 +165,7 @@ class GPTModel(nn.Module):
             if p.cp_size > 1:
                 index = cp_chunk_index(s * p.cp_size, p.cp_size, p.cp_rank, x.device)
                 rotary = tuple(t.index_select(0, index) if torch.is_tensor(t) else t for t in rotary)
-        x = self.decoder(x, rotary)
+        x = self.decoder(x, rotary, document_ids)
         if not self.post_process:
             return x
         weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None

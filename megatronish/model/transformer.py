@@ -42,8 +42,8 @@ class TransformerLayer(nn.Module):
         self.pre_mlp_layernorm = norm()
         self.mlp = MLP(c, sequence_parallel, out_std, params_dtype, device, parallel.tp_group)
 
-    def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
-        out, bias = self.self_attention(self.input_layernorm(x), rotary)
+    def forward(self, x: torch.Tensor, rotary=None, document_ids=None) -> torch.Tensor:
+        out, bias = self.self_attention(self.input_layernorm(x), rotary, document_ids)
         x = _bias_dropout_add(out, bias, x, self.hidden_dropout, self.training)
         out, bias = self.mlp(self.pre_mlp_layernorm(x))
         return _bias_dropout_add(out, bias, x, self.hidden_dropout, self.training)
@@ -67,28 +67,30 @@ class TransformerBlock(nn.Module):
         self.final_layernorm = build_norm(config.normalization, config.hidden_size, config.norm_epsilon,
                                           sequence_parallel, params_dtype, device) if post_process else None
 
-    def _run(self, start, end, x, rotary):
+    def _run(self, start, end, x, rotary, docs):
         for layer in self.layers[start:end]:
-            x = layer(x, rotary)
+            x = layer(x, rotary, docs)
         return x
 
-    def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary=None, document_ids=None) -> torch.Tensor:
+        """``document_ids``: ``[b, s]`` of the whole sequence (``--reset-attention-mask``), or None (causal)."""
+        docs = document_ids
         c = self.config
         dropout = self.training and (c.hidden_dropout > 0 or c.attention_dropout > 0)
         rng = get_rng_tracker().fork() if self.sequence_parallel and dropout else contextlib.nullcontext()
         n = len(self.layers)
         with rng:
             if c.recompute_granularity != "full" or not self.training:
-                x = self._run(0, n, x, rotary)
+                x = self._run(0, n, x, rotary, docs)
             elif c.recompute_method == "uniform":  # checkpoint every `recompute_num_layers` layers as a chunk
                 k = c.recompute_num_layers
                 for start in range(0, n, k):
-                    x = checkpoint(lambda h, s=start: self._run(s, min(s + k, n), h, rotary), x)
+                    x = checkpoint(lambda h, s=start: self._run(s, min(s + k, n), h, rotary, docs), x)
             else:  # "block": checkpoint the first `recompute_num_layers` layers of this stage one by one
                 k = min(c.recompute_num_layers, n)
                 for i in range(n):
-                    x = checkpoint(lambda h, i=i: self._run(i, i + 1, h, rotary), x) if i < k \
-                        else self._run(i, i + 1, x, rotary)
+                    x = checkpoint(lambda h, i=i: self._run(i, i + 1, h, rotary, docs), x) if i < k \
+                        else self._run(i, i + 1, x, rotary, docs)
         if self.final_layernorm is not None:
             x = self.final_layernorm(x)
         return x

@@ -19,5 +19,6 @@ def build_file_datasets(cfg):
         d.data_path or None, d.split, d.seq_length, t.seed, num_samples, cache_dir=d.data_cache_path,
         eod_id=tokenizer.eod, pad_id=tokenizer.pad, train_data_path=d.train_data_path,
         valid_data_path=d.valid_data_path, test_data_path=d.test_data_path,
-        reset_position_ids=d.reset_position_ids, eod_mask_loss=d.eod_mask_loss)
+        reset_position_ids=d.reset_position_ids, reset_attention_mask=d.reset_attention_mask,
+        eod_mask_loss=d.eod_mask_loss)
     return train, valid

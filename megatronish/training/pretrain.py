@@ -118,10 +118,12 @@ def _forward_step(reset_position_ids: bool, parallel: ParallelContext):
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
+        docs = batch.get("document_ids")  # --reset-attention-mask: the whole sequence's (attention sees all of it)
         if cp > 1:  # this CP rank's two chunks of every [b, s] tensor (Megatron's get_batch_on_this_cp_rank)
             batch = {k: split_for_context_parallel(v, 1, cp, cp_rank) for k, v in batch.items()}
         position_ids = batch["position_ids"].long() if reset_position_ids else None
-        output = model(batch["tokens"].long(), position_ids=position_ids, labels=batch["labels"].long())
+        output = model(batch["tokens"].long(), position_ids=position_ids, labels=batch["labels"].long(),
+                       document_ids=docs)
         mask = batch["loss_mask"].float()
 
         def loss_func(losses):  # per-token losses [b, s] -> masked token mean

@@ -266,7 +266,6 @@ def test_run_config_fields():
 
 # ------------------------------------------------------------------ not-yet-supported flags
 NOT_YET = [
-    (["--reset-attention-mask"], "--reset-attention-mask"),
     (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2"),
     (["--rampup-batch-size", "16", "16", "1000"], "--rampup-batch-size 16 16 1000"),
     (["--fp8-recipe", "mxfp8"], "--fp8-recipe mxfp8"),

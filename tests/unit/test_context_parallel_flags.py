@@ -39,6 +39,7 @@ def test_flags_reach_the_config():
     (["--hierarchical-context-parallel-sizes", "2", "2"], 1, ["goes with --cp-comm-type a2a+p2p"]),
     (["--context-parallel-size", "2", "--attention-dropout", "0.1"], 2, ["--attention-dropout 0"]),
     (["--context-parallel-size", "2", "--cp-comm-type", "p2p", "a2a"], 2, ["one type or one per layer"]),
+    (["--reset-attention-mask"], 1, ["--reset-attention-mask needs document boundaries", "--mock-data"]),
 ])
 def test_bad_context_parallel_input_is_one_line(extra, world, needles):
     lines = _errors(extra, world)
