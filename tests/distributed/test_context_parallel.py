@@ -1,6 +1,6 @@
 """Context parallelism through ``pretrain()`` is the one-process model: for GPT-2 and Llama (GQA), every CP comm
-type at CP 2 and 4, a2a+p2p 2 x 2, TP 2 x CP 2 with SP, CP 2 x PP 2 (interleaved too) and CP 2 x DP 2 with the
-distributed optimizer give the losses and gradient norms of 8 iterations and the final parameters of one process
+type at CP 2 and 4, a2a+p2p 2 x 2, TP 2 x CP 2 with SP, CP 2 x PP 2 (interleaved too), CP 2 x DP 2 with the
+distributed optimizer and CP 2 with full or selective recompute give the losses and gradient norms of 8 iterations and the final parameters of one process
 (fp32, rtol 1e-5). Plain SGD makes the parameters a linear function of the gradients, so equal parameters after
 every step mean equal gradients."""
 import json
@@ -29,7 +29,10 @@ FLAVORS = {
 }
 CP2 = ["--context-parallel-size", "2"]
 CASES = {
-    2: {f"cp2-{t}": CP2 + ["--cp-comm-type", t] for t in ("p2p", "a2a", "allgather")},
+    2: {**{f"cp2-{t}": CP2 + ["--cp-comm-type", t] for t in ("p2p", "a2a", "allgather")},
+        "cp2-full-recompute": CP2 + ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                     "--recompute-num-layers", "1"],
+        "cp2-selective-recompute": CP2 + ["--recompute-activations", "--cp-comm-type", "a2a"]},
     4: {"cp4-p2p": ["--context-parallel-size", "4"],
         "cp4-allgather": ["--context-parallel-size", "4", "--cp-comm-type", "allgather"],
         "cp4-a2a+p2p-2x2": ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
@@ -115,3 +118,18 @@ def test_checkpoint_saved_at_cp2_resumes_at_cp1_and_cp4(references, tmp_path):
         assert consumed == 64
         torch.testing.assert_close(torch.tensor(rest), torch.tensor(ref[4:]), rtol=1e-5, atol=0,
                                    msg=lambda m: f"resumed at world {world}: {m}")
+
+
+def _bf16_worker(rank, world, argv):
+    state = pretrain(configs_from_args(parse_args(BASE + argv + ["--bf16", "--train-iters", "4"]), world))
+    return [loss for _, loss in state.history]
+
+
+def test_bf16_context_parallel_equals_bf16_one_process():
+    """bf16 (fp32 main weights): CP 2 p2p and a2a against the bf16 one-process run, at the tolerance the
+    mixed-precision tests measure for bf16 layouts (2e-4)."""
+    ref = run_distributed(_bf16_worker, 1, FLAVORS["llama"])[0]
+    for t in ("p2p", "a2a"):
+        got = run_distributed(_bf16_worker, 2, FLAVORS["llama"] + CP2 + ["--cp-comm-type", t])[0]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=2e-4, atol=0,
+                                   msg=lambda m: f"bf16 CP2 {t}: {m}")
