@@ -18,6 +18,7 @@ from .. import kernels
 from ..config import ModelConfig
 from ..parallel import groups
 from ..parallel.cross_entropy import vocab_parallel_cross_entropy
+from ..parallel.dims import effective_sequence_parallel
 from ..parallel.init import TensorDesc, initialize_slice, set_desc
 from ..parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from ..parallel.mappings import scatter_to_sequence_parallel_region
@@ -73,7 +74,7 @@ class GPTModel(nn.Module):
         c = config
         tp = groups.get_tensor_model_parallel_world_size()
         self.config, self.pre_process, self.post_process = c, pre_process, post_process
-        self.sequence_parallel = sequence_parallel and tp > 1
+        self.sequence_parallel = effective_sequence_parallel(sequence_parallel, tp)
         self.label_smoothing = label_smoothing
         self.padded_vocab_size = c.padded_vocab_size(tp)
         self.first_layer = first_layer
