@@ -21,25 +21,22 @@ from megatronish.parallel.dims import ParallelDims, check_layer_split, effective
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PKG = os.path.join(ROOT, "megatronish")
 
-BASE = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "8", "--seq-length", "32",
-        "--micro-batch-size", "2", "--train-iters", "100", "--lr", "1e-3", "--mock-data",
-        "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+FLAGS = {"--num-layers": "8", "--hidden-size": "64", "--num-attention-heads": "8", "--seq-length": "32",
+         "--micro-batch-size": "2", "--train-iters": "100", "--lr": "1e-3", "--mock-data": None,
+         "--tokenizer-type": "NullTokenizer", "--vocab-size": "100"}
+
+
+def without(*dropped: str) -> list[str]:
+    """The base command line minus the ``dropped`` flags (and their values)."""
+    return [part for flag, value in FLAGS.items() if flag not in dropped
+            for part in ((flag,) if value is None else (flag, value))]
+
+
+BASE = without()
 
 
 def cfg_of(extra=(), world=1, base=BASE):
     return configs_from_args(parse_args(list(base) + list(extra)), world)
-
-
-def without(*flags):
-    """BASE minus ``flags`` and their values."""
-    out, i = [], 0
-    while i < len(BASE):
-        if BASE[i] in flags:
-            i += 1 if BASE[i] == "--mock-data" else 2
-            continue
-        out.append(BASE[i])
-        i += 1
-    return out
 
 
 def modules_matching(pattern: str) -> set[str]:
