@@ -1,7 +1,9 @@
 """Command line with Megatron-LM's flag names, meanings and defaults, mapped to the dataclass configs.
 
-``parse_args`` -> ``validate_args`` (every error at once, one line each, before any process group starts) ->
-``configs_from_args`` (a :class:`megatronish.config.RunConfig`). Megatron flags whose feature is not available
+``parse_args`` -> ``configs_from_args``: each config field takes the flag of its own name (``_rules`` lists the
+few that do not), then :func:`validate` checks the configs and raises every problem at once, one line each, before
+any process group starts (``validate_args`` runs the same checks without returning the configs). Megatron flags
+whose feature is not available
 yet are parsed with Megatron's names and defaults, and a non-default value is rejected by ``validate_args``
 through the single table :data:`NOT_YET_SUPPORTED`; enabling a feature later means deleting its entry.
 
@@ -313,7 +315,8 @@ def _rules(args) -> dict[type, dict]:
         OptimizerConfig: dict(
             start_weight_decay=args.weight_decay if constant_wd else args.start_weight_decay,
             end_weight_decay=args.weight_decay if constant_wd else args.end_weight_decay,
-            loss_scale_window=int(args.loss_scale_window),
+            loss_scale_window=int(args.loss_scale_window) if float(args.loss_scale_window).is_integer()
+            else args.loss_scale_window,  # not whole: reported by _flag_problems
             # Megatron: bf16 accumulates and reduces gradients in fp32 unless --grad-reduce-in-bf16
             accumulate_allreduce_grads_in_fp32=(not args.grad_reduce_in_bf16) if args.bf16
             else args.accumulate_allreduce_grads_in_fp32,
@@ -448,7 +451,7 @@ def _flag_problems(args) -> list[str]:
     elif args.start_weight_decay is None or args.end_weight_decay is None:
         errors.append(f"--weight-decay-incr-style {args.weight_decay_incr_style} needs both "
                       "--start-weight-decay and --end-weight-decay")
-    if args.loss_scale_window < 1 or args.loss_scale_window != int(args.loss_scale_window):
+    if not args.loss_scale_window >= 1 or not float(args.loss_scale_window).is_integer():
         errors.append(f"--loss-scale-window must be a whole number >= 1, got {args.loss_scale_window}")
     if args.cross_entropy_loss_fusion and args.cross_entropy_fusion_impl != "native":
         errors.append(f"--cross-entropy-fusion-impl {args.cross_entropy_fusion_impl}: Transformer Engine's fused "
