@@ -1,7 +1,9 @@
 """Command line with Megatron-LM's flag names, meanings and defaults, mapped to the dataclass configs.
 
-``parse_args`` -> ``validate_args`` (every error at once, one line each, before any process group starts) ->
-``configs_from_args`` (a :class:`megatronish.config.RunConfig`). Megatron flags whose feature is not available
+``parse_args`` -> ``configs_from_args``: each config field takes the flag of its own name (``_rules`` lists the
+few that do not), then :func:`validate` checks the configs and raises every problem at once, one line each, before
+any process group starts (``validate_args`` runs the same checks without returning the configs). Megatron flags
+whose feature is not available
 yet are parsed with Megatron's names and defaults, and a non-default value is rejected by ``validate_args``
 through the single table :data:`NOT_YET_SUPPORTED`; enabling a feature later means deleting its entry.
 
@@ -10,6 +12,7 @@ Differences from Megatron-LM are listed in ``docs/flags.md``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -17,10 +20,11 @@ from typing import Callable, TypeVar
 
 from .config import (CheckpointConfig, DataConfig, LoggingConfig, ModelConfig, OptimizerConfig, RunConfig,
                      TrainingConfig)
-from .parallel.dims import ConfigError, ParallelDims
+from .errors import ConfigError, UserError
+from .parallel.dims import ParallelDims, virtual_stages_from_layers
 from .parallel.pipeline.schedules import check_interleaving
 
-__all__ = ["build_parser", "parse_args", "validate_args", "configs_from_args", "exit_on_config_error",
+__all__ = ["build_parser", "parse_args", "validate", "validate_args", "configs_from_args", "exit_on_config_error",
            "NOT_YET_SUPPORTED", "NotYet", "TOKENIZER_TYPES", "SUPPORTED_TOKENIZER_TYPES"]
 
 T = TypeVar("T")
@@ -298,139 +302,137 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Validation
+# Flags -> configs: by field name (argparse dest == dataclass field), a rule only where the names differ
 # ---------------------------------------------------------------------------------------------------------------
-def _virtual_stages(args, errors: list[str]) -> int:
+def _rules(args) -> dict[type, dict]:
+    """The config fields whose value is not the flag of the same name: a renamed flag or Megatron's rule."""
+    constant_wd = args.weight_decay_incr_style == "constant"
+    return {
+        ModelConfig: dict(
+            # Megatron uses --num-query-groups only under --group-query-attention (None: one group per head)
+            num_query_groups=args.num_query_groups if args.group_query_attention else None,
+            recompute_granularity="selective" if args.recompute_activations else args.recompute_granularity,
+            transformer_impl=args.transformer_impl or "local",
+        ),
+        OptimizerConfig: dict(
+            start_weight_decay=args.weight_decay if constant_wd else args.start_weight_decay,
+            end_weight_decay=args.weight_decay if constant_wd else args.end_weight_decay,
+            loss_scale_window=int(args.loss_scale_window) if float(args.loss_scale_window).is_integer()
+            else args.loss_scale_window,  # not whole: reported by _flag_problems
+            # Megatron: bf16 accumulates and reduces gradients in fp32 unless --grad-reduce-in-bf16
+            accumulate_allreduce_grads_in_fp32=(not args.grad_reduce_in_bf16) if args.bf16
+            else args.accumulate_allreduce_grads_in_fp32,
+        ),
+        DataConfig: dict(data_path=list(args.data_path or []),
+                         split=args.split if args.split is not None else DataConfig.split,
+                         vocab_size_flag=args.vocab_size),
+    }
+
+
+def _from_flags(cls, args, rules: dict, **init_only):
+    """``cls`` with every field taken from the flag of the same name, or from ``rules``."""
+    kw = {}
+    for f in dataclasses.fields(cls):
+        if f.name in rules:
+            kw[f.name] = rules[f.name]
+        elif hasattr(args, f.name):
+            kw[f.name] = getattr(args, f.name)
+        else:
+            raise TypeError(f"{cls.__name__}.{f.name} has no flag of that name and no rule in arguments._rules")
+    return cls(**kw, **init_only)
+
+
+def _virtual_stages(args) -> int:
+    """Virtual stages per pipeline rank from either virtual-pipeline flag (1 without them)."""
     per_stage, per_rank = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
     if per_stage is not None and per_rank is not None:
-        errors.append("--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank are "
-                      "mutually exclusive; pass one")
-        return 1
+        raise ConfigError("--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank are "
+                          "mutually exclusive; pass one")
     if per_rank is not None:
         return per_rank
     if per_stage is not None:
-        pp, layers = args.pipeline_model_parallel_size, args.num_layers
-        if per_stage < 1 or layers is None or pp < 1 or layers % pp or (layers // pp) % per_stage:
-            errors.append(f"--num-layers {layers} / --pipeline-model-parallel-size {pp} is not a multiple of "
-                          f"--num-layers-per-virtual-pipeline-stage {per_stage}")
-            return 1
-        return (layers // pp) // per_stage
+        return virtual_stages_from_layers(args.num_layers, args.pipeline_model_parallel_size, per_stage)
     return 1
 
 
-def _ffn_hidden_size(args) -> int:
-    if args.ffn_hidden_size is not None:
-        return args.ffn_hidden_size
-    h = args.hidden_size
-    return int((4 * h * 2 / 3) / 64) * 64 if args.swiglu else 4 * h
-
-
-def _query_groups(args) -> int:
-    """Megatron uses --num-query-groups only under --group-query-attention; otherwise one group per head."""
-    return args.num_query_groups if args.group_query_attention else args.num_attention_heads
-
-
-def _model_kwargs(args, vocab_size: int) -> dict:
-    return dict(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        vocab_size=vocab_size, seq_length=args.seq_length, ffn_hidden_size=args.ffn_hidden_size,
-        kv_channels=args.kv_channels, num_query_groups=_query_groups(args),
-        max_position_embeddings=args.max_position_embeddings or args.seq_length,
-        position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
-        rotary_percent=args.rotary_percent, normalization=args.normalization, norm_epsilon=args.norm_epsilon,
-        swiglu=args.swiglu, openai_gelu=args.openai_gelu,
-        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-        add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
-        attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
-        init_method_std=args.init_method_std, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        recompute_granularity="selective" if args.recompute_activations else args.recompute_granularity,
-        recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
-        fp8=args.fp8, fp8_recipe=args.fp8_recipe, fp8_margin=args.fp8_margin,
-        fp8_amax_history_len=args.fp8_amax_history_len, fp8_amax_compute_algo=args.fp8_amax_compute_algo,
-        transformer_impl=args.transformer_impl or "local",
-        cp_comm_type=list(args.cp_comm_type),
-        hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes,
-        use_triton_kernels=args.use_triton_kernels, cross_entropy_loss_fusion=args.cross_entropy_loss_fusion)
-
-
-def _check_required(args, errors: list[str]) -> bool:
-    ok = True
-    for dest in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size"):
-        if getattr(args, dest) is None:
-            errors.append(f"--{dest.replace('_', '-')} is required")
-            ok = False
-    return ok
-
-
-def _check_parallel(args, world_size: int, errors: list[str], shapes_ok: bool) -> ParallelDims | None:
-    vp = _virtual_stages(args, errors)
+def _parallel_dims(args, world_size: int, errors: list[str]) -> ParallelDims | None:
     try:
-        dims = ParallelDims(world_size=world_size, tp=args.tensor_model_parallel_size,
+        vp = _virtual_stages(args)
+    except ConfigError as e:
+        errors.append(str(e))
+        vp = 1
+    try:
+        return ParallelDims(world_size=world_size, tp=args.tensor_model_parallel_size,
                             pp=args.pipeline_model_parallel_size, vp=vp, cp=args.context_parallel_size,
                             ep=args.expert_model_parallel_size,
                             tie_embeddings=not args.untie_embeddings_and_output_weights)
     except ConfigError as e:
         errors.append(str(e))
         return None
-    if shapes_ok:
-        try:
-            dims.validate_model(num_layers=args.num_layers, num_attention_heads=args.num_attention_heads,
-                                num_query_groups=_query_groups(args), seq_length=args.seq_length,
-                                sequence_parallel=args.sequence_parallel,
-                                hidden_size=args.hidden_size if args.kv_channels is None else None,
-                                ffn_hidden_size=_ffn_hidden_size(args))
-        except ConfigError as e:
-            errors.append(str(e))
-            return None
-    return dims
 
 
-def _check_batch(args, dims: ParallelDims | None, errors: list[str]) -> None:
-    mbs, gbs = args.micro_batch_size, args.global_batch_size
-    if mbs is not None and mbs < 1:
-        errors.append(f"--micro-batch-size must be >= 1, got {mbs}")
-        return
-    if gbs is not None and gbs < 1:
-        errors.append(f"--global-batch-size must be >= 1, got {gbs}")
-        return
-    if mbs is not None and gbs is not None and dims is not None and gbs % (mbs * dims.dp):
-        errors.append(f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x data-parallel "
-                      f"size {dims.dp} = {mbs * dims.dp}")
-    elif mbs is not None and gbs is not None and dims is not None and dims.vp > 1:
-        try:
-            check_interleaving(dims.pp, dims.vp, gbs // (mbs * dims.dp), micro_batch_size=mbs,
-                               global_batch_size=gbs, data_parallel_size=dims.dp)
-        except ConfigError as e:
-            errors.append(str(e))
+@dataclasses.dataclass
+class _Draft:
+    """The configs built from the flags before validation. ``model`` is built unchecked (its problems are
+    listed with the others) with a placeholder vocabulary; ``model``/``parallel`` are None when the flags
+    cannot make one (a required flag missing, impossible degrees: already reported), and then ``run`` is None."""
+
+    model: ModelConfig | None
+    parallel: ParallelDims | None
+    train: TrainingConfig
+    optim: OptimizerConfig
+    logging: LoggingConfig
+    data: DataConfig
+    checkpoint: CheckpointConfig
+    sequence_parallel_flag: bool
+    run: RunConfig | None = None
+
+    def __post_init__(self):
+        if self.run is None and self.model is not None and self.parallel is not None:
+            self.run = RunConfig(model=self.model, parallel=self.parallel, train=self.train, optim=self.optim,
+                                 logging=self.logging, data=self.data, checkpoint=self.checkpoint,
+                                 sequence_parallel_flag=self.sequence_parallel_flag)
+
+    @classmethod
+    def of(cls, cfg: RunConfig) -> "_Draft":
+        return cls(cfg.model, cfg.parallel, cfg.train, cfg.optim, cfg.logging, cfg.data, cfg.checkpoint,
+                   cfg.sequence_parallel_flag, run=cfg)
 
 
-def _check_schedule(args, errors: list[str]) -> None:
+def _draft(args, world_size: int, errors: list[str]) -> _Draft:
+    rules = _rules(args)
+    parallel = _parallel_dims(args, world_size, errors)
+    model = None
+    if not _missing_required(args):
+        model = _from_flags(ModelConfig, args, {**rules[ModelConfig], "vocab_size": 1}, check=False)
+    return _Draft(model=model, parallel=parallel, train=_from_flags(TrainingConfig, args, {}),
+                  optim=_from_flags(OptimizerConfig, args, rules[OptimizerConfig]),
+                  logging=_from_flags(LoggingConfig, args, {}), data=_from_flags(DataConfig, args, rules[DataConfig]),
+                  checkpoint=_from_flags(CheckpointConfig, args, {}), sequence_parallel_flag=args.sequence_parallel)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Validation. What only the command line shows (which flags were given) is checked on the flags; everything else
+# on the configs (``validate``). Every problem is one line naming the flags.
+# ---------------------------------------------------------------------------------------------------------------
+_REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size")
+
+
+def _missing_required(args) -> list[str]:
+    return [f"--{dest.replace('_', '-')} is required" for dest in _REQUIRED if getattr(args, dest) is None]
+
+
+def _flag_problems(args) -> list[str]:
+    """Rules about which flags were given: not-yet-available features, required flags, mutually exclusive and
+    dependent flags whose difference the configs no longer show."""
+    errors = [rule.message(getattr(args, dest)) for dest, rule in NOT_YET_SUPPORTED.items()
+              if getattr(args, dest) not in rule.allowed]
+    errors += _missing_required(args)
     iters, samples = args.train_iters, args.train_samples
     if iters is None and samples is None:
         errors.append("pass --train-iters or --train-samples (the training length)")
     elif iters is not None and samples is not None:
         errors.append(f"--train-iters {iters} and --train-samples {samples} are mutually exclusive; pass one")
-    if args.lr is None:
-        errors.append("--lr is required (the peak learning rate)")
-    elif args.min_lr > args.lr:
-        errors.append(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
-    elif args.lr_warmup_init > args.lr:
-        errors.append(f"--lr-warmup-init {args.lr_warmup_init} is larger than --lr {args.lr}")
-    if args.min_lr < 0:
-        errors.append(f"--min-lr {args.min_lr} must be >= 0")
-
-    if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
-        errors.append(f"--lr-warmup-fraction {args.lr_warmup_fraction} and --lr-warmup-iters "
-                      f"{args.lr_warmup_iters} are mutually exclusive; pass one")
-    if args.lr_warmup_fraction is not None and args.lr_warmup_samples:
-        errors.append(f"--lr-warmup-fraction {args.lr_warmup_fraction} and --lr-warmup-samples "
-                      f"{args.lr_warmup_samples} are mutually exclusive; pass one")
-    if args.lr_decay_iters is not None and args.lr_decay_samples is not None:
-        errors.append(f"--lr-decay-iters {args.lr_decay_iters} and --lr-decay-samples {args.lr_decay_samples} are "
-                      "mutually exclusive; pass one")
-    if args.lr_wsd_decay_iters is not None and args.lr_wsd_decay_samples is not None:
-        errors.append("--lr-wsd-decay-iters and --lr-wsd-decay-samples are mutually exclusive; pass one")
-
     # Iteration-based flags go with --train-iters, sample-based ones with --train-samples (Megatron's rule).
     iter_flags = [f"--{n.replace('_', '-')}" for n in ("lr_decay_iters", "lr_wsd_decay_iters")
                   if getattr(args, n) is not None] + (["--lr-warmup-iters"] if args.lr_warmup_iters else [])
@@ -442,58 +444,26 @@ def _check_schedule(args, errors: list[str]) -> None:
     if iters is not None and sample_flags:
         errors.append(f"{', '.join(sample_flags)} count samples but --train-iters counts iterations; use the "
                       "*-iters flags with --train-iters")
-
-    if args.lr_decay_style == "WSD" and args.lr_wsd_decay_iters is None and args.lr_wsd_decay_samples is None:
-        errors.append("--lr-decay-style WSD needs --lr-wsd-decay-iters (or --lr-wsd-decay-samples with "
-                      "--train-samples)")
-
     if args.weight_decay_incr_style == "constant":
         given = [f for f, v in (("--start-weight-decay", args.start_weight_decay),
                                 ("--end-weight-decay", args.end_weight_decay)) if v is not None]
         if given:
             errors.append(f"{' and '.join(given)} need --weight-decay-incr-style linear or cosine (with the "
                           "constant style use --weight-decay)")
-    else:
-        if args.start_weight_decay is None or args.end_weight_decay is None:
-            errors.append(f"--weight-decay-incr-style {args.weight_decay_incr_style} needs both "
-                          "--start-weight-decay and --end-weight-decay")
-        elif not 0 <= args.start_weight_decay <= args.end_weight_decay:
-            errors.append(f"--start-weight-decay {args.start_weight_decay} must be >= 0 and <= "
-                          f"--end-weight-decay {args.end_weight_decay}")
+    elif args.start_weight_decay is None or args.end_weight_decay is None:
+        errors.append(f"--weight-decay-incr-style {args.weight_decay_incr_style} needs both "
+                      "--start-weight-decay and --end-weight-decay")
+    if not args.loss_scale_window >= 1 or not float(args.loss_scale_window).is_integer():
+        errors.append(f"--loss-scale-window must be a whole number >= 1, got {args.loss_scale_window}")
+    if args.cross_entropy_loss_fusion and args.cross_entropy_fusion_impl != "native":
+        errors.append(f"--cross-entropy-fusion-impl {args.cross_entropy_fusion_impl}: Transformer Engine's fused "
+                      "cross entropy is not available in this version; use --cross-entropy-fusion-impl native "
+                      "(the Triton kernel)")
+    _check_tokenizer_flags(args, errors)
+    return errors
 
 
-def _check_warmup_vs_decay(args, errors: list[str], gbs: int | None) -> None:
-    """Megatron asserts warm-up < decay (in samples); checked once the lengths are known."""
-    if gbs is None or (args.train_iters is None) == (args.train_samples is None):
-        return
-    from .optim.lr_schedule import scheduler_steps_from_args
-
-    probe = argparse.Namespace(**{**vars(args), "global_batch_size": gbs})
-    warmup, decay, wsd, _ = scheduler_steps_from_args(probe)
-    if decay <= 0:
-        errors.append(f"the LR decay length must be > 0 (got {decay} samples); check --lr-decay-iters/"
-                      "--lr-decay-samples/--train-iters/--train-samples")
-    elif warmup >= decay:
-        errors.append(f"the LR warm-up ({warmup:g} samples) must be shorter than the LR decay ({decay} samples); "
-                      "lower --lr-warmup-iters/--lr-warmup-samples/--lr-warmup-fraction or raise "
-                      "--lr-decay-iters/--lr-decay-samples")
-    if args.lr_decay_style == "WSD" and wsd is not None and not 0 < wsd <= decay:
-        errors.append(f"--lr-wsd-decay-iters/--lr-wsd-decay-samples gives {wsd} samples; it must be > 0 and at "
-                      f"most the LR decay length ({decay} samples)")
-
-
-def _check_data(args, errors: list[str]) -> None:
-    per_split = args.train_data_path or args.valid_data_path or args.test_data_path
-    if args.mock_data and (args.data_path or per_split):
-        errors.append("--mock-data and --data-path (or --train/valid/test-data-path) are mutually exclusive; pass one")
-    elif args.data_path and per_split:
-        errors.append("--data-path with --split and --train/valid/test-data-path are mutually exclusive; pass one")
-    elif not args.mock_data and not args.data_path and not args.train_data_path:
-        errors.append("no training data: pass --data-path PREFIX (or weighted prefixes), --train-data-path, "
-                      "or --mock-data")
-    if args.mock_data and args.reset_attention_mask:
-        errors.append("--reset-attention-mask needs document boundaries from real data (--data-path); --mock-data "
-                      "has none")
+def _check_tokenizer_flags(args, errors: list[str]) -> None:
     t = args.tokenizer_type
     if t is None:
         if args.vocab_size is None and not (args.vocab_file and args.merge_file):
@@ -511,57 +481,185 @@ def _check_data(args, errors: list[str]) -> None:
         errors.append(f"--vocab-size must be >= 1, got {args.vocab_size}")
 
 
-def _check_precision(args, errors: list[str]) -> None:
-    if args.fp16 and args.bf16:
+def _collect(errors: list[str], check: Callable[[], None]) -> bool:
+    """Run ``check``; append its :class:`ConfigError` to ``errors``. True when it passed."""
+    try:
+        check()
+    except ConfigError as e:
+        errors.append(str(e))
+        return False
+    return True
+
+
+def _problems(d: _Draft, errors: list[str]) -> list[str]:
+    """``errors`` plus every problem of the configs, in the order of the flag groups."""
+    m, dims = d.model, d.parallel
+    fits = m is not None and dims is not None and _collect(errors, lambda: dims.validate_model(
+        num_layers=m.num_layers, num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
+        seq_length=m.seq_length, sequence_parallel=d.sequence_parallel_flag,
+        hidden_size=m.hidden_size if m.kv_channels is None else None, ffn_hidden_size=m.ffn_hidden_size))
+    _check_batch(d.train, d.run if fits else None, errors)
+    _check_schedule(d.optim, errors)
+    if not errors and d.run is not None:
+        _check_warmup_vs_decay(d.run, errors)
+    _check_data(d.data, errors)
+    _check_precision(d.optim, m, errors)
+    _check_model(m, errors)
+    _check_context_parallel(m, dims, errors)
+    _check_checkpoint(d.checkpoint, errors)
+    if fits and not errors:
+        errors += m.problems()
+    return errors
+
+
+def _check_batch(t: TrainingConfig, run: RunConfig | None, errors: list[str]) -> None:
+    mbs, gbs = t.micro_batch_size, t.global_batch_size
+    if mbs is not None and mbs < 1:
+        errors.append(f"--micro-batch-size must be >= 1, got {mbs}")
+        return
+    if gbs is not None and gbs < 1:
+        errors.append(f"--global-batch-size must be >= 1, got {gbs}")
+        return
+    if run is None or mbs is None:
+        return
+    dims, per_step = run.parallel, run.data_parallel_batch_size
+    if gbs % per_step:
+        errors.append(f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x data-parallel "
+                      f"size {dims.dp} = {per_step}")
+    elif dims.vp > 1:
+        _collect(errors, lambda: check_interleaving(dims.pp, dims.vp, run.num_microbatches, micro_batch_size=mbs,
+                                                    global_batch_size=gbs, data_parallel_size=dims.dp))
+
+
+def _check_schedule(o: OptimizerConfig, errors: list[str]) -> None:
+    if o.lr is None:
+        errors.append("--lr is required (the peak learning rate)")
+    elif o.min_lr > o.lr:
+        errors.append(f"--min-lr {o.min_lr} is larger than --lr {o.lr}")
+    elif o.lr_warmup_init > o.lr:
+        errors.append(f"--lr-warmup-init {o.lr_warmup_init} is larger than --lr {o.lr}")
+    if o.min_lr < 0:
+        errors.append(f"--min-lr {o.min_lr} must be >= 0")
+    if o.lr_warmup_fraction is not None and o.lr_warmup_iters:
+        errors.append(f"--lr-warmup-fraction {o.lr_warmup_fraction} and --lr-warmup-iters "
+                      f"{o.lr_warmup_iters} are mutually exclusive; pass one")
+    if o.lr_warmup_fraction is not None and o.lr_warmup_samples:
+        errors.append(f"--lr-warmup-fraction {o.lr_warmup_fraction} and --lr-warmup-samples "
+                      f"{o.lr_warmup_samples} are mutually exclusive; pass one")
+    if o.lr_decay_iters is not None and o.lr_decay_samples is not None:
+        errors.append(f"--lr-decay-iters {o.lr_decay_iters} and --lr-decay-samples {o.lr_decay_samples} are "
+                      "mutually exclusive; pass one")
+    if o.lr_wsd_decay_iters is not None and o.lr_wsd_decay_samples is not None:
+        errors.append("--lr-wsd-decay-iters and --lr-wsd-decay-samples are mutually exclusive; pass one")
+    if o.lr_decay_style == "WSD" and o.lr_wsd_decay_iters is None and o.lr_wsd_decay_samples is None:
+        errors.append("--lr-decay-style WSD needs --lr-wsd-decay-iters (or --lr-wsd-decay-samples with "
+                      "--train-samples)")
+    if o.weight_decay_incr_style != "constant" and None not in (o.start_weight_decay, o.end_weight_decay) \
+            and not 0 <= o.start_weight_decay <= o.end_weight_decay:
+        errors.append(f"--start-weight-decay {o.start_weight_decay} must be >= 0 and <= "
+                      f"--end-weight-decay {o.end_weight_decay}")
+
+
+def _check_warmup_vs_decay(cfg: RunConfig, errors: list[str]) -> None:
+    """Megatron asserts warm-up < decay (in samples); checked once the lengths are known."""
+    t = cfg.train
+    if (t.train_iters is None and t.train_samples is None) or t.global_batch_size is None:
+        return
+    from .optim.lr_schedule import scheduler_steps_from_config  # noqa: PLC0415 - the schedule's own rule
+
+    steps = scheduler_steps_from_config(cfg)
+    warmup, decay, wsd = steps["lr_warmup_steps"], steps["lr_decay_steps"], steps["wsd_decay_steps"]
+    if decay <= 0:
+        errors.append(f"the LR decay length must be > 0 (got {decay} samples); check --lr-decay-iters/"
+                      "--lr-decay-samples/--train-iters/--train-samples")
+    elif warmup >= decay:
+        errors.append(f"the LR warm-up ({warmup:g} samples) must be shorter than the LR decay ({decay} samples); "
+                      "lower --lr-warmup-iters/--lr-warmup-samples/--lr-warmup-fraction or raise "
+                      "--lr-decay-iters/--lr-decay-samples")
+    if cfg.optim.lr_decay_style == "WSD" and wsd is not None and not 0 < wsd <= decay:
+        errors.append(f"--lr-wsd-decay-iters/--lr-wsd-decay-samples gives {wsd} samples; it must be > 0 and at "
+                      f"most the LR decay length ({decay} samples)")
+
+
+def _check_data(d: DataConfig, errors: list[str]) -> None:
+    per_split = d.train_data_path or d.valid_data_path or d.test_data_path
+    if d.mock_data and (d.data_path or per_split):
+        errors.append("--mock-data and --data-path (or --train/valid/test-data-path) are mutually exclusive; pass one")
+    elif d.data_path and per_split:
+        errors.append("--data-path with --split and --train/valid/test-data-path are mutually exclusive; pass one")
+    elif not d.mock_data and not d.data_path and not d.train_data_path:
+        errors.append("no training data: pass --data-path PREFIX (or weighted prefixes), --train-data-path, "
+                      "or --mock-data")
+    if d.mock_data and d.reset_attention_mask:
+        errors.append("--reset-attention-mask needs document boundaries from real data (--data-path); --mock-data "
+                      "has none")
+
+
+def _check_precision(o: OptimizerConfig, m: ModelConfig | None, errors: list[str]) -> None:
+    if o.fp16 and o.bf16:
         errors.append("--fp16 and --bf16 are mutually exclusive; pass at most one")
-    if args.overlap_param_gather and not args.use_distributed_optimizer:
+    if o.overlap_param_gather and not o.use_distributed_optimizer:
         errors.append("--overlap-param-gather needs --use-distributed-optimizer (it overlaps that optimizer's "
                       "parameter all-gather)")
-    elif args.overlap_param_gather and not args.overlap_grad_reduce:
+    elif o.overlap_param_gather and not o.overlap_grad_reduce:
         errors.append("--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM); add it")
-    if args.loss_scale is not None and args.loss_scale <= 0:
-        errors.append(f"--loss-scale must be > 0, got {args.loss_scale}")
-    if not 0 < args.min_loss_scale <= args.initial_loss_scale:
-        errors.append(f"--min-loss-scale {args.min_loss_scale} must be > 0 and <= --initial-loss-scale "
-                      f"{args.initial_loss_scale}")
-    if args.loss_scale_window < 1 or args.loss_scale_window != int(args.loss_scale_window):
-        errors.append(f"--loss-scale-window must be a whole number >= 1, got {args.loss_scale_window}")
-    if args.hysteresis < 1:
-        errors.append(f"--hysteresis must be >= 1, got {args.hysteresis}")
-    if args.fp8 is not None:
+    if o.loss_scale is not None and o.loss_scale <= 0:
+        errors.append(f"--loss-scale must be > 0, got {o.loss_scale}")
+    if not 0 < o.min_loss_scale <= o.initial_loss_scale:
+        errors.append(f"--min-loss-scale {o.min_loss_scale} must be > 0 and <= --initial-loss-scale "
+                      f"{o.initial_loss_scale}")
+    if o.hysteresis < 1:
+        errors.append(f"--hysteresis must be >= 1, got {o.hysteresis}")
+    if m is None:
+        return
+    if m.fp8 is not None:
         from .precision.fp8 import Fp8Recipe  # noqa: PLC0415 - only with --fp8-format
 
-        try:
-            Fp8Recipe(fp8_format=args.fp8, fp8_recipe=args.fp8_recipe if args.fp8_recipe in ("delayed", "tensorwise")
-                      else "delayed", fp8_margin=args.fp8_margin, fp8_amax_history_len=args.fp8_amax_history_len,
-                      fp8_amax_compute_algo=args.fp8_amax_compute_algo)
-        except ConfigError as e:
-            errors.append(str(e))
-    if (args.transformer_impl or "local") != "local":
+        _collect(errors, lambda: Fp8Recipe(
+            fp8_format=m.fp8, fp8_recipe=m.fp8_recipe if m.fp8_recipe in ("delayed", "tensorwise") else "delayed",
+            fp8_margin=m.fp8_margin, fp8_amax_history_len=m.fp8_amax_history_len,
+            fp8_amax_compute_algo=m.fp8_amax_compute_algo))
+    if m.transformer_impl != "local":
         from .precision.fp8 import check_transformer_impl  # noqa: PLC0415 - imports TE lazily
 
-        try:
-            check_transformer_impl(args.transformer_impl)
-        except ConfigError as e:
-            errors.append(str(e))
+        _collect(errors, lambda: check_transformer_impl(m.transformer_impl))
 
 
-def _check_context_parallel(args, errors: list[str]) -> None:
-    cp, types, sizes = args.context_parallel_size, list(args.cp_comm_type), args.hierarchical_context_parallel_sizes
-    flag = f"--context-parallel-size {cp}"
-    if len(types) not in (1, args.num_layers or 1):
-        errors.append(f"--cp-comm-type takes one type or one per layer (--num-layers {args.num_layers}), got "
+def _check_model(m: ModelConfig | None, errors: list[str]) -> None:
+    if m is None:
+        return
+    mpe, s = m.max_position_embeddings, m.seq_length
+    if m.position_embedding_type == "learned_absolute" and mpe < s:
+        errors.append(f"--max-position-embeddings {mpe} is smaller than --seq-length {s} with learned absolute "
+                      "positions; raise --max-position-embeddings")
+    if m.swiglu and m.openai_gelu:
+        errors.append("--swiglu and --openai-gelu are mutually exclusive; pass one")
+    # The fused Triton kernels need triton and CUDA, or TRITON_INTERPRET=1 (kernels on CPU).
+    asked = [f for f, on in (("--use-triton-kernels", m.use_triton_kernels),
+                             ("--cross-entropy-loss-fusion", m.cross_entropy_loss_fusion)) if on]
+    if asked:
+        from .kernels import check_kernels_available  # noqa: PLC0415 - only when asked for
+
+        _collect(errors, lambda: check_kernels_available(asked))
+
+
+def _check_context_parallel(m: ModelConfig | None, dims: ParallelDims | None, errors: list[str]) -> None:
+    if m is None:
+        return
+    types, sizes = m.cp_comm_types, m.hierarchical_context_parallel_sizes
+    if len(types) not in (1, m.num_layers):
+        errors.append(f"--cp-comm-type takes one type or one per layer (--num-layers {m.num_layers}), got "
                       f"{len(types)}")
     if sizes is not None and "a2a+p2p" not in types:
         errors.append("--hierarchical-context-parallel-sizes goes with --cp-comm-type a2a+p2p; drop it or use that type")
-    if cp == 1:
+    if dims is None or dims.cp == 1:
         return
-    if args.attention_dropout:
+    cp, tp, flag = dims.cp, dims.tp, f"--context-parallel-size {dims.cp}"
+    if m.attention_dropout:
         errors.append(f"{flag} needs --attention-dropout 0 (attention dropout inside context-parallel attention is "
                       f"not available yet; Megatron's default is 0.1)")
-    tp = args.tensor_model_parallel_size
-    heads, groups = args.num_attention_heads, _query_groups(args)
-    if "a2a" in types and heads and groups and ((heads // tp) % cp or (groups // tp) % cp):
+    heads, groups = m.num_attention_heads, m.num_query_groups
+    if "a2a" in types and ((heads // tp) % cp or (groups // tp) % cp):
         errors.append(f"--cp-comm-type a2a scatters the local attention heads over {flag}: the heads per TP rank "
                       f"({heads} / {tp}) and the query groups per TP rank ({groups} / {tp}) must divide by {cp}")
     if "a2a+p2p" in types:
@@ -569,98 +667,43 @@ def _check_context_parallel(args, errors: list[str]) -> None:
             errors.append(f"--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes INNER OUTER with INNER "
                           f"x OUTER = {flag} (INNER adjacent ranks use all-to-all, the ring spans OUTER), got "
                           f"{sizes}")
-        elif heads and groups and ((heads // tp) % sizes[0] or (groups // tp) % sizes[0]):
+        elif (heads // tp) % sizes[0] or (groups // tp) % sizes[0]:
             errors.append(f"--hierarchical-context-parallel-sizes {sizes[0]} {sizes[1]}: the heads per TP rank "
                           f"({heads} / {tp}) and the query groups per TP rank ({groups} / {tp}) must divide by the "
                           f"all-to-all size {sizes[0]}")
 
 
-def _check_model(args, errors: list[str]) -> None:
-    _check_precision(args, errors)
-    _check_context_parallel(args, errors)
-    mpe, s = args.max_position_embeddings, args.seq_length
-    if mpe is not None and s is not None and args.position_embedding_type == "learned_absolute" and mpe < s:
-        errors.append(f"--max-position-embeddings {mpe} is smaller than --seq-length {s} with learned absolute "
-                      "positions; raise --max-position-embeddings")
-    if args.swiglu and args.openai_gelu:
-        errors.append("--swiglu and --openai-gelu are mutually exclusive; pass one")
-    _check_kernels(args, errors)
-
-
-def _check_kernels(args, errors: list[str]) -> None:
-    """The fused Triton kernels need triton and CUDA, or TRITON_INTERPRET=1 (kernels on CPU)."""
-    asked = [f for f, on in (("--use-triton-kernels", args.use_triton_kernels),
-                             ("--cross-entropy-loss-fusion", args.cross_entropy_loss_fusion)) if on]
-    if args.cross_entropy_loss_fusion and args.cross_entropy_fusion_impl != "native":
-        errors.append(f"--cross-entropy-fusion-impl {args.cross_entropy_fusion_impl}: Transformer Engine's fused "
-                      "cross entropy is not available in this version; use --cross-entropy-fusion-impl native "
-                      "(the Triton kernel)")
-    if asked:
-        from .kernels import check_kernels_available  # noqa: PLC0415 - only when asked for
-
-        try:
-            check_kernels_available(asked)
-        except ConfigError as e:
-            errors.append(str(e))
-
-
-def _check_checkpoint(args, errors: list[str]) -> None:
+def _check_checkpoint(c: CheckpointConfig, errors: list[str]) -> None:
     for name in ("save_interval", "exit_interval", "exit_duration_in_mins"):
-        value = getattr(args, name)
+        value = getattr(c, name)
         if value is not None and value < 1:
             errors.append(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if args.use_checkpoint_args and not args.load:
+    if c.use_checkpoint_args and not c.load:
         errors.append("--use-checkpoint-args needs --load (the checkpoint to take the model flags from)")
+
+
+def _raise(errors: list[str]) -> None:
+    if errors:
+        raise ConfigError("\n".join(dict.fromkeys(errors)))
+
+
+def validate(cfg: RunConfig) -> None:
+    """Check a run configuration against itself and its parallel layout; raise one :class:`ConfigError` listing
+    every problem, one line each, naming the flags."""
+    _raise(_problems(_Draft.of(cfg), []))
+
+
+def _validated(args: argparse.Namespace, world_size: int) -> RunConfig:
+    errors = _flag_problems(args)
+    draft = _draft(args, world_size, errors)
+    _raise(_problems(draft, errors))
+    return draft.run
 
 
 def validate_args(args: argparse.Namespace, world_size: int) -> None:
     """Check every flag against the others and the world size; raise one :class:`ConfigError` listing every
     problem, one line each, naming the flags. Does not modify ``args``."""
-    errors: list[str] = []
-    for dest, rule in NOT_YET_SUPPORTED.items():
-        value = getattr(args, dest)
-        if value not in rule.allowed:
-            errors.append(rule.message(value))
-    shapes_ok = _check_required(args, errors)
-    dims = _check_parallel(args, world_size, errors, shapes_ok)
-    _check_batch(args, dims, errors)
-    _check_schedule(args, errors)
-    gbs = args.global_batch_size
-    if gbs is None and dims is not None and args.micro_batch_size:
-        gbs = args.micro_batch_size * dims.dp
-    if not errors:
-        _check_warmup_vs_decay(args, errors, gbs)
-    _check_data(args, errors)
-    _check_model(args, errors)
-    _check_checkpoint(args, errors)
-    if shapes_ok and dims is not None and not errors:
-        try:  # the model's own checks (recompute flags, names), with a placeholder vocabulary
-            ModelConfig(**_model_kwargs(args, vocab_size=1))
-        except ConfigError as e:
-            errors.append(str(e))
-    if errors:
-        seen: dict[str, None] = dict.fromkeys(errors)
-        raise ConfigError("\n".join(seen))
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Namespace -> RunConfig
-# ---------------------------------------------------------------------------------------------------------------
-def _tokenizer_vocab_size(args) -> int:
-    """The tokenizer's true vocabulary size. NullTokenizer (also implied by --vocab-size without
-    --tokenizer-type): ids 0..N-1 plus eod = N, so N + 1 (as Megatron-LM's NullTokenizer)."""
-    t = args.tokenizer_type
-    if t == "NullTokenizer" or (t is None and args.vocab_size is not None):
-        return args.vocab_size + 1
-    from .data.tokenizers import build_tokenizer  # reads the tokenizer files; only for file tokenizers
-
-    try:
-        tok = build_tokenizer(t or "GPT2BPETokenizer", vocab_file=args.vocab_file, merge_file=args.merge_file,
-                              tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size,
-                              vocab_extra_ids=args.vocab_extra_ids)
-    except (ValueError, OSError) as e:
-        raise ConfigError(str(e).splitlines()[0] if str(e) else f"--tokenizer-type {t}: {e!r}") from e
-    return int(tok.vocab_size)
+    _validated(args, world_size)
 
 
 def configs_from_args(args: argparse.Namespace, world_size: int) -> RunConfig:
@@ -669,94 +712,24 @@ def configs_from_args(args: argparse.Namespace, world_size: int) -> RunConfig:
         from .checkpoint.args import apply_checkpoint_args  # reads the --load checkpoint's config
 
         apply_checkpoint_args(args)
-    validate_args(args, world_size)
-    vp = _virtual_stages(args, [])
-    parallel = ParallelDims(world_size=world_size, tp=args.tensor_model_parallel_size,
-                            pp=args.pipeline_model_parallel_size, vp=vp, cp=args.context_parallel_size,
-                            ep=args.expert_model_parallel_size,
-                            tie_embeddings=not args.untie_embeddings_and_output_weights)
-    vocab_size = _tokenizer_vocab_size(args)
-    model = ModelConfig(**_model_kwargs(args, vocab_size))
-
-    gbs = args.global_batch_size or args.micro_batch_size * parallel.dp
-    train_iters = args.train_iters
-    if args.train_samples is not None:  # Megatron: train_iters = train_samples // global_batch_size
-        train_iters = args.train_samples // gbs
-    train = TrainingConfig(
-        micro_batch_size=args.micro_batch_size, global_batch_size=gbs, train_iters=train_iters,
-        train_samples=args.train_samples, eval_iters=args.eval_iters, eval_interval=args.eval_interval,
-        skip_train=args.skip_train, seed=args.seed, log_interval=args.log_interval,
-        distributed_backend=args.distributed_backend, distributed_timeout_minutes=args.distributed_timeout_minutes,
-        use_cpu_initialization=args.use_cpu_initialization)
-
-    constant_wd = args.weight_decay_incr_style == "constant"
-    optim = OptimizerConfig(
-        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
-        lr_decay_iters=args.lr_decay_iters, lr_decay_samples=args.lr_decay_samples,
-        lr_warmup_fraction=args.lr_warmup_fraction, lr_warmup_iters=args.lr_warmup_iters,
-        lr_warmup_samples=args.lr_warmup_samples, lr_warmup_init=args.lr_warmup_init,
-        lr_wsd_decay_style=args.lr_wsd_decay_style, lr_wsd_decay_iters=args.lr_wsd_decay_iters,
-        lr_wsd_decay_samples=args.lr_wsd_decay_samples, weight_decay=args.weight_decay,
-        start_weight_decay=args.weight_decay if constant_wd else args.start_weight_decay,
-        end_weight_decay=args.weight_decay if constant_wd else args.end_weight_decay,
-        weight_decay_incr_style=args.weight_decay_incr_style, clip_grad=args.clip_grad,
-        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-        sgd_momentum=args.sgd_momentum, override_opt_param_scheduler=args.override_opt_param_scheduler,
-        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-        overlap_grad_reduce=args.overlap_grad_reduce, ddp_bucket_size=args.ddp_bucket_size,
-        fp16=args.fp16, bf16=args.bf16, loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
-        min_loss_scale=args.min_loss_scale, loss_scale_window=int(args.loss_scale_window),
-        hysteresis=args.hysteresis, grad_reduce_in_bf16=args.grad_reduce_in_bf16,
-        # Megatron: bf16 accumulates and reduces gradients in fp32 unless --grad-reduce-in-bf16
-        accumulate_allreduce_grads_in_fp32=(not args.grad_reduce_in_bf16) if args.bf16
-        else args.accumulate_allreduce_grads_in_fp32,
-        use_distributed_optimizer=args.use_distributed_optimizer, overlap_param_gather=args.overlap_param_gather)
-
-    logging = LoggingConfig(
-        log_interval=args.log_interval, log_throughput=args.log_throughput, log_params_norm=args.log_params_norm,
-        tensorboard_dir=args.tensorboard_dir, wandb_project=args.wandb_project, wandb_entity=args.wandb_entity,
-        wandb_exp_name=args.wandb_exp_name, wandb_save_dir=args.wandb_save_dir,
-        timing_log_level=args.timing_log_level, metrics_file=args.metrics_file,
-        pipeline_timeline=args.pipeline_timeline)
-
-    data = DataConfig(
-        seq_length=args.seq_length, vocab_size=vocab_size, mock_data=args.mock_data,
-        data_path=list(args.data_path or []), split=args.split if args.split is not None else "969, 30, 1",
-        train_data_path=args.train_data_path, valid_data_path=args.valid_data_path,
-        test_data_path=args.test_data_path,
-        data_cache_path=args.data_cache_path, num_workers=args.num_workers,
-        tokenizer_type=args.tokenizer_type or ("NullTokenizer" if args.vocab_size is not None
-                                               else "GPT2BPETokenizer"),
-        vocab_file=args.vocab_file, merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
-        vocab_size_flag=args.vocab_size, vocab_extra_ids=args.vocab_extra_ids, eod_mask_loss=args.eod_mask_loss,
-        reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask)
-
-    checkpoint = CheckpointConfig(
-        save=args.save, load=args.load, save_interval=args.save_interval, async_save=args.async_save,
-        no_save_optim=args.no_save_optim, no_save_rng=args.no_save_rng, no_load_optim=args.no_load_optim,
-        no_load_rng=args.no_load_rng, finetune=args.finetune,
-        exit_on_missing_checkpoint=args.exit_on_missing_checkpoint,
-        use_checkpoint_args=args.use_checkpoint_args, ckpt_format=args.ckpt_format,
-        exit_signal_handler=args.exit_signal_handler, exit_signal=args.exit_signal,
-        exit_duration_in_mins=args.exit_duration_in_mins, exit_interval=args.exit_interval)
-
-    return RunConfig(model=model, parallel=parallel,
-                     sequence_parallel=args.sequence_parallel and parallel.tp > 1,
-                     train=train, optim=optim, logging=logging, data=data,
-                     num_microbatches=gbs // (args.micro_batch_size * parallel.dp), checkpoint=checkpoint)
+    cfg = _validated(args, world_size)
+    # The model's true vocabulary is the tokenizer's, built here once (it may read files) and kept on cfg.data.
+    cfg.model = dataclasses.replace(cfg.model, vocab_size=int(cfg.data.tokenizer.vocab_size))
+    return cfg
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Entry-point helper
 # ---------------------------------------------------------------------------------------------------------------
 def exit_on_config_error(fn: Callable[[], T], *, once_per_node: bool = False) -> T:
-    """Run ``fn()``; on :class:`ConfigError` print ``error: <line>`` per problem to stderr (no traceback) and exit 2.
+    """Run ``fn()``; on a :class:`~megatronish.errors.UserError` (a flag, data file, tokenizer or checkpoint
+    problem) print ``error: <line>`` per problem to stderr (no traceback) and exit 2.
 
     ``once_per_node``: for checks every process makes identically (flag validation under a launcher), only local
     rank 0 prints, so the message appears once per node instead of once per process."""
     try:
         return fn()
-    except ConfigError as e:
+    except UserError as e:
         if not once_per_node or os.environ.get("LOCAL_RANK", "0") == "0":
             lines = str(e).splitlines() or [repr(e)]
             sys.stderr.write("".join(f"error: {line}\n" for line in lines))

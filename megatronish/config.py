@@ -1,16 +1,23 @@
 """Dataclass configs. Field names follow Megatron-LM's flags (``--hidden-size`` -> ``hidden_size``)."""
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass, field
 
-from .parallel.dims import ConfigError
+from .errors import ConfigError
+from .parallel.dims import ParallelDims, effective_sequence_parallel
 
 
 def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128, tp: int = 1) -> int:
     """Megatron's padding: round up to a multiple of ``make_vocab_size_divisible_by * TP``."""
     multiple = make_vocab_size_divisible_by * tp
     return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def default_ffn_hidden_size(hidden_size: int, swiglu: bool = False) -> int:
+    """``--ffn-hidden-size`` when not given: 4h, or Megatron's SwiGLU default ``int(8h/3 / 64) * 64``."""
+    return int((4 * hidden_size * 2 / 3) / 64) * 64 if swiglu else 4 * hidden_size
 
 
 @dataclass
@@ -57,37 +64,59 @@ class ModelConfig:
     cp_comm_type: str | list = "p2p"  # --cp-comm-type: p2p | a2a | allgather | a2a+p2p, or one per layer
     hierarchical_context_parallel_sizes: list | None = None  # a2a+p2p: [inner (a2a), outer (ring)]
 
-    def __post_init__(self):
+    # False: fill the defaults only, and leave every problem to problems() (argument validation lists them all)
+    check: InitVar[bool] = True
+
+    def __post_init__(self, check: bool = True):
         h = self.hidden_size
         if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = int((4 * h * 2 / 3) / 64) * 64 if self.swiglu else 4 * h
-        if self.kv_channels is None:
-            if h % self.num_attention_heads:
-                raise ConfigError(f"--hidden-size {h} is not divisible by --num-attention-heads "
-                                  f"{self.num_attention_heads}; set --kv-channels or change one of them")
-            self.kv_channels = h // self.num_attention_heads
+            self.ffn_hidden_size = default_ffn_hidden_size(h, self.swiglu)
+        if self.kv_channels is None and self.num_attention_heads > 0 and h % self.num_attention_heads == 0:
+            self.kv_channels = h // self.num_attention_heads  # else left None: problems() names the flags
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
-        if self.num_attention_heads % self.num_query_groups:
-            raise ConfigError(f"--num-attention-heads {self.num_attention_heads} is not divisible by "
-                              f"--num-query-groups {self.num_query_groups}")
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
+        if check:
+            problems = self.problems()
+            if problems:
+                raise ConfigError("\n".join(problems))
+
+    def problems(self) -> list[str]:
+        """This model's own problems, one line each (its fit to the parallel layout is
+        :meth:`ParallelDims.validate_model`'s)."""
+        out = []
+        if self.kv_channels is None:
+            out.append(f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
+                       f"{self.num_attention_heads}; set --kv-channels or change one of them")
+        if self.num_query_groups < 1 or self.num_attention_heads % self.num_query_groups:
+            out.append(f"--num-attention-heads {self.num_attention_heads} is not divisible by "
+                       f"--num-query-groups {self.num_query_groups}")
         if self.position_embedding_type not in ("learned_absolute", "rope", "none"):
-            raise ConfigError(f"--position-embedding-type {self.position_embedding_type!r}: choose "
-                              "learned_absolute, rope or none")
+            out.append(f"--position-embedding-type {self.position_embedding_type!r}: choose "
+                       "learned_absolute, rope or none")
         if self.normalization not in ("LayerNorm", "RMSNorm"):
-            raise ConfigError(f"--normalization {self.normalization!r}: choose LayerNorm or RMSNorm")
+            out.append(f"--normalization {self.normalization!r}: choose LayerNorm or RMSNorm")
         if self.recompute_granularity not in (None, "full", "selective"):
-            raise ConfigError(f"--recompute-granularity {self.recompute_granularity!r}: choose full or selective")
+            out.append(f"--recompute-granularity {self.recompute_granularity!r}: choose full or selective")
         if self.recompute_granularity == "selective" and self.recompute_method is not None:
-            raise ConfigError("--recompute-method is not supported with --recompute-granularity selective "
-                              "(it recomputes core attention in every layer); drop --recompute-method")
+            out.append("--recompute-method is not supported with --recompute-granularity selective "
+                       "(it recomputes core attention in every layer); drop --recompute-method")
         if self.recompute_granularity == "full":
             if self.recompute_method not in ("uniform", "block"):
-                raise ConfigError("--recompute-granularity full needs --recompute-method uniform or block")
-            if not self.recompute_num_layers or self.recompute_num_layers < 1:
-                raise ConfigError("--recompute-granularity full needs --recompute-num-layers >= 1")
+                out.append("--recompute-granularity full needs --recompute-method uniform or block")
+            elif not self.recompute_num_layers or self.recompute_num_layers < 1:
+                out.append("--recompute-granularity full needs --recompute-num-layers >= 1")
+        return out
+
+    @property
+    def cp_comm_types(self) -> list[str]:
+        """``--cp-comm-type`` as a list: one type for every layer, or one per layer."""
+        return [self.cp_comm_type] if isinstance(self.cp_comm_type, str) else list(self.cp_comm_type)
+
+    def cp_comm_type_of(self, layer_number: int) -> str:
+        types = self.cp_comm_types
+        return types[layer_number] if len(types) > 1 else types[0]
 
     @property
     def qkv_bias(self) -> bool:
@@ -113,18 +142,13 @@ def llama(**kw) -> ModelConfig:
 # ---------------------------------------------------------------------------------------------------------------
 # Run configuration built from the command line (``megatronish.arguments.configs_from_args``).
 # ---------------------------------------------------------------------------------------------------------------
-from dataclasses import field  # noqa: E402
-
-from .parallel.dims import ParallelDims  # noqa: E402
-
-
 @dataclass
 class TrainingConfig:
     """Batch sizes, iterations, evaluation, seeds and the process-group settings."""
 
     micro_batch_size: int
-    global_batch_size: int
-    train_iters: int | None = None  # with --train-samples: train_samples // global_batch_size (as Megatron)
+    global_batch_size: int | None = None  # None: micro x DP, filled by RunConfig
+    train_iters: int | None = None  # with --train-samples: train_samples // global_batch_size (RunConfig fills it)
     train_samples: int | None = None
     eval_iters: int = 100
     eval_interval: int | None = 1000
@@ -213,10 +237,9 @@ class LoggingConfig:
 
 @dataclass
 class DataConfig:
-    """Training data and tokenizer. ``vocab_size`` is the tokenizer's true vocabulary size (before padding)."""
+    """Training data and tokenizer. The sequence length is the model's (``ModelConfig.seq_length``); the true
+    vocabulary size is the tokenizer's, ``ModelConfig.vocab_size``."""
 
-    seq_length: int
-    vocab_size: int
     mock_data: bool = False
     data_path: list[str] = field(default_factory=list)
     split: str = "969, 30, 1"
@@ -225,7 +248,7 @@ class DataConfig:
     test_data_path: list[str] | None = None
     data_cache_path: str | None = None
     num_workers: int = 2
-    tokenizer_type: str | None = None
+    tokenizer_type: str | None = None  # None: NullTokenizer with --vocab-size, else GPT2BPETokenizer
     vocab_file: str | None = None
     merge_file: str | None = None
     tokenizer_model: str | None = None
@@ -234,6 +257,24 @@ class DataConfig:
     eod_mask_loss: bool = False
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
+
+    def __post_init__(self):
+        if self.tokenizer_type is None:
+            self.tokenizer_type = "NullTokenizer" if self.vocab_size_flag is not None else "GPT2BPETokenizer"
+
+    @functools.cached_property
+    def tokenizer(self):
+        """The tokenizer, built once on first use (it may read files): the model's vocabulary size and the data
+        pipeline's eod/pad ids both come from this object. Not a dataclass field, so never serialized."""
+        from .data.tokenizers import build_tokenizer  # noqa: PLC0415 - reads tokenizer files; only when used
+
+        try:
+            return build_tokenizer(self.tokenizer_type, vocab_file=self.vocab_file, merge_file=self.merge_file,
+                                   tokenizer_model=self.tokenizer_model, vocab_size=self.vocab_size_flag,
+                                   vocab_extra_ids=self.vocab_extra_ids)
+        except (ValueError, OSError) as e:
+            raise ConfigError(str(e).splitlines()[0] if str(e) else f"--tokenizer-type {self.tokenizer_type}: "
+                              f"{e!r}") from e
 
 
 @dataclass
@@ -260,17 +301,45 @@ class CheckpointConfig:
 
 @dataclass
 class RunConfig:
-    """Everything ``pretrain()`` needs, validated before any process group starts."""
+    """Everything ``pretrain()`` needs, validated before any process group starts
+    (``megatronish.arguments.validate``).
+
+    Derived values live here, each in one place: the global batch size default (``micro x DP``) and
+    ``train_iters`` from ``--train-samples`` are filled into ``train`` on construction; ``sequence_parallel`` and
+    ``num_microbatches`` are properties. Model-shape defaults (FFN size, max positions, head size, query groups)
+    are :class:`ModelConfig`'s; layers per (virtual) stage are ``parallel.layers_per_stage(model.num_layers)``.
+    """
 
     model: ModelConfig
     parallel: ParallelDims
-    sequence_parallel: bool  # False at TP 1 (a no-op there, as in Megatron)
     train: TrainingConfig
     optim: OptimizerConfig
     logging: LoggingConfig
     data: DataConfig
-    num_microbatches: int  # global_batch_size // (micro_batch_size * dp)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    sequence_parallel_flag: bool = False  # --sequence-parallel as given; see the sequence_parallel property
+
+    def __post_init__(self):
+        t = self.train
+        if t.global_batch_size is None and t.micro_batch_size is not None:
+            t.global_batch_size = self.data_parallel_batch_size
+        if t.train_iters is None and t.train_samples is not None and t.global_batch_size:
+            t.train_iters = t.train_samples // t.global_batch_size  # as Megatron-LM
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Effective sequence parallelism: ``--sequence-parallel`` with TP > 1 (a no-op at TP 1, as in Megatron)."""
+        return effective_sequence_parallel(self.sequence_parallel_flag, self.parallel.tp)
+
+    @property
+    def data_parallel_batch_size(self) -> int:
+        """Samples of one microbatch step over all data-parallel ranks: ``micro_batch_size x DP``."""
+        return self.train.micro_batch_size * self.parallel.dp
+
+    @property
+    def num_microbatches(self) -> int:
+        """Microbatches per iteration on each rank: ``global_batch_size // (micro_batch_size x DP)``."""
+        return self.train.global_batch_size // self.data_parallel_batch_size
 
     @property
     def parallel_backend(self) -> str | None:

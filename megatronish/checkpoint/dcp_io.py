@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.planner import (LoadPlan, ReadItem, SavePlan, 
 from torch.distributed.checkpoint.planner_helpers import (_create_read_item_for_byteio,
                                                           create_read_items_for_chunk_list)
 
-from ..parallel.dims import ConfigError
+from ..errors import ConfigError
 
 METADATA_FILE = ".metadata"
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..config import ModelConfig
-from ..parallel.dims import ConfigError
+from ..errors import ConfigError
 
 GPT2, LLAMA = "GPT2LMHeadModel", "LlamaForCausalLM"
 ARCHITECTURES = (GPT2, LLAMA)

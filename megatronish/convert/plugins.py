@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ModelConfig
-from ..parallel.dims import ConfigError, ParallelDims
+from ..errors import ConfigError
+from ..parallel.dims import ParallelDims
 from .core import hf_to_ours, ours_to_hf
 from .hf_config import (GPT2, ConvertError, architecture_of, hf_config_from_model, model_config_from_dict,
                         model_config_from_hf)

@@ -10,6 +10,7 @@ import numpy
 
 from megatronish.data import helpers
 from megatronish.data.index_cache import IndexCache
+from megatronish.errors import UserError
 
 __all__ = [
     "BlendError",
@@ -21,7 +22,7 @@ __all__ = [
 ]
 
 
-class BlendError(ValueError):
+class BlendError(ValueError, UserError):
     """A --data-path / --split value that cannot be used."""
 
 

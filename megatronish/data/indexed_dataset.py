@@ -21,6 +21,8 @@ from typing import Optional, Sequence, Type, Union
 
 import numpy
 
+from megatronish.errors import UserError
+
 _INDEX_HEADER = b"MMIDIDX\x00\x00"
 _HEADER_SIZE = 34
 
@@ -34,7 +36,7 @@ __all__ = [
 ]
 
 
-class IndexedDatasetError(ValueError):
+class IndexedDatasetError(ValueError, UserError):
     """A .bin/.idx pair that is missing, truncated, or not in the indexed dataset format."""
 
 

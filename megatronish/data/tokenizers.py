@@ -27,6 +27,8 @@ import json
 import os
 from typing import Dict, List, Optional, Sequence
 
+from megatronish.errors import UserError
+
 __all__ = [
     "TokenizerError",
     "MegatronTokenizer",
@@ -53,7 +55,7 @@ _TIKTOKEN_PATTERN_V2 = (
 _TIKTOKEN_SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<mask>", "<pad>", "<cls>", "<sep>"]
 
 
-class TokenizerError(ValueError):
+class TokenizerError(ValueError, UserError):
     """A tokenizer file that is missing or malformed, or a tokenizer flag that is wrong."""
 
 

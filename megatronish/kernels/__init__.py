@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from ..parallel.dims import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["triton_importable", "interpreter_enabled", "kernels_backend", "check_kernels_available",
            "rms_norm", "layer_norm", "apply_rotary_", "swiglu", "vocab_parallel_cross_entropy"]

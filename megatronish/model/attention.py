@@ -29,8 +29,7 @@ class SelfAttention(nn.Module):
         self.parallel = parallel = parallel or ParallelContext.single()
         tp, tp_group = parallel.tp_size, parallel.tp_group
         c = config
-        types = [c.cp_comm_type] if isinstance(c.cp_comm_type, str) else list(c.cp_comm_type)
-        self.cp_comm_type = types[layer_number] if len(types) > 1 else types[0]  # --cp-comm-type, per layer
+        self.cp_comm_type = c.cp_comm_type_of(layer_number)  # --cp-comm-type, one or per layer
         self.heads_per_group = c.num_attention_heads // c.num_query_groups
         self.local_groups = c.num_query_groups // tp
         self.kv_channels = c.kv_channels

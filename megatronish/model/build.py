@@ -11,27 +11,10 @@ from __future__ import annotations
 
 from ..config import ModelConfig
 from ..parallel.context import ParallelContext
-from ..parallel.dims import ConfigError
+from ..parallel.dims import check_layer_split  # the one layer-split rule, re-exported here
 from .gpt import GPTModel
 
 __all__ = ["build_model_chunks", "check_layer_split"]
-
-
-def check_layer_split(num_layers: int, pp: int, vp: int = 1) -> None:
-    """Raise :class:`ConfigError` unless ``num_layers`` splits evenly into ``pp * vp`` stages."""
-    if num_layers % (pp * vp) == 0:
-        return
-    if vp > 1:
-        raise ConfigError(
-            f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp} x {vp} virtual "
-            f"stages per rank (set by --num-layers-per-virtual-pipeline-stage or "
-            f"--num-virtual-stages-per-pipeline-rank) = {pp * vp}; every virtual stage must hold the same number "
-            f"of layers: choose --num-layers a multiple of {pp * vp}, or change the pipeline size or the "
-            f"virtual-stage size")
-    raise ConfigError(
-        f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp}; every pipeline "
-        f"stage must hold the same number of layers: choose --num-layers a multiple of {pp} or another "
-        f"pipeline size")
 
 
 def build_model_chunks(config: ModelConfig, parallel: ParallelContext, *, sequence_parallel: bool = False,

@@ -20,6 +20,7 @@ from ..config import ModelConfig
 from ..parallel.context import ParallelContext, Shared
 from ..parallel.context_parallel import cp_chunk_index
 from ..parallel.cross_entropy import vocab_parallel_cross_entropy
+from ..parallel.dims import effective_sequence_parallel
 from ..parallel.init import TensorDesc, initialize_slice, set_desc
 from ..parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from ..parallel.mappings import scatter_to_sequence_parallel_region
@@ -78,7 +79,7 @@ class GPTModel(nn.Module):
         self.parallel = parallel = parallel or ParallelContext.single()
         tp, tp_group = parallel.tp_size, parallel.tp_group
         self.config, self.pre_process, self.post_process = c, pre_process, post_process
-        self.sequence_parallel = sequence_parallel and tp > 1
+        self.sequence_parallel = effective_sequence_parallel(sequence_parallel, tp)
         self.label_smoothing = label_smoothing
         self.padded_vocab_size = c.padded_vocab_size(tp)
         self.first_layer = first_layer

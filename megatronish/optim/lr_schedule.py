@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 
-from ..parallel.dims import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["OptimizerParamScheduler", "scheduler_steps_from_args", "scheduler_steps_from_config",
            "LR_DECAY_STYLES", "WSD_DECAY_STYLES", "WD_INCR_STYLES"]

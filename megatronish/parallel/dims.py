@@ -22,11 +22,10 @@ import itertools
 from dataclasses import dataclass
 from typing import ClassVar, Sequence
 
-__all__ = ["ConfigError", "ParallelDims", "masked_rank_groups"]
+from ..errors import ConfigError
 
-
-class ConfigError(ValueError):
-    """A user configuration error; the message names the flag and the fix."""
+__all__ = ["ConfigError", "ParallelDims", "masked_rank_groups", "check_layer_split", "effective_sequence_parallel",
+           "virtual_stages_from_layers"]
 
 
 _TP = "--tensor-model-parallel-size"
@@ -35,6 +34,42 @@ _CP = "--context-parallel-size"
 _EP = "--expert-model-parallel-size"
 _VP = "--num-virtual-stages-per-pipeline-rank (or --num-layers-per-virtual-pipeline-stage)"
 _WORLD = "the world size {n} (torchrun --nproc-per-node x --nnodes)"
+
+
+def effective_sequence_parallel(sequence_parallel: bool, tp: int) -> bool:
+    """Whether ``--sequence-parallel`` takes effect: only with tensor parallelism (at TP 1 it is a no-op, as in
+    Megatron-LM). The one place of this rule: ``RunConfig.sequence_parallel``, the layers, the model, the
+    pipeline tensor shape and the memory report read it from here."""
+    return bool(sequence_parallel) and tp > 1
+
+
+def check_layer_split(num_layers: int, pp: int, vp: int = 1) -> None:
+    """Raise :class:`ConfigError` unless ``num_layers`` splits evenly into ``pp * vp`` (virtual) stages.
+
+    The one place of the "layers divide evenly by PP x VP" rule (argument validation, ``validate_model``,
+    ``layer_range`` and ``build_model_chunks`` all call it)."""
+    if num_layers % (pp * vp) == 0:
+        return
+    if vp > 1:
+        raise ConfigError(
+            f"--num-layers {num_layers} is not divisible by {_PP} {pp} x {vp} virtual "
+            f"stages per rank (set by --num-layers-per-virtual-pipeline-stage or "
+            f"--num-virtual-stages-per-pipeline-rank) = {pp * vp}; every virtual stage must hold the same number "
+            f"of layers: choose --num-layers a multiple of {pp * vp}, or change the pipeline size or the "
+            f"virtual-stage size")
+    raise ConfigError(
+        f"--num-layers {num_layers} is not divisible by {_PP} {pp}; every pipeline "
+        f"stage must hold the same number of layers: choose --num-layers a multiple of {pp} or another "
+        f"pipeline size")
+
+
+def virtual_stages_from_layers(num_layers: int | None, pp: int, layers_per_virtual_stage: int) -> int:
+    """Virtual stages per pipeline rank for ``--num-layers-per-virtual-pipeline-stage N``: ``L / (p * N)``."""
+    n = layers_per_virtual_stage
+    if n < 1 or num_layers is None or pp < 1 or num_layers % (pp * n):
+        raise ConfigError(f"--num-layers {num_layers} / {_PP} {pp} is not a multiple of "
+                          f"--num-layers-per-virtual-pipeline-stage {n}")
+    return num_layers // (pp * n)
 
 
 @functools.lru_cache(maxsize=256)
@@ -161,17 +196,12 @@ class ParallelDims:
                 raise ConfigError(
                     f"--seq-length {seq_length} is not divisible by 2 x {_CP} {cp} = {2 * cp} (context parallelism "
                     f"splits the sequence into 2*CP chunks for load balance); change --seq-length or {_CP}")
-            if sequence_parallel and tp > 1 and seq_length % (tp * cp):
+            if effective_sequence_parallel(sequence_parallel, tp) and seq_length % (tp * cp):
                 per_cp = f" x {_CP} {cp}" if cp > 1 else ""
                 raise ConfigError(
                     f"--seq-length {seq_length} is not divisible by {_TP} {tp}{per_cp} under --sequence-parallel; "
                     f"change --seq-length or {_TP}, or drop --sequence-parallel")
-        stages = self.pp * self.vp
-        if num_layers % stages:
-            virtual = f" x {_VP} {self.vp}" if self.vp > 1 else ""
-            raise ConfigError(
-                f"--num-layers {num_layers} is not divisible by {_PP} {self.pp}{virtual} = {stages}; "
-                f"every (virtual) pipeline stage must hold the same number of layers")
+        check_layer_split(num_layers, self.pp, self.vp)
 
     # ------------------------------------------------------------------ degrees and coordinates
     @property
@@ -321,18 +351,19 @@ class ParallelDims:
         return ((rank == group[0] and self.is_first_stage(rank, vp_stage))
                 or (rank == group[-1] and self.is_last_stage(rank, vp_stage)))
 
+    def layers_per_stage(self, num_layers: int) -> int:
+        """Layers of one model chunk (one virtual stage of one pipeline rank): ``L / (p * v)``."""
+        check_layer_split(num_layers, self.pp, self.vp)
+        return num_layers // (self.pp * self.vp)
+
     def layer_range(self, num_layers: int, pp_rank: int, vp_stage: int = 0) -> range:
         """Global layer indices of virtual stage ``vp_stage`` on pipeline rank ``pp_rank``.
 
         Chunk ``c`` on rank ``r`` holds layers ``c*L/v + r*L/(p*v)`` onward, ``L/(p*v)`` of them.
         """
-        stages = self.pp * self.vp
-        if num_layers % stages:
-            raise ConfigError(f"--num-layers {num_layers} is not divisible by {_PP} {self.pp} x virtual stages "
-                              f"{self.vp} = {stages}")
+        per = self.layers_per_stage(num_layers)
         if not (0 <= pp_rank < self.pp and 0 <= vp_stage < self.vp):
             raise ValueError(f"pp_rank {pp_rank} / vp_stage {vp_stage} out of range ({self.pp}, {self.vp})")
-        per = num_layers // stages
         start = vp_stage * num_layers // self.vp + pp_rank * per
         return range(start, start + per)
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .context import Shared, group_rank, group_size
+from .dims import effective_sequence_parallel
 from .init import TensorDesc, local_shape, set_desc
 from .mappings import (copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
                        gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
@@ -52,7 +53,7 @@ class ColumnParallelLinear(_TensorParallel):
         if gather_output and sequence_parallel:
             raise ValueError("ColumnParallelLinear: gather_output is not supported with sequence parallelism")
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
-        self.sequence_parallel = sequence_parallel and tp > 1
+        self.sequence_parallel = effective_sequence_parallel(sequence_parallel, tp)
         self.weight = None if skip_weight_param_allocation else _new_param(
             TensorDesc((output_size, input_size), 0, stride, "normal", init_std), tp, params_dtype, device)
         self.bias = _new_param(TensorDesc((output_size,), 0, stride, "zeros"), tp, params_dtype, device) \
@@ -89,7 +90,7 @@ class RowParallelLinear(_TensorParallel):
         tp = group_size(tp_group)
         if input_size % tp:
             raise ValueError(f"input size {input_size} is not divisible by TP {tp}")
-        self.sequence_parallel = sequence_parallel and tp > 1
+        self.sequence_parallel = effective_sequence_parallel(sequence_parallel, tp)
         if self.sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence parallelism needs input_is_parallel=True")
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
@@ -130,7 +131,7 @@ class VocabParallelEmbedding(_TensorParallel):
         if num_embeddings % tp:
             raise ValueError(f"padded vocabulary {num_embeddings} is not divisible by TP {tp}")
         self.num_embeddings, self.per_rank = num_embeddings, num_embeddings // tp
-        self.sequence_parallel = sequence_parallel and tp > 1
+        self.sequence_parallel = effective_sequence_parallel(sequence_parallel, tp)
         self.weight = _new_param(TensorDesc((num_embeddings, embedding_dim), 0, 1, "normal", init_std,
                                             valid_rows=vocab_size), tp, params_dtype, device)
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..parallel.dims import ConfigError
+from ..errors import ConfigError
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2

@@ -42,6 +42,8 @@ import threading
 import torch
 
 from .. import device
+from ..config import default_ffn_hidden_size
+from ..parallel.dims import effective_sequence_parallel
 
 _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 
@@ -69,12 +71,12 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, *, t: int = 1, se
     dropout masks 2) plus 24 TP-sharded ones (Q and K 4, V 2, projection input 2, activation input 8, FC2 input
     8). With ``kv_hidden_size`` (GQA: query groups x head size) K and V shrink to ``2*kv/h`` each; with FFN size
     ``f`` the MLP terms are ``4*f/h``, or ``6*f/h`` with SwiGLU (its input holds gate and up)."""
-    f = 4 * h if ffn_hidden_size is None else ffn_hidden_size
+    f = default_ffn_hidden_size(h, swiglu) if ffn_hidden_size is None else ffn_hidden_size
     kv = h if kv_hidden_size is None else kv_hidden_size
     sharded = 4 + 4 * kv / h + (6 if swiglu else 4) * f / h  # 24 for MHA, f = 4h, no SwiGLU
     linear = 10 + sharded
     attn = 5 * a * s / h  # scores, softmax, dropout mask and output
-    sp = sequence_parallel and t > 1
+    sp = effective_sequence_parallel(sequence_parallel, t)
     if recompute == "full":
         return 2 * s * b * h / (t if sp else 1)
     if recompute == "selective":
@@ -104,7 +106,7 @@ def cpu_activation_bytes_per_layer(s: int, b: int, h: int, a: int, *, t: int = 1
                                       swiglu=swiglu)
     if recompute == "full":
         return base
-    sp = sequence_parallel and t > 1
+    sp = effective_sequence_parallel(sequence_parallel, t)
     sbh = s * b * h
     extra = 2 * sbh / (t if sp else 1)
     if sp:
@@ -113,7 +115,7 @@ def cpu_activation_bytes_per_layer(s: int, b: int, h: int, a: int, *, t: int = 1
     if recompute != "selective":
         extra += (2 + 4 * kv / h) * sbh / t + 7 * a * s * s * b / t
     if swiglu:
-        f = 4 * h if ffn_hidden_size is None else ffn_hidden_size
+        f = default_ffn_hidden_size(h, swiglu) if ffn_hidden_size is None else ffn_hidden_size
         extra += 2 * f / h * sbh / t
     return base + extra
 

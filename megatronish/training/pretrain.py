@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import socket
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -75,15 +76,21 @@ class TrainContext:
     device: object = None
 
 
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def init_distributed(backend: str | None, timeout_minutes: float) -> None:
     """Initialize ``torch.distributed`` from torchrun's environment (no-op if already initialized)."""
     if dist.is_initialized():
         return
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device.set_device_for_local_rank(local_rank)
-    if "RANK" not in os.environ:  # plain `python pretrain_gpt.py`: a world of one
+    if "RANK" not in os.environ:  # plain `python pretrain_gpt.py`: a world of one, on a free local port
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", "29500"))
+                          MASTER_PORT=os.environ.get("MASTER_PORT") or str(_free_port()))
     dist.init_process_group(backend or device.default_backend(), timeout=timedelta(minutes=timeout_minutes))
 
 

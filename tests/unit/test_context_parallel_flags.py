@@ -3,7 +3,7 @@ the flags (before any process group starts)."""
 import pytest
 
 from megatronish.arguments import configs_from_args, parse_args, validate_args
-from megatronish.parallel.dims import ConfigError
+from megatronish.errors import ConfigError
 
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8", "--seq-length", "64",
         "--micro-batch-size", "2", "--train-iters", "10", "--lr", "1e-3", "--mock-data", "--vocab-size", "100",
