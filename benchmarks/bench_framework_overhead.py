@@ -26,7 +26,8 @@ sys.path.insert(0, REPO)
 from megatronish.arguments import configs_from_args, parse_args  # noqa: E402
 from megatronish.model import GPTModel  # noqa: E402
 from megatronish.optim.optimizer import build_optimizer  # noqa: E402
-from megatronish.training.mock_data import MockGPTDataset, collate  # noqa: E402
+from megatronish.data.mock import MockGPTDataset  # noqa: E402
+from megatronish.data.sampler import collate  # noqa: E402
 from megatronish.training.pretrain import pretrain  # noqa: E402
 
 
