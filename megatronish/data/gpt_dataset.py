@@ -19,15 +19,15 @@ import math
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy
 import torch
 
 from megatronish.data import helpers
 from megatronish.data.blending import (
-    BlendError,
     BlendedDataset,
+    BlendError,
     convert_split_vector_to_split_matrix,
     get_blend_from_list,
     normalize,

@@ -2,9 +2,9 @@
 import torch
 import torch.distributed as dist
 
-from harness import run_distributed
 from megatronish.parallel import groups
 from megatronish.parallel.dims import ParallelDims
+from megatronish.testing import run_distributed
 
 
 def _worker(rank, world):

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harness import run_distributed
+from megatronish.testing import run_distributed
 
 from kernel_support import import_interpreted, not_interpreted_mark  # noqa: E402
 

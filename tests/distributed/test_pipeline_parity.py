@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import run_distributed
 from megatronish.config import gpt2, llama
 from megatronish.model import GPTModel
 from megatronish.model.build import build_model_chunks
@@ -24,6 +23,7 @@ from megatronish.parallel.pipeline.schedules import forward_backward_no_pipelini
 from megatronish.parallel.pipeline.timeline import PipelineTimeline, gather_timeline, read_chrome_trace, \
     write_chrome_trace
 from megatronish.parallel.random import set_random_seed
+from megatronish.testing import run_distributed
 
 SEED, MBS, S, V, H, NUM_MB, STEPS = 1234, 2, 16, 100, 32, 8, 3
 FLAVORS = {

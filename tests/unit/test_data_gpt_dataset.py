@@ -43,7 +43,8 @@ def stream_of(ds):
 
 def test_every_token_once_per_epoch(data):
     d, a, _ = data
-    train, valid, test = build_gpt_datasets([a], "80,15,5", 16, 1234, (None, None, None), cache_dir=d + "/c1", eod_id=EOD)
+    train, valid, test = build_gpt_datasets([a], "80,15,5", 16, 1234, (None, None, None), cache_dir=d + "/c1",
+                                            eod_id=EOD)
     from megatronish.data.indexed_dataset import IndexedDataset
 
     ind = IndexedDataset(a)
