@@ -1,4 +1,4 @@
-# One command sets up and runs the tests; one sets up and runs the main job on the bundled example.
+# One command sets up, lints and runs the tests; one sets up and runs the main job on the bundled example.
 PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
 
@@ -9,6 +9,7 @@ install:
 	$(PYTHON) -m pip install -e ".[dev,kernels]"
 
 test: install
+	$(PYTHON) -m ruff check .
 	$(PYTHON) -m pytest -q tests
 
 quickstart: install

@@ -1,18 +1,6 @@
-"""Pretrain a GPT model with Megatron-LM's flags: ``torchrun --nproc-per-node N pretrain_gpt.py <flags>``."""
-import os
-
-from megatronish.arguments import configs_from_args, exit_on_config_error, parse_args
-
-
-def main(argv=None):
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    # Every flag is validated here, before any process group starts; a bad flag is one line, exit 2.
-    cfg = exit_on_config_error(lambda: configs_from_args(parse_args(argv), world_size), once_per_node=True)
-    from megatronish.training.pretrain import pretrain
-
-    # A bad checkpoint (missing shard, other model shape, ...) is a ConfigError too: one line, exit 2.
-    exit_on_config_error(lambda: pretrain(cfg))
-
+"""Pretrain a GPT model with Megatron-LM's flags: ``torchrun --nproc-per-node N pretrain_gpt.py <flags>``
+(installed as ``megatronish-pretrain-gpt``; the code is ``megatronish/tools/pretrain_gpt.py``)."""
+from megatronish.tools.pretrain_gpt import main
 
 if __name__ == "__main__":
     main()

@@ -19,25 +19,22 @@ import argparse
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-os.environ.setdefault("MEGATRONISH_DEVICE", "cpu")
+from megatronish.arguments import configs_from_args, parse_args
+from megatronish.checkpoint import manager as ckpt_manager
+from megatronish.checkpoint.manager import Checkpointer
+from megatronish.model.build import build_model_chunks
+from megatronish.optim.lr_schedule import OptimizerParamScheduler, scheduler_steps_from_config
+from megatronish.optim.optimizer import build_optimizer
+from megatronish.parallel import groups
+from megatronish.training.pretrain import TrainState, init_distributed, pretrain
 
-from megatronish.arguments import configs_from_args, parse_args  # noqa: E402
-from megatronish.checkpoint import manager as ckpt_manager  # noqa: E402
-from megatronish.checkpoint.manager import Checkpointer  # noqa: E402
-from megatronish.model.build import build_model_chunks  # noqa: E402
-from megatronish.optim.lr_schedule import OptimizerParamScheduler, scheduler_steps_from_config  # noqa: E402
-from megatronish.optim.optimizer import build_optimizer  # noqa: E402
-from megatronish.parallel import groups  # noqa: E402
-from megatronish.training.pretrain import TrainState, init_distributed, pretrain  # noqa: E402
+os.environ.setdefault("MEGATRONISH_DEVICE", "cpu")  # read when a device is first asked for
 
 CHUNK = 8 << 20
 

@@ -11,25 +11,21 @@ ratio is the point (target: CP N holds <= 1.1/N of CP 1's activations).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
-import sys
 import tempfile
 
 import torch
 import torch.distributed as dist
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "tests"))
-
-from harness import run_distributed  # noqa: E402
-from megatronish.arguments import configs_from_args, parse_args  # noqa: E402
-from megatronish.parallel import groups  # noqa: E402
-from megatronish.parallel.context_parallel import context_parallel_attention  # noqa: E402
-from megatronish.parallel.dims import ParallelDims  # noqa: E402
-from megatronish.training.pretrain import pretrain  # noqa: E402
+from megatronish.arguments import configs_from_args, parse_args
+from megatronish.parallel import groups
+from megatronish.parallel.context_parallel import context_parallel_attention
+from megatronish.parallel.dims import ParallelDims
+from megatronish.testing import run_distributed
+from megatronish.training.pretrain import pretrain
 
 
 def train(rank, world, a, comm):
@@ -44,7 +40,6 @@ def train(rank, world, a, comm):
                 "--position-embedding-type", "rope", "--context-parallel-size", str(world),
                 "--cp-comm-type", comm, "--metrics-file", metrics]
         state = pretrain(configs_from_args(parse_args(argv), world))
-        import json
         times = [json.loads(line)["elapsed_ms"] for line in open(metrics)] if rank == 0 else []
     return {"activations": state.context.memory.measured, "ms": statistics.median(times[1:]) if times else None}
 

@@ -6,8 +6,8 @@ Steps, each in its own process (peak RSS = that process's ``ru_maxrss``):
 
   generate      write the HF model tensor by tensor (streaming safetensors writer: one tensor in memory)
   baseline      load_file(model.safetensors) + save_file(all tensors) to another directory
-  hf->ours      tools/checkpoint/convert.py --loader hf --saver megatronish
-  ours->hf      tools/checkpoint/convert.py --loader megatronish --saver hf
+  hf->ours      megatronish-convert-checkpoint --loader hf --saver megatronish (tools/checkpoint/convert.py)
+  ours->hf      megatronish-convert-checkpoint --loader megatronish --saver hf
 
     python benchmarks/bench_convert.py [--dir /work/tmp_bench_convert] [--layers 22] [--hidden 2048] ...
 
@@ -23,7 +23,6 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 
 def _child(kind, a):
@@ -31,9 +30,9 @@ def _child(kind, a):
 
     t0 = time.perf_counter()
     if kind == "generate":
+        from megatronish.config import llama
         from megatronish.convert.hf_config import hf_config_from_model
         from megatronish.convert.hf_io import HFWriter
-        from megatronish.config import llama
 
         cfg = llama(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads, num_query_groups=a.kv,
                     ffn_hidden_size=a.ffn, vocab_size=a.vocab, seq_length=2048)
@@ -66,12 +65,9 @@ def _child(kind, a):
         spec_args = ["--model-type", "GPT", "--loader", loader, "--saver", saver, "--load-dir",
                      os.path.join(a.dir, src), "--save-dir", os.path.join(a.dir, dst)]
         sys.argv = ["convert.py", *spec_args]
-        import importlib.util
+        from megatronish.tools import convert_checkpoint
 
-        spec = importlib.util.spec_from_file_location("convert_cli", os.path.join(ROOT, "tools/checkpoint/convert.py"))
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        mod.main(spec_args)
+        convert_checkpoint.main(spec_args)
         out = {}
     out.update(seconds=time.perf_counter() - t0, peak_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
     print("RESULT " + json.dumps(out), flush=True)

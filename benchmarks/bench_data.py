@@ -11,6 +11,7 @@
     python benchmarks/bench_data.py [--workers 1 2] [--seq-length 2048]
 """
 import argparse
+import importlib.util
 import json
 import multiprocessing
 import os
@@ -21,13 +22,14 @@ import warnings
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "tools"))
+from megatronish.data import build_gpt_datasets, helpers
+from megatronish.data.tokenizers import build_tokenizer, gpt2_files
 
-import preprocess_data  # noqa: E402
-from megatronish.data import build_gpt_datasets, helpers  # noqa: E402
-from megatronish.data.tokenizers import build_tokenizer, gpt2_files  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# tools/preprocess_data.py is a script of this checkout, not a module of the package: load it from its file.
+_spec = importlib.util.spec_from_file_location("preprocess_data", os.path.join(REPO, "tools", "preprocess_data.py"))
+preprocess_data = sys.modules["preprocess_data"] = importlib.util.module_from_spec(_spec)  # workers unpickle by name
+_spec.loader.exec_module(preprocess_data)
 
 CORPUS = os.path.join(REPO, "examples", "corpus", "python_docs.jsonl")
 _TOK = None

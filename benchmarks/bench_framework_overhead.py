@@ -14,20 +14,17 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-from megatronish.arguments import configs_from_args, parse_args  # noqa: E402
-from megatronish.model import GPTModel  # noqa: E402
-from megatronish.optim.optimizer import build_optimizer  # noqa: E402
-from megatronish.training.mock_data import MockGPTDataset, collate  # noqa: E402
-from megatronish.training.pretrain import pretrain  # noqa: E402
+from megatronish.arguments import configs_from_args, parse_args
+from megatronish.data.mock import MockGPTDataset
+from megatronish.data.sampler import collate
+from megatronish.model import GPTModel
+from megatronish.optim.optimizer import build_optimizer
+from megatronish.training.pretrain import pretrain
 
 
 def bench_args():

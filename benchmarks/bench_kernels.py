@@ -32,18 +32,17 @@ import time
 import traceback
 
 import torch
+import torch.nn.functional as F
+
+from megatronish import kernels  # imports triton only when a fused op is first used
+from megatronish.config import llama
+from megatronish.model import GPTModel
+from megatronish.model.rope import RotaryEmbedding, apply_rotary
+from megatronish.parallel.cross_entropy import vocab_parallel_cross_entropy
 
 CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-import torch.nn.functional as F  # noqa: E402
-
-from megatronish import kernels  # noqa: E402
-from megatronish.model.rope import RotaryEmbedding, apply_rotary  # noqa: E402
-from megatronish.parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: E402
 
 # datasheet HBM bandwidth (GB/s) by device name
 PEAK_GBPS = {"H200": 4800, "H100 SXM": 3350, "H100 80GB HBM3": 3350, "H100 PCIe": 2000, "H100": 3350,
@@ -316,7 +315,7 @@ def bench_kernels():
         for variant, fn in variants:
             try:
                 rows.append(bench_op(name, spec, variant, fn, peak, copy_gbps))
-            except Exception as e:  # noqa: BLE001 - one failing variant must not end the run
+            except Exception as e:  # one failing variant must not end the run
                 print(f"{name} {variant}: failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
                 traceback.print_exc(limit=3)
             if CUDA:
@@ -350,9 +349,6 @@ def _lazy_compile_leaves(torch_path):
 
 # ---- end to end -------------------------------------------------------------------------------------------
 def bench_e2e():
-    from megatronish.config import llama  # noqa: PLC0415
-    from megatronish.model import GPTModel  # noqa: PLC0415
-
     if ARGS.smoke:
         s, b, vocab, layers, iters = 16, 2, 300, 2, 2
         shape = dict(hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96)
@@ -386,7 +382,7 @@ def bench_e2e():
         peak = (mem.extra + mem.base) / 2 ** 30 if mem.extra is not None else float("nan")
         results[on] = dict(kernels=on, tok_s=b * s / ms * 1e3, step_ms=ms, peak_gib=peak, loss=losses[0].item(),
                            params=n_params)
-        del model
+        model = None  # freed before the next variant (step() holds the name, not the model)
         if CUDA:
             torch.cuda.empty_cache()
     print(f"end to end: Llama {results[False]['params'] / 1e9:.3f}B params (bf16, no optimizer step), "
@@ -412,7 +408,7 @@ def main():
     if not ARGS.skip_e2e:
         try:
             report["end_to_end"] = bench_e2e()
-        except Exception:  # noqa: BLE001 - the per-kernel table above stands on its own
+        except Exception:  # the per-kernel table above stands on its own
             traceback.print_exc()
             rc = 1
     if ARGS.json:

@@ -23,19 +23,15 @@ import argparse
 import os
 import platform
 import statistics
-import sys
 import time
 import warnings
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-from megatronish.config import gpt2, llama  # noqa: E402
-from megatronish.model import GPTModel  # noqa: E402
-from megatronish.optim.optimizer import build_optimizer, no_weight_decay  # noqa: E402
-from megatronish.parallel.random import set_random_seed  # noqa: E402
+from megatronish.config import gpt2, llama
+from megatronish.model import GPTModel
+from megatronish.optim.optimizer import build_optimizer, no_weight_decay
+from megatronish.parallel.random import set_random_seed
 
 
 def parse_args():
@@ -86,14 +82,14 @@ def build_pair(flavor, a):
         hf_cls = LlamaForCausalLM
     if cfg.padded_vocab_size() != v:
         warnings.warn(f"vocab {v} is padded to {cfg.padded_vocab_size()} in ours: parameter counts differ; "
-                      f"pick a multiple of {cfg.make_vocab_size_divisible_by}")
+                      f"pick a multiple of {cfg.make_vocab_size_divisible_by}", stacklevel=2)
     ours = GPTModel(cfg)
     ours.init_parameters(a.seed)
     torch.manual_seed(a.seed)
     hf = hf_cls(hf_cfg)
     impl = getattr(hf.config, "_attn_implementation", None)
     if impl != "sdpa":
-        warnings.warn(f"HF attention implementation is {impl!r}, not 'sdpa'")
+        warnings.warn(f"HF attention implementation is {impl!r}, not 'sdpa'", stacklevel=2)
     ours.train()
     hf.train()
     return ours, hf, v
@@ -164,7 +160,8 @@ def interleaved(step_ours, step_hf, reps, warmup):
 
 
 def profile(name, step, rows=15):
-    from torch.profiler import ProfilerActivity, profile as tprofile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
     step()
     with tprofile(activities=[ProfilerActivity.CPU]) as prof:
         step()

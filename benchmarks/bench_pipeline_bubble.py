@@ -13,23 +13,22 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+import torch
+import torch.distributed as dist
+from torch import nn
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
-
-from harness import run_distributed  # noqa: E402
-from megatronish.parallel import groups  # noqa: E402
-from megatronish.parallel.dims import ParallelDims  # noqa: E402
-from megatronish.parallel.pipeline.schedules import get_forward_backward_func, schedule_trace  # noqa: E402
-from megatronish.parallel.pipeline.timeline import PipelineTimeline, bubble_fraction, gather_timeline, \
-    write_chrome_trace  # noqa: E402
+from megatronish.parallel import groups
+from megatronish.parallel.dims import ParallelDims
+from megatronish.parallel.pipeline.schedules import get_forward_backward_func, schedule_trace
+from megatronish.parallel.pipeline.timeline import (
+    PipelineTimeline,
+    bubble_fraction,
+    gather_timeline,
+    write_chrome_trace,
+)
+from megatronish.testing import run_distributed
 
 SHAPE = (4, 1, 8)  # [s, b, h] passed between stages
 
@@ -98,8 +97,10 @@ def simulated_bubble(p: int, v: int, m: int, tf: float, tb: float) -> float:
     def ops_of(r, step):
         nxt, prv = (r + 1) % p, (r - 1) % p
         ops = []
-        for kind, present, ch in (("send", step["send_next"], ("a", r, nxt)), ("send", step["send_prev"], ("g", r, prv)),
-                                  ("recv", step["recv_prev"], ("a", prv, r)), ("recv", step["recv_next"], ("g", nxt, r))):
+        for kind, present, ch in (("send", step["send_next"], ("a", r, nxt)),
+                                  ("send", step["send_prev"], ("g", r, prv)),
+                                  ("recv", step["recv_prev"], ("a", prv, r)),
+                                  ("recv", step["recv_next"], ("g", nxt, r))):
             if present is not None:
                 count[(r, kind, ch)] = count.get((r, kind, ch), 0) + 1
                 ops.append((kind, ch, count[(r, kind, ch)] - 1))

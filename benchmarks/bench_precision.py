@@ -18,23 +18,22 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "tests"))
-os.environ.setdefault("MEGATRONISH_DEVICE", "cpu")
+from megatronish.arguments import configs_from_args, parse_args
+from megatronish.config import gpt2
+from megatronish.parallel import groups
+from megatronish.testing import run_distributed
+from megatronish.training.memory import (
+    SavedActivationCounter,
+    activation_bytes_per_layer,
+    cpu_activation_bytes_per_layer,
+)
+from megatronish.training.pretrain import pretrain
 
-from harness import run_distributed  # noqa: E402
-from megatronish.arguments import configs_from_args, parse_args  # noqa: E402
-from megatronish.config import gpt2  # noqa: E402
-from megatronish.parallel import groups  # noqa: E402
-from megatronish.training.memory import (SavedActivationCounter, activation_bytes_per_layer,  # noqa: E402
-                                         cpu_activation_bytes_per_layer)
-from megatronish.training.pretrain import pretrain  # noqa: E402
+os.environ.setdefault("MEGATRONISH_DEVICE", "cpu")  # read when a device is first asked for
 
 
 def bench_args():

@@ -18,8 +18,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
-from .config import (CheckpointConfig, DataConfig, LoggingConfig, ModelConfig, OptimizerConfig, RunConfig,
-                     TrainingConfig)
+from .config import CheckpointConfig, DataConfig, LoggingConfig, ModelConfig, OptimizerConfig, RunConfig, TrainingConfig
 from .errors import ConfigError, UserError
 from .parallel.dims import ParallelDims, virtual_stages_from_layers
 from .parallel.pipeline.schedules import check_interleaving
@@ -102,14 +101,15 @@ NOT_YET_SUPPORTED: dict[str, NotYet] = {
 class _Parser(argparse.ArgumentParser):
     """argparse whose errors are one line plus a usage hint, exit status 2."""
 
-    def error(self, message: str):  # noqa: D401
+    def error(self, message: str):
         self.exit(2, f"error: {message}\n(run with --help for the list of flags)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """All flags, with Megatron-LM's names and defaults (differences in docs/flags.md)."""
     p = _Parser(prog="pretrain_gpt.py", description="Pretrain a GPT model (Megatron-LM flags).", allow_abbrev=False)
-    flag = lambda g, name, **kw: g.add_argument(name, **kw)  # noqa: E731
+    def flag(g, name, **kw):
+        return g.add_argument(name, **kw)
     on = dict(action="store_true")
 
     g = p.add_argument_group("model")
@@ -565,7 +565,7 @@ def _check_warmup_vs_decay(cfg: RunConfig, errors: list[str]) -> None:
     t = cfg.train
     if (t.train_iters is None and t.train_samples is None) or t.global_batch_size is None:
         return
-    from .optim.lr_schedule import scheduler_steps_from_config  # noqa: PLC0415 - the schedule's own rule
+    from .optim.lr_schedule import scheduler_steps_from_config  # the schedule's own rule
 
     steps = scheduler_steps_from_config(cfg)
     warmup, decay, wsd = steps["lr_warmup_steps"], steps["lr_decay_steps"], steps["wsd_decay_steps"]
@@ -613,14 +613,14 @@ def _check_precision(o: OptimizerConfig, m: ModelConfig | None, errors: list[str
     if m is None:
         return
     if m.fp8 is not None:
-        from .precision.fp8 import Fp8Recipe  # noqa: PLC0415 - only with --fp8-format
+        from .precision.fp8 import Fp8Recipe  # only with --fp8-format
 
         _collect(errors, lambda: Fp8Recipe(
             fp8_format=m.fp8, fp8_recipe=m.fp8_recipe if m.fp8_recipe in ("delayed", "tensorwise") else "delayed",
             fp8_margin=m.fp8_margin, fp8_amax_history_len=m.fp8_amax_history_len,
             fp8_amax_compute_algo=m.fp8_amax_compute_algo))
     if m.transformer_impl != "local":
-        from .precision.fp8 import check_transformer_impl  # noqa: PLC0415 - imports TE lazily
+        from .precision.fp8 import check_transformer_impl  # imports TE lazily
 
         _collect(errors, lambda: check_transformer_impl(m.transformer_impl))
 
@@ -638,7 +638,7 @@ def _check_model(m: ModelConfig | None, errors: list[str]) -> None:
     asked = [f for f, on in (("--use-triton-kernels", m.use_triton_kernels),
                              ("--cross-entropy-loss-fusion", m.cross_entropy_loss_fusion)) if on]
     if asked:
-        from .kernels import check_kernels_available  # noqa: PLC0415 - only when asked for
+        from .kernels import check_kernels_available  # only when asked for
 
         _collect(errors, lambda: check_kernels_available(asked))
 
@@ -651,7 +651,8 @@ def _check_context_parallel(m: ModelConfig | None, dims: ParallelDims | None, er
         errors.append(f"--cp-comm-type takes one type or one per layer (--num-layers {m.num_layers}), got "
                       f"{len(types)}")
     if sizes is not None and "a2a+p2p" not in types:
-        errors.append("--hierarchical-context-parallel-sizes goes with --cp-comm-type a2a+p2p; drop it or use that type")
+        errors.append("--hierarchical-context-parallel-sizes goes with --cp-comm-type a2a+p2p; drop it or use that "
+                      "type")
     if dims is None or dims.cp == 1:
         return
     cp, tp, flag = dims.cp, dims.tp, f"--context-parallel-size {dims.cp}"

@@ -266,7 +266,7 @@ class DataConfig:
     def tokenizer(self):
         """The tokenizer, built once on first use (it may read files): the model's vocabulary size and the data
         pipeline's eod/pad ids both come from this object. Not a dataclass field, so never serialized."""
-        from .data.tokenizers import build_tokenizer  # noqa: PLC0415 - reads tokenizer files; only when used
+        from .data.tokenizers import build_tokenizer  # reads tokenizer files; only when used
 
         try:
             return build_tokenizer(self.tokenizer_type, vocab_file=self.vocab_file, merge_file=self.merge_file,

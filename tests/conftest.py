@@ -1,7 +1,6 @@
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("MEGATRONISH_DEVICE", "cpu")
 
 

@@ -26,10 +26,8 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
-
-from megatronish.data.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path  # noqa: E402
-from megatronish.data.tokenizers import TOKENIZER_TYPES, TokenizerError, build_tokenizer  # noqa: E402
+from megatronish.data.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
+from megatronish.data.tokenizers import TOKENIZER_TYPES, TokenizerError, build_tokenizer
 
 _CHUNK_LINES = 256
 

@@ -55,4 +55,5 @@ def main(out_path):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "python_docs.jsonl"))
+    default = os.path.join(os.path.dirname(os.path.abspath(__file__)), "python_docs.jsonl")
+    main(sys.argv[1] if len(sys.argv) > 1 else default)

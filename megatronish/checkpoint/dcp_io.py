@@ -28,13 +28,17 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                   MetadataIndex, StorageMeta, TensorProperties,
-                                                   TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import (LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem,
-                                                  WriteItemType)
-from torch.distributed.checkpoint.planner_helpers import (_create_read_item_for_byteio,
-                                                          create_read_items_for_chunk_list)
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import _create_read_item_for_byteio, create_read_items_for_chunk_list
 
 from ..errors import ConfigError
 
@@ -380,7 +384,7 @@ def read_tensor(iter_dir: str, md: Metadata, key: str) -> torch.Tensor:
         raw, path = _read_range(iter_dir, info, key)
         try:
             part = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001 - any decoding failure is a damaged file
+        except Exception as e:  # any decoding failure is a damaged file
             raise CheckpointError(f"cannot read {key!r} from checkpoint shard {path}: {e}") from None
         view = out
         for dim, (o, s) in enumerate(zip(chunk.offsets, chunk.sizes)):

@@ -23,10 +23,9 @@ import torch.distributed as dist
 from .. import device
 from ..parallel.context import ParallelContext
 from . import dcp_io, layout
-from .common import (COMMON, FORMAT, FP8, MODEL, OPTIMIZER, SHAPE_FIELDS, common_state, jsonable, rng_key)
+from .common import COMMON, FORMAT, FP8, MODEL, OPTIMIZER, SHAPE_FIELDS, common_state, jsonable, rng_key
 from .dcp_io import CheckpointError, Obj, Sharded
-from .state import (capture_rng, model_entries, named_params, optimizer_entries, optimizer_state,
-                    restore_rng)
+from .state import capture_rng, model_entries, named_params, optimizer_entries, optimizer_state, restore_rng
 
 
 def _rank() -> int:

@@ -25,10 +25,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
+from ..config import padded_vocab_size
 from . import dcp_io, layout
 from .common import COMMON, MODEL, OPTIMIZER, common_state, normalize_config
 from .dcp_io import CheckpointError, Obj, Sharded
-from ..config import padded_vocab_size
 
 __all__ = ["write_checkpoint", "read_checkpoint_meta", "iter_model_tensors", "CheckpointError"]
 

@@ -16,8 +16,14 @@ from ..config import ModelConfig
 from ..errors import ConfigError
 from ..parallel.dims import ParallelDims
 from .core import hf_to_ours, ours_to_hf
-from .hf_config import (GPT2, ConvertError, architecture_of, hf_config_from_model, model_config_from_dict,
-                        model_config_from_hf)
+from .hf_config import (
+    GPT2,
+    ConvertError,
+    architecture_of,
+    hf_config_from_model,
+    model_config_from_dict,
+    model_config_from_hf,
+)
 from .hf_io import HFReader, HFWriter, parse_size
 from .name_map import IGNORED_HF_SUFFIXES, VOCAB_TENSORS, build_entries, expected_global_shapes
 

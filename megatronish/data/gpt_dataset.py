@@ -19,15 +19,15 @@ import math
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy
 import torch
 
 from megatronish.data import helpers
 from megatronish.data.blending import (
-    BlendError,
     BlendedDataset,
+    BlendError,
     convert_split_vector_to_split_matrix,
     get_blend_from_list,
     normalize,
@@ -42,7 +42,6 @@ __all__ = [
     "Split",
     "GPTDatasetConfig",
     "GPTDataset",
-    "MockGPTDataset",
     "build_gpt_datasets",
     "BlendError",
 ]
@@ -338,41 +337,6 @@ def _build_shuffle_index(num_samples: int, total_size: int, rng: numpy.random.Ra
     last = numpy.arange(num_samples, total_size, dtype=dtype)
     rng.shuffle(last)
     return numpy.concatenate((first, last))
-
-
-class MockGPTDataset(torch.utils.data.Dataset):
-    """``--mock-data``: deterministic synthetic samples for any tokenizer (ids in [0, vocab_size),
-    documents of pseudo-random length ended by eod)."""
-
-    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, eod_id: int, seed: int = 1234,
-                 split: Split = Split.train) -> None:
-        self.num_samples = int(num_samples)
-        self.seq_length = int(seq_length)
-        self.vocab_size = int(vocab_size)
-        self.eod_id = int(eod_id)
-        self.seed = int(seed) + 1000 * split.value
-        self.index_split = split
-        self.dataset_path = None
-        self.unique_identifiers = OrderedDict(
-            [("class", type(self).__name__), ("num_samples", num_samples), ("seq_length", seq_length),
-             ("vocab_size", vocab_size), ("seed", self.seed)]
-        )
-
-    def __len__(self) -> int:
-        return self.num_samples
-
-    def __getitem__(self, idx: int) -> Dict[str, torch.Tensor]:
-        rng = numpy.random.default_rng([self.seed, int(idx)])
-        text = rng.integers(0, self.vocab_size, size=self.seq_length + 1, dtype=numpy.int64)
-        doc_len = int(rng.integers(self.seq_length // 4 + 1, self.seq_length + 2))
-        text[doc_len - 1::doc_len] = self.eod_id
-        text = torch.from_numpy(text)
-        return {
-            "tokens": text[:-1].contiguous(),
-            "labels": text[1:].contiguous(),
-            "loss_mask": torch.ones(self.seq_length, dtype=torch.float),
-            "position_ids": torch.arange(self.seq_length, dtype=torch.long),
-        }
 
 
 # ------------------------------------------------------------------------------------ builder

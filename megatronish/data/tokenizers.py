@@ -459,7 +459,7 @@ def _load_tiktoken_ranks(path: str) -> Dict[bytes, int]:
                     raise ValueError(f"entry {i} has rank {item['rank']}")
                 ranks[base64.b64decode(item["token_bytes"])] = i
         else:
-            for lineno, line in enumerate(raw.splitlines(), 1):
+            for line in raw.splitlines():
                 if not line.strip():
                     continue
                 token, rank = line.split()

@@ -45,7 +45,7 @@ def kernels_backend(device_type: str | None = None) -> str | None:
     if interpreter_enabled():
         return "interpreter"
     if device_type is None:
-        from .. import device  # noqa: PLC0415 - the one place that asks torch.cuda
+        from .. import device  # the one place that asks torch.cuda
 
         device_type = device.device_type()
     return "compiled" if device_type == "cuda" else None
@@ -69,7 +69,7 @@ def check_kernels_available(flags: list[str] | tuple[str, ...], device_type: str
 
 def _require(x: torch.Tensor) -> None:
     """A clear error instead of a Triton crash when a kernel is called where it cannot run."""
-    from ._triton import INTERPRETED  # noqa: PLC0415
+    from ._triton import INTERPRETED
 
     if x.device.type == "cuda" or INTERPRETED:
         return
@@ -83,7 +83,7 @@ def _require(x: torch.Tensor) -> None:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension (as ``F.rms_norm``)."""
     _require(x)
-    from .fused_norms import rms_norm as fn  # noqa: PLC0415
+    from .fused_norms import rms_norm as fn
 
     return fn(x, weight, eps)
 
@@ -91,7 +91,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     """``(x - mean) / sqrt(var + eps) * weight + bias`` over the last dimension (as ``F.layer_norm``)."""
     _require(x)
-    from .fused_norms import layer_norm as fn  # noqa: PLC0415
+    from .fused_norms import layer_norm as fn
 
     return fn(x, weight, bias, eps)
 
@@ -100,7 +100,7 @@ def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     """Rotate-half RoPE applied in place to ``x`` ``[s, b, heads, d]`` (first ``cos.size(-1)`` channels);
     returns ``x``."""
     _require(x)
-    from .fused_rope import apply_rotary_ as fn  # noqa: PLC0415
+    from .fused_rope import apply_rotary_ as fn
 
     return fn(x, cos, sin)
 
@@ -108,7 +108,7 @@ def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 def swiglu(h: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``h = [gate, up]`` along the last dimension (``[..., 2f] -> [..., f]``)."""
     _require(h)
-    from .fused_swiglu import swiglu as fn  # noqa: PLC0415
+    from .fused_swiglu import swiglu as fn
 
     return fn(h)
 
@@ -119,6 +119,6 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
     """Fused :func:`megatronish.parallel.cross_entropy.vocab_parallel_cross_entropy` (same loss, same
     all-reduces); the logits' memory receives their gradient in backward."""
     _require(vocab_parallel_logits)
-    from .fused_cross_entropy import vocab_parallel_cross_entropy as fn  # noqa: PLC0415
+    from .fused_cross_entropy import vocab_parallel_cross_entropy as fn
 
     return fn(vocab_parallel_logits, target, label_smoothing, vocab_size, group)

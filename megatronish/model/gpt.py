@@ -3,8 +3,9 @@
 One pipeline stage of the model: ``pre_process`` (first stage) owns the embedding, ``post_process`` (last
 stage) the final norm, output layer and loss; ``first_layer``/``num_local_layers`` say which global layers
 this stage holds. ``parallel`` is the run's :class:`~megatronish.parallel.context.ParallelContext` (default: one
-process); the model reads its tensor-parallel group from it and nothing else. Parameter names are global (``decoder.layers.<global number>...``) through
-:meth:`GPTModel.global_name`, which is what initialization and checkpoints key on.
+process); the model reads its process groups from it and nothing else. Parameter names are global
+(``decoder.layers.<global number>...``) through :meth:`GPTModel.global_name`, which is what initialization and
+checkpoints key on.
 """
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ class Embedding(nn.Module):
                 position_ids = torch.arange(input_ids.size(1), device=input_ids.device).expand_as(input_ids)
             pos = self.position_embeddings(position_ids).transpose(0, 1)  # [b, s, h] -> [s, b, h]
             if self.sequence_parallel:
-                pos = scatter_to_sequence_parallel_region(pos, self._tp_group.value)  # this rank's chunk; bwd all-gathers the grad
+                # this rank's chunk; backward all-gathers the grad
+                pos = scatter_to_sequence_parallel_region(pos, self._tp_group.value)
             x = x + pos
         rng = get_rng_tracker().fork() if self.sequence_parallel and self.training and self.dropout > 0 \
             else contextlib.nullcontext()
@@ -151,9 +153,9 @@ class GPTModel(nn.Module):
                 labels: torch.Tensor | None = None, document_ids: torch.Tensor | None = None):
         """``input_ids``/``labels``: ``[b, s]`` (under context parallelism this rank's tokens, chunks ``r`` and
         ``2N-1-r``; positions default to theirs in the whole sequence). ``document_ids``: ``[b, s]`` of the *whole*
-        sequence (``--reset-attention-mask``): attention stays within a document. Returns the per-token loss ``[b, s]`` (fp32) if ``labels``
-        are given on the last stage, else logits ``[b, s, V_padded/t]``; earlier stages return hidden
-        states ``[s, b, h]``."""
+        sequence (``--reset-attention-mask``): attention stays within a document. Returns the per-token loss
+        ``[b, s]`` (fp32) if ``labels`` are given on the last stage, else logits ``[b, s, V_padded/t]``; earlier
+        stages return hidden states ``[s, b, h]``."""
         p = self.parallel
         if p.cp_size > 1 and position_ids is None and self.pre_process:  # this CP rank's tokens' global positions
             position_ids = cp_chunk_index(input_ids.size(1) * p.cp_size, p.cp_size, p.cp_rank,

@@ -33,8 +33,8 @@ class TransformerLayer(nn.Module):
         self.hidden_dropout = c.hidden_dropout
         # Megatron's scaled init for the two output projections: std / sqrt(2 * num_layers).
         out_std = c.init_method_std / math.sqrt(2.0 * c.num_layers)
-        norm = lambda: build_norm(c.normalization, c.hidden_size, c.norm_epsilon, sequence_parallel,  # noqa: E731
-                                  params_dtype, device)
+        def norm():
+            return build_norm(c.normalization, c.hidden_size, c.norm_epsilon, sequence_parallel, params_dtype, device)
         self.input_layernorm = norm()
         parallel = parallel or ParallelContext.single()
         self.self_attention = SelfAttention(c, sequence_parallel, out_std, params_dtype, device, parallel,

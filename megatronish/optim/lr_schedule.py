@@ -252,7 +252,8 @@ def scheduler_steps_from_args(args) -> tuple:
     ``--lr-wsd-decay-iters * --global-batch-size``; WD increment = ``--train-iters * --global-batch-size``.
     With ``--train-samples``: the ``*-samples`` flags directly.
     """
-    g = lambda name, default=None: getattr(args, name, default)  # noqa: E731
+    def g(name, default=None):
+        return getattr(args, name, default)
     return _steps(g("train_iters"), g("train_samples"), g("global_batch_size"), g("lr_decay_iters"),
                   g("lr_decay_samples"), g("lr_warmup_fraction"), g("lr_warmup_iters", 0),
                   g("lr_warmup_samples", 0), g("lr_wsd_decay_iters"), g("lr_wsd_decay_samples"))

@@ -100,7 +100,7 @@ class ParallelContext:
     rank: int
     group_map: dict = field(repr=False)  # kind -> ProcessGroup | FakeGroup | None
     rank_map: dict = field(repr=False)  # kind -> tuple of global ranks of this rank's group of that kind
-    fake: bool = False
+    is_fake: bool = False  # made by ParallelContext.fake: no torch.distributed behind the groups
     # Point-to-point groups that have run their first collective (NCCL wants one before batched p2p).
     p2p_ready: set = field(default_factory=set, repr=False, compare=False)
 
@@ -152,7 +152,7 @@ class ParallelContext:
                             else {}).items():
             ranks = next(tuple(g) for g in lists if rank in g)
             rank_map[kind], group_map[kind] = ranks, FakeGroup(ranks, rank) if len(ranks) > 1 else None
-        return cls(dims, rank, group_map, rank_map, fake=True)
+        return cls(dims, rank, group_map, rank_map, is_fake=True)
 
     @classmethod
     def single(cls) -> "ParallelContext":

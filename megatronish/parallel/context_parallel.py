@@ -181,10 +181,10 @@ def _attend(q, kv, blocks, c, scale, out, lse) -> None:
     for blk in blocks:
         qs = slice(blk.q0 * c, blk.q1 * c)
         kb, vb = (_expand_kv(_take(t, blk.k, c), rep) for t in kv)
-        o, l = _block_forward(q[:, :, qs].contiguous(), kb, vb, blk.causal, scale, blk.mask)
+        o, blk_lse = _block_forward(q[:, :, qs].contiguous(), kb, vb, blk.causal, scale, blk.mask)
         if blk.rows is not None:  # rows this block leaves without a key: nothing to merge
-            l = l.masked_fill(~blk.rows[:, None, :], float("-inf"))
-        out[:, :, qs], lse[:, :, qs] = _merge(out[:, :, qs], lse[:, :, qs], o, l)
+            blk_lse = blk_lse.masked_fill(~blk.rows[:, None, :], float("-inf"))
+        out[:, :, qs], lse[:, :, qs] = _merge(out[:, :, qs], lse[:, :, qs], o, blk_lse)
 
 
 def _attend_backward(dout, q, kv, out, lse, blocks, c, scale, dq, dkv) -> None:

@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 
-
 def loss_from_local_stats(stats: list, group, world: int, label_smoothing: float, total_vocab: int):
     """The one all-reduce of the per-token statistics of this rank's vocabulary slice, and the loss from it.
 

@@ -15,9 +15,14 @@ from torch import nn
 from .context import Shared, group_rank, group_size
 from .dims import effective_sequence_parallel
 from .init import TensorDesc, local_shape, set_desc
-from .mappings import (copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
-                       gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
-                       reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_model_parallel_region)
+from .mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
 
 
 class _TensorParallel(nn.Module):

@@ -175,7 +175,8 @@ def report_theoretical_memory(cfg, optimizer, models, print_fn=print) -> dict:
     print_fn(f"theoretical memory per rank: weights+grads+optimizer {_mb(est['weights_and_optimizer'])} "
              f"({n} params x {est['bytes_per_param']:.2f} B/param; {str(o.params_dtype).replace('torch.', '')} "
              f"params, {str(o.grad_dtype).replace('torch.', '')} grads, {kind}); activations (first stage, "
-             f"Korthikanti et al.) {_mb(est['activations'])}; total {_mb(est['weights_and_optimizer'] + est['activations'])}")
+             f"Korthikanti et al.) {_mb(est['activations'])}; "
+             f"total {_mb(est['weights_and_optimizer'] + est['activations'])}")
     return est
 
 

@@ -25,6 +25,8 @@ import torch.distributed as dist
 
 from .. import device
 from ..checkpoint.manager import setup_checkpointing
+from ..data.mock import MockGPTDataset
+from ..data.sampler import collate, global_batch_indices
 from ..model.build import build_model_chunks
 from ..optim.clip_grads import global_norm
 from ..optim.grad_scaler import build_grad_scaler
@@ -42,7 +44,6 @@ from .exit import ExitPolicy
 from .flops import device_peak_tflops, num_floating_point_operations
 from .memory import ActivationMeter, report_theoretical_memory
 from .metrics import MetricsWriter, print_rank_last, train_log_line
-from .mock_data import MockGPTDataset, collate, global_batch_indices
 
 
 @dataclass

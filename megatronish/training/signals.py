@@ -32,7 +32,7 @@ class DistributedSignalHandler:
         self._previous = None
         self._installed = False
 
-    def _handler(self, signum, frame) -> None:  # noqa: ARG002 - signal API
+    def _handler(self, signum, frame) -> None:  # signal API
         self.received = True
 
     def install(self) -> "DistributedSignalHandler":

@@ -6,11 +6,11 @@ import os
 import pytest
 import torch
 
-from harness import run_distributed
 from megatronish.arguments import configs_from_args, parse_args
 from megatronish.checkpoint import CheckpointError, dcp_io
 from megatronish.checkpoint.offline import iter_model_tensors, read_checkpoint_meta
 from megatronish.parallel import groups
+from megatronish.testing import run_distributed
 from megatronish.training.pretrain import pretrain
 
 BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",

@@ -1,8 +1,8 @@
 """Context parallelism through ``pretrain()`` is the one-process model: for GPT-2 and Llama (GQA), every CP comm
 type at CP 2 and 4, a2a+p2p 2 x 2, TP 2 x CP 2 with SP, CP 2 x PP 2 (interleaved too), CP 2 x DP 2 with the
-distributed optimizer and CP 2 with full or selective recompute give the losses and gradient norms of 8 iterations and the final parameters of one process
-(fp32, rtol 1e-5). Plain SGD makes the parameters a linear function of the gradients, so equal parameters after
-every step mean equal gradients."""
+distributed optimizer and CP 2 with full or selective recompute give the losses and gradient norms of 8
+iterations and the final parameters of one process (fp32, rtol 1e-5). Plain SGD makes the parameters a linear
+function of the gradients, so equal parameters after every step mean equal gradients."""
 import json
 import os
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import run_distributed
 from megatronish.arguments import configs_from_args, parse_args
 from megatronish.parallel.init import gather_to_global
+from megatronish.testing import run_distributed
 from megatronish.training.pretrain import pretrain
 
 ITERS = 8

@@ -8,11 +8,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harness import run_distributed
 from megatronish.parallel import groups
-from megatronish.parallel.context_parallel import (cp_chunk_index, context_parallel_attention,
-                                                   gather_from_context_parallel, split_for_context_parallel)
+from megatronish.parallel.context_parallel import (
+    context_parallel_attention,
+    cp_chunk_index,
+    gather_from_context_parallel,
+    split_for_context_parallel,
+)
 from megatronish.parallel.dims import ParallelDims
+from megatronish.testing import run_distributed
 
 B, S, D = 2, 32, 8
 CASES = [(8, 8), (8, 4), (4, 4)]  # (query heads, key/value heads)
@@ -57,8 +61,8 @@ def _worker(rank, world, refs):
             out.backward(dout)
             what = f"CP{world} {comm} heads {hq}/{hkv} documents={with_docs}"
             for name, mine, full in zip(("out", "dq", "dk", "dv"), (out.detach(), q.grad, k.grad, v.grad), ref):
-                torch.testing.assert_close(gather_from_context_parallel(mine, 2, g), full, rtol=1e-5, atol=_atol(with_docs),
-                                           msg=lambda m: f"{what} {name}: {m}")
+                torch.testing.assert_close(gather_from_context_parallel(mine, 2, g), full, rtol=1e-5,
+                                           atol=_atol(with_docs), msg=lambda m: f"{what} {name}: {m}")
     return True
 
 
@@ -84,8 +88,8 @@ def _hierarchical_worker(rank, world, refs):
             out.backward(dout)
             what = f"CP{world} a2a+p2p {a}x{world // a} heads {hq}/{hkv} documents={with_docs}"
             for name, mine, full in zip(("out", "dq", "dk", "dv"), (out.detach(), q.grad, k.grad, v.grad), ref):
-                torch.testing.assert_close(gather_from_context_parallel(mine, 2, g), full, rtol=1e-5, atol=_atol(with_docs),
-                                           msg=lambda m: f"{what} {name}: {m}")
+                torch.testing.assert_close(gather_from_context_parallel(mine, 2, g), full, rtol=1e-5,
+                                           atol=_atol(with_docs), msg=lambda m: f"{what} {name}: {m}")
     return True
 
 

@@ -5,13 +5,13 @@ parameter's ``TensorDesc``)."""
 import torch
 import torch.distributed as dist
 
-from harness import run_distributed
 from megatronish.convert import hf_state_dict_to_ours, load_into_model, model_config_from_hf
 from megatronish.convert.tiny import tiny_hf_model
 from megatronish.model.build import build_model_chunks
 from megatronish.parallel import groups
 from megatronish.parallel.dims import ParallelDims
 from megatronish.parallel.mappings import gather_from_tensor_model_parallel_region
+from megatronish.testing import run_distributed
 
 V, B, S = 100, 2, 16
 

@@ -6,9 +6,9 @@ reduce-scatter and parameter all-gather included. Its optimizer state per rank i
 most the bucket padding."""
 import torch
 
-from harness import run_distributed
 from megatronish.arguments import configs_from_args, parse_args
 from megatronish.parallel import groups
+from megatronish.testing import run_distributed
 from megatronish.training.pretrain import pretrain
 
 ITERS = 10

@@ -15,7 +15,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import run_distributed
 from megatronish.arguments import configs_from_args, parse_args
 from megatronish.config import gpt2, llama
 from megatronish.data.gpt_dataset import document_ids
@@ -23,6 +22,7 @@ from megatronish.data.indexed_dataset import IndexedDatasetBuilder, get_idx_path
 from megatronish.model import GPTModel
 from megatronish.parallel.init import gather_to_global
 from megatronish.parallel.random import set_random_seed
+from megatronish.testing import run_distributed
 from megatronish.training.pretrain import pretrain
 
 V = 95  # NullTokenizer --vocab-size 95: ids 0..94, eod 95

@@ -3,7 +3,6 @@ single-process losses; the global grad norm under TP x DP equals the single-proc
 import pytest
 import torch
 
-from harness import run_distributed
 from megatronish.arguments import configs_from_args, parse_args
 from megatronish.config import gpt2
 from megatronish.model import GPTModel
@@ -11,6 +10,7 @@ from megatronish.optim.clip_grads import global_norm
 from megatronish.parallel import groups
 from megatronish.parallel.ddp import DistributedDataParallel, finalize_model_grads
 from megatronish.parallel.dims import ParallelDims
+from megatronish.testing import run_distributed
 from megatronish.training.pretrain import pretrain
 
 ITERS = 10

@@ -2,7 +2,6 @@
 bitwise the gradients of no recompute with dropout on, also under FP8 and TP 2 (+SP)."""
 import torch
 
-from harness import run_distributed
 from megatronish.config import gpt2, llama
 from megatronish.model import GPTModel
 from megatronish.parallel import groups
@@ -12,6 +11,7 @@ from megatronish.parallel.init import gather_to_global
 from megatronish.parallel.layers import allreduce_sequence_parallel_grads
 from megatronish.parallel.random import set_random_seed
 from megatronish.precision.fp8 import Fp8Recipe, enable_fp8
+from megatronish.testing import run_distributed
 
 SEED, B, S, V = 321, 2, 16, 100
 

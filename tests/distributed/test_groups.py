@@ -4,12 +4,12 @@ import copy
 import torch
 import torch.distributed as dist
 
-from harness import run_distributed
 from megatronish.config import gpt2
 from megatronish.model import GPTModel
 from megatronish.parallel import groups
 from megatronish.parallel.context import ParallelContext, group_rank, group_size
 from megatronish.parallel.dims import ParallelDims
+from megatronish.testing import run_distributed
 
 
 def _worker(rank, world):

@@ -6,24 +6,22 @@ rtol 1e-5); the ranks count the fused calls, so a silent fall-back to PyTorch fa
 alone at TP 2 matches torch's cross entropy on the gathered logits, including a rank whose vocabulary slice is
 all padding."""
 
-import pytest
 import torch
 import torch.nn.functional as F
 
-from harness import run_distributed
-
-from kernel_support import import_interpreted, not_interpreted_mark  # noqa: E402
+from kernel_support import import_interpreted, not_interpreted_mark
+from megatronish.testing import run_distributed
 
 kernels, _triton, _mods = import_interpreted("fused_cross_entropy", "fused_norms", "fused_rope", "fused_swiglu")
 fused_cross_entropy = _mods[0]
 
-from megatronish.config import llama  # noqa: E402
-from megatronish.model import GPTModel  # noqa: E402
-from megatronish.parallel import groups  # noqa: E402
-from megatronish.parallel.dims import ParallelDims  # noqa: E402
-from megatronish.parallel.init import gather_to_global  # noqa: E402
-from megatronish.parallel.layers import allreduce_sequence_parallel_grads  # noqa: E402
-from megatronish.parallel.random import set_random_seed  # noqa: E402
+from megatronish.config import llama  # noqa: E402 - after the interpreted kernels are loaded
+from megatronish.model import GPTModel  # noqa: E402 - after the interpreted kernels are loaded
+from megatronish.parallel import groups  # noqa: E402 - after the interpreted kernels are loaded
+from megatronish.parallel.dims import ParallelDims  # noqa: E402 - after the interpreted kernels are loaded
+from megatronish.parallel.init import gather_to_global  # noqa: E402 - after the interpreted kernels are loaded
+from megatronish.parallel.layers import allreduce_sequence_parallel_grads  # noqa: E402 - after the interpreted kernels are loaded
+from megatronish.parallel.random import set_random_seed  # noqa: E402 - after the interpreted kernels are loaded
 
 pytestmark = not_interpreted_mark(_triton)
 
@@ -119,7 +117,9 @@ def _check_cross_entropy(rank):
 def _count_fused_calls(calls):
     """Wrap the fused ops the model calls (this forked rank only), so the test knows they ran."""
     for name in EXPECTED_CALLS:
-        def counted(*a, _fn=getattr(kernels, name), _name=name, **kw):
+        fn = getattr(kernels, name)
+
+        def counted(*a, _fn=fn, _name=name, **kw):
             calls[_name] = calls.get(_name, 0) + 1
             return _fn(*a, **kw)
         setattr(kernels, name, counted)

@@ -18,9 +18,9 @@ import json
 import pytest
 import torch
 
-from harness import run_distributed
 from megatronish.arguments import configs_from_args, parse_args
 from megatronish.parallel import groups
+from megatronish.testing import run_distributed
 from megatronish.training.pretrain import pretrain
 
 ITERS = 10

@@ -4,7 +4,6 @@ copied: layout-invariant initialization makes the models equal."""
 import pytest
 import torch
 
-from harness import run_distributed
 from megatronish.config import gpt2, llama
 from megatronish.model import GPTModel
 from megatronish.parallel import groups
@@ -13,6 +12,7 @@ from megatronish.parallel.init import gather_to_global
 from megatronish.parallel.layers import allreduce_sequence_parallel_grads
 from megatronish.parallel.mappings import gather_from_tensor_model_parallel_region
 from megatronish.parallel.random import set_random_seed
+from megatronish.testing import run_distributed
 
 SEED, B, S, V = 1234, 2, 16, 100
 FLAVORS = {

@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import run_distributed
 from megatronish.config import gpt2, llama
 from megatronish.model import GPTModel
 from megatronish.model.build import build_model_chunks
@@ -19,11 +18,20 @@ from megatronish.parallel import groups
 from megatronish.parallel.ddp import DistributedDataParallel, finalize_model_grads
 from megatronish.parallel.dims import ParallelDims
 from megatronish.parallel.init import gather_to_global
-from megatronish.parallel.pipeline.schedules import forward_backward_no_pipelining, get_forward_backward_func, \
-    pipeline_tensor_shape, schedule_table
-from megatronish.parallel.pipeline.timeline import PipelineTimeline, gather_timeline, read_chrome_trace, \
-    write_chrome_trace
+from megatronish.parallel.pipeline.schedules import (
+    forward_backward_no_pipelining,
+    get_forward_backward_func,
+    pipeline_tensor_shape,
+    schedule_table,
+)
+from megatronish.parallel.pipeline.timeline import (
+    PipelineTimeline,
+    gather_timeline,
+    read_chrome_trace,
+    write_chrome_trace,
+)
 from megatronish.parallel.random import set_random_seed
+from megatronish.testing import run_distributed
 
 SEED, MBS, S, V, H, NUM_MB, STEPS = 1234, 2, 16, 100, 32, 8, 3
 FLAVORS = {

@@ -2,13 +2,13 @@
 checkpointing replays the RNG so recomputed dropout (and hence every gradient) is identical."""
 import torch
 
-from harness import run_distributed
 from megatronish.config import gpt2, llama
 from megatronish.model import GPTModel
 from megatronish.parallel import groups
 from megatronish.parallel.context import ParallelContext
 from megatronish.parallel.dims import ParallelDims
 from megatronish.parallel.random import checkpoint, get_rng_tracker, set_random_seed
+from megatronish.testing import run_distributed
 
 SEED, B, S, V = 77, 2, 16, 100
 

@@ -3,13 +3,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harness import run_distributed
 from megatronish.parallel import groups
+from megatronish.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatronish.parallel.dims import ParallelDims
 from megatronish.parallel.init import gather_to_global, initialize_slice, local_indices
 from megatronish.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from megatronish.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatronish.parallel.mappings import gather_from_tensor_model_parallel_region
+from megatronish.testing import run_distributed
 
 S, B, H, OUT = 8, 3, 12, 16
 RTOL, ATOL = 1e-5, 1e-6

@@ -1,6 +1,6 @@
 """End to end through ``pretrain_gpt.py`` processes: SIGTERM to one rank with ``--exit-signal-handler`` saves and
 every rank exits 0; killing a process while an asynchronous save is in flight leaves the previous checkpoint
-loadable and chosen; ``tools/checkpoint/inspect.py`` reads what was written."""
+loadable and chosen; ``tools/checkpoint/inspect_checkpoint.py`` reads what was written."""
 import json
 import os
 import signal
@@ -8,10 +8,10 @@ import subprocess
 import sys
 import time
 
-from harness import free_port, run_distributed
 from megatronish.arguments import configs_from_args, parse_args
 from megatronish.checkpoint.offline import iter_model_tensors, read_checkpoint_meta
 from megatronish.parallel import groups
+from megatronish.testing import free_port, run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -65,8 +65,9 @@ def test_sigterm_to_one_rank_saves_and_all_exit_zero(tmp_path):
     assert 3 <= meta["iteration"] < 100 and meta["layout"]["dp"] == 2
     assert f"saved checkpoint {os.path.join(save, 'iter_%07d' % meta['iteration'])}" in out
 
-    inspect = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "checkpoint", "inspect.py"), save, "--json"],
-                             cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    tool = os.path.join(ROOT, "tools", "checkpoint", "inspect_checkpoint.py")
+    inspect = subprocess.run([sys.executable, tool, save, "--json"], cwd=ROOT, env=_env(), capture_output=True,
+                             text=True, timeout=120)
     assert inspect.returncode == 0, inspect.stderr
     info = json.loads(inspect.stdout)
     assert info["iteration"] == meta["iteration"] and info["config"]["model"]["hidden_size"] == 32
@@ -92,9 +93,8 @@ def write_item(*a, **k):
         time.sleep(600)
     return real_write(*a, **k)
 dcp_io.save, fs._write_item = save, write_item
-sys.path.insert(0, sys.argv[1])
-from pretrain_gpt import main
-main(sys.argv[2:])
+from megatronish.tools.pretrain_gpt import main
+main(sys.argv[1:])
 """
 
 
@@ -110,7 +110,7 @@ def test_kill_during_async_save_keeps_previous_checkpoint(tmp_path):
     save = str(tmp_path / "ck")
     script = tmp_path / "slow.py"
     script.write_text(SLOW_WRITER)
-    cmd = [sys.executable, str(script), ROOT, *FLAGS, "--save", save, "--save-interval", "2", "--async-save"]
+    cmd = [sys.executable, str(script), *FLAGS, "--save", save, "--save-interval", "2", "--async-save"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), text=True, stdout=subprocess.PIPE,
                             stderr=open(tmp_path / "err", "w"))
     try:

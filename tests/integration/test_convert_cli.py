@@ -15,12 +15,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from harness import run_distributed
 from megatronish.arguments import configs_from_args, parse_args
 from megatronish.convert.hf_io import HFReader
 from megatronish.convert.tiny import tiny_hf_model
+from megatronish.data.mock import MockGPTDataset
+from megatronish.data.sampler import collate
 from megatronish.parallel import groups
-from megatronish.training.mock_data import MockGPTDataset, collate
+from megatronish.testing import run_distributed
 from megatronish.training.pretrain import pretrain
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

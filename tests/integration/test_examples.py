@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 
 from megatronish.data.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
-
+from megatronish.testing import subprocess_env
+from tokenizer_files import make_hf_tokenizer_json
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "tests", "unit", "data"))
-from tokenizer_files import make_hf_tokenizer_json  # noqa: E402
 
 # Stands in for `python`: `-c`/plain invocations run Python; `-m torch.distributed.run ... pretrain_gpt.py FLAGS`
 # validates FLAGS for --nproc-per-node ranks and prints the resulting model shape.
@@ -54,7 +53,7 @@ def env(tmp_path_factory):
 
 @pytest.mark.parametrize("script,shape", [("gpt2_124m.sh", "12 768 12 12 1"), ("llama_1b.sh", "16 2048 32 8 2")])
 def test_example_flags_validate(env, script, shape):
-    proc = subprocess.run(["bash", os.path.join(REPO, "examples", script)], env={**os.environ, **env},
+    proc = subprocess.run(["bash", os.path.join(REPO, "examples", script)], env={**subprocess_env(), **env},
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"VALID {shape}" in proc.stdout

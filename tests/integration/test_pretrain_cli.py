@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from megatronish.testing import subprocess_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--max-position-embeddings", "32", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
@@ -19,7 +21,7 @@ TRAIN_KEYS = {"iteration", "consumed_samples", "lm_loss", "lr", "grad_norm", "lo
 
 
 def _env():
-    env = dict(os.environ, OMP_NUM_THREADS="1", MEGATRONISH_DEVICE="cpu")
+    env = subprocess_env(OMP_NUM_THREADS="1", MEGATRONISH_DEVICE="cpu")
     env.pop("RANK", None)
     return env
 

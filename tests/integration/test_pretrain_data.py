@@ -1,14 +1,13 @@
 """Training from Megatron .bin/.idx files made by tools/preprocess_data.py (GPT-2 BPE on the bundled
 corpus), and --mock-data with a file tokenizer."""
-import json
 import os
 import subprocess
 import sys
 
-from harness import run_distributed
 from megatronish.arguments import configs_from_args, parse_args
 from megatronish.data.tokenizers import gpt2_files
 from megatronish.parallel import groups
+from megatronish.testing import run_distributed, subprocess_env
 from megatronish.training.pretrain import pretrain
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -21,7 +20,7 @@ MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
 def _train(rank, world, argv):
     groups.destroy_model_parallel()
     state = pretrain(configs_from_args(parse_args(argv), world))
-    return [l for _, l in state.history], [l for _, l in state.valid_history]
+    return [loss for _, loss in state.history], [loss for _, loss in state.valid_history]
 
 
 def test_train_from_preprocessed_files(tmp_path):
@@ -33,7 +32,7 @@ def test_train_from_preprocessed_files(tmp_path):
     subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", str(corpus),
                     "--json-keys", "text", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab,
                     "--merge-file", merges, "--append-eod", "--output-prefix", str(prefix), "--workers", "1"],
-                   check=True, capture_output=True)
+                   check=True, capture_output=True, env=subprocess_env())
     tok = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges]
     argv = MODEL + tok + ["--data-path", f"{prefix}_text_document", "--split", "90,10,0", "--train-iters", "12",
                           "--eval-interval", "6", "--eval-iters", "1", "--data-cache-path", str(tmp_path / "cache")]
@@ -52,4 +51,4 @@ def test_mock_data_with_a_file_tokenizer():
     cfg = configs_from_args(parse_args(argv), 1)
     assert cfg.model.vocab_size == 50257
     (train, _), = run_distributed(_train, 1, argv)
-    assert len(train) == 3 and all(l == l for l in train)
+    assert len(train) == 3 and all(loss == loss for loss in train)

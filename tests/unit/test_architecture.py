@@ -3,7 +3,6 @@ no cycle; process groups are made in one place and reach the code through the pa
 the accessor layer that exists for users' code."""
 import ast
 import os
-from collections import defaultdict
 
 import megatronish
 

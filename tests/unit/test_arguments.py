@@ -1,8 +1,14 @@
 """Megatron-LM flags: each parses to its namespace and config field; each validation rule names its flags."""
 import pytest
 
-from megatronish.arguments import (NOT_YET_SUPPORTED, build_parser, configs_from_args, exit_on_config_error,
-                                   parse_args, validate_args)
+from megatronish.arguments import (
+    NOT_YET_SUPPORTED,
+    build_parser,
+    configs_from_args,
+    exit_on_config_error,
+    parse_args,
+    validate_args,
+)
 from megatronish.config import RunConfig
 from megatronish.parallel.dims import ConfigError
 
@@ -249,7 +255,8 @@ def test_derived_model_values():
     cfg = cfg_of()
     m = cfg.model
     assert (m.ffn_hidden_size, m.kv_channels, m.num_query_groups, m.max_position_embeddings) == (256, 8, 8, 32)
-    assert cfg_of(base=_without("--max-position-embeddings")).model.max_position_embeddings == 32  # default: --seq-length
+    # default: --seq-length
+    assert cfg_of(base=_without("--max-position-embeddings")).model.max_position_embeddings == 32
     assert cfg.num_microbatches == 8 and cfg.train.global_batch_size == 16
 
 
@@ -394,8 +401,8 @@ def test_all_errors_reported_together():
     lines = errors_of(["--global-batch-size", "30", "--micro-batch-size", "4", "--min-lr", "1"], world=2,
                       base=_without("--vocab-size"))
     assert len(lines) == 3
-    assert any("--global-batch-size" in l for l in lines) and any("--min-lr" in l for l in lines)
-    assert any("--vocab-size" in l for l in lines)
+    assert any("--global-batch-size" in line for line in lines) and any("--min-lr" in line for line in lines)
+    assert any("--vocab-size" in line for line in lines)
 
 
 def test_num_query_groups_ignored_without_gqa():

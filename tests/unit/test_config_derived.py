@@ -201,8 +201,9 @@ def test_tokenizer_built_once(monkeypatch):
 
 
 def test_tokenizer_file_error_is_one_config_error(tmp_path):
-    args = parse_args(without("--vocab-size", "--tokenizer-type") + ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(tmp_path / "missing.json"),
-                         "--merge-file", str(tmp_path / "missing.txt")])
+    args = parse_args(without("--vocab-size", "--tokenizer-type") + [
+        "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(tmp_path / "missing.json"),
+        "--merge-file", str(tmp_path / "missing.txt")])
     with pytest.raises(ConfigError) as e:
         configs_from_args(args, 1)
     assert len(str(e.value).splitlines()) == 1
@@ -229,7 +230,8 @@ def test_validate_on_a_config_lists_every_problem():
     with pytest.raises(ConfigError) as e:
         arguments.validate(bad)
     lines = str(e.value).splitlines()
-    assert len(lines) == 2 and any("--global-batch-size 30" in l for l in lines) and any("--min-lr" in l for l in lines)
+    assert len(lines) == 2 and any("--global-batch-size 30" in line for line in lines)
+    assert any("--min-lr" in line for line in lines)
 
 
 # ------------------------------------------------------------------ one error family

@@ -1,8 +1,7 @@
 """Hugging Face conversion in one process: the name map matches our model's parameters, config.json maps to
 our config and back, a converted tiny GPT-2 / Llama (GQA) gives transformers' logits and loss, the state dict
-round trip is bitwise, and each mismatch is one clear error from tools/checkpoint/convert.py."""
+round trip is bitwise, and each mismatch is one clear error from the converter (tools/checkpoint/convert.py)."""
 import dataclasses
-import importlib.util
 import json
 import os
 
@@ -12,22 +11,21 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from megatronish.config import gpt2, llama
-from megatronish.convert import (ConvertError, hf_config_from_model, hf_state_dict_to_ours, load_into_model,
-                                 model_config_from_hf, ours_to_hf_state_dict)
+from megatronish.convert import (
+    ConvertError,
+    hf_config_from_model,
+    hf_state_dict_to_ours,
+    load_into_model,
+    model_config_from_hf,
+    ours_to_hf_state_dict,
+)
 from megatronish.convert.name_map import expected_global_shapes
 from megatronish.convert.tiny import tiny_hf_model
 from megatronish.model import GPTModel
+from megatronish.tools import convert_checkpoint
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GPT2, LLAMA = "GPT2LMHeadModel", "LlamaForCausalLM"
 V = 100
-
-
-def _cli():
-    spec = importlib.util.spec_from_file_location("convert_cli", os.path.join(ROOT, "tools/checkpoint/convert.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.mark.parametrize("cfg", [
@@ -87,7 +85,7 @@ def _save(model, d):
 def _convert_error(capsys, *argv):
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
-        _cli().main(["--model-type", "GPT", *argv])
+        convert_checkpoint.main(["--model-type", "GPT", *argv])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: "), err
@@ -122,7 +120,7 @@ def test_errors(tmp_path, capsys):
                          "--true-vocab-size", "101")
     assert "--true-vocab-size 101" in msg and "100" in msg
     ours = str(tmp_path / "ours")
-    _cli().main(["--model-type", "GPT", *to_ours, "--load-dir", src, "--save-dir", ours])
+    convert_checkpoint.main(["--model-type", "GPT", *to_ours, "--load-dir", src, "--save-dir", ours])
     capsys.readouterr()
     msg = _convert_error(capsys, "--loader", "megatronish", "--saver", "hf", "--load-dir", ours,
                          "--save-dir", str(tmp_path / "o5"), "--true-vocab-size", "129")

@@ -9,7 +9,7 @@ import torch
 from megatronish.data import BlendError, build_gpt_datasets
 from megatronish.data.gpt_dataset import _get_ltor_masks_and_position_ids
 from megatronish.data.indexed_dataset import IndexedDatasetBuilder
-from megatronish.data.sampler import MegatronPretrainingSampler
+from megatronish.data.sampler import MegatronPretrainingSampler, collate, global_batch_indices
 
 EOD = 0
 
@@ -43,7 +43,8 @@ def stream_of(ds):
 
 def test_every_token_once_per_epoch(data):
     d, a, _ = data
-    train, valid, test = build_gpt_datasets([a], "80,15,5", 16, 1234, (None, None, None), cache_dir=d + "/c1", eod_id=EOD)
+    train, valid, test = build_gpt_datasets([a], "80,15,5", 16, 1234, (None, None, None), cache_dir=d + "/c1",
+                                            eod_id=EOD)
     from megatronish.data.indexed_dataset import IndexedDataset
 
     ind = IndexedDataset(a)
@@ -118,6 +119,19 @@ def test_resume_from_consumed_samples(data):
     first = next(iter(loader))
     assert torch.equal(first["tokens"], torch.stack([ds[20]["tokens"], ds[21]["tokens"]]))
 
+
+
+def test_training_order_is_the_sampler_order(data):
+    """The loop's per-iteration indices are the sampler's batches, iteration after iteration, for every DP rank."""
+    d, a, _ = data
+    ds = build_gpt_datasets([a], "1", 16, 5, (64, None, None), cache_dir=d + "/o", eod_id=EOD)[0]
+    mbs, dp, num_mb = 2, 3, 2
+    for rank in range(dp):
+        sampled = list(MegatronPretrainingSampler(len(ds), 6, mbs, rank, dp))
+        steps = [global_batch_indices(6 + it * mbs * dp * num_mb, mbs, dp, rank, num_mb) for it in range(4)]
+        assert [idx for step in steps for idx in step] == sampled[: 4 * num_mb]
+    batch = collate([ds[i] for i in global_batch_indices(6, mbs, dp, 1, 1)[0]])
+    assert torch.equal(batch["tokens"], torch.stack([ds[8]["tokens"], ds[9]["tokens"]]))
 
 def test_blend_proportions(data):
     d, a, b = data

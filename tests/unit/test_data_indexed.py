@@ -14,6 +14,7 @@ from megatronish.data.indexed_dataset import (
     IndexedDatasetBuilder,
     IndexedDatasetError,
 )
+from megatronish.testing import subprocess_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CODES = {np.uint8: 1, np.int8: 2, np.int16: 3, np.int32: 4, np.int64: 5, np.float64: 6, np.float32: 7, np.uint16: 8}
@@ -134,7 +135,7 @@ def test_merge_equals_one_pass(tmp_path):
     # the CLI does the same
     cli = str(tmp_path / "cli")
     r = subprocess.run([sys.executable, os.path.join(REPO, "tools", "merge_datasets.py"), "--input", *prefixes,
-                        "--output-prefix", cli], capture_output=True, text=True)
+                        "--output-prefix", cli], capture_output=True, text=True, env=subprocess_env())
     assert r.returncode == 0, r.stderr
     for ext in (".bin", ".idx"):
         assert open(cli + ext, "rb").read() == open(one + ext, "rb").read()
@@ -149,7 +150,7 @@ def test_merge_rejects_other_dtype(tmp_path):
     with pytest.raises(ValueError, match="share a dtype"):
         builder.add_index(b)
     r = subprocess.run([sys.executable, os.path.join(REPO, "tools", "merge_datasets.py"), "--input", a, b,
-                        "--output-prefix", str(tmp_path / "m2")], capture_output=True, text=True)
+                        "--output-prefix", str(tmp_path / "m2")], capture_output=True, text=True, env=subprocess_env())
     assert r.returncode == 1 and "share a dtype" in r.stderr and "Traceback" not in r.stderr
 
 

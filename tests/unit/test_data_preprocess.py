@@ -1,5 +1,6 @@
 """Tokenizers and tools/preprocess_data.py: round trips, worker/partition invariance, bad input."""
 import gzip
+import importlib.util
 import json
 import os
 import subprocess
@@ -8,15 +9,15 @@ import sys
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "data"))
-import tokenizer_files as tf  # noqa: E402
-
-from megatronish.data.indexed_dataset import IndexedDataset  # noqa: E402
-from megatronish.data.tokenizers import TokenizerError, build_tokenizer  # noqa: E402
+import tokenizer_files as tf
+from megatronish.data.indexed_dataset import IndexedDataset
+from megatronish.data.tokenizers import TokenizerError, build_tokenizer
+from megatronish.testing import subprocess_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "tools"))
-import preprocess_data  # noqa: E402
+_spec = importlib.util.spec_from_file_location("preprocess_data", os.path.join(REPO, "tools", "preprocess_data.py"))
+preprocess_data = sys.modules["preprocess_data"] = importlib.util.module_from_spec(_spec)  # workers unpickle by name
+_spec.loader.exec_module(preprocess_data)
 
 NULL_TEXTS = ["1 2 3", "999 0 5 5", "7"]
 
@@ -181,7 +182,7 @@ def test_cli_errors_without_traceback(tmp_path):
     ]
     for argv, message in cases:
         r = subprocess.run([sys.executable, tool, "--output-prefix", str(tmp_path / "o"), *argv],
-                           capture_output=True, text=True)
+                           capture_output=True, text=True, env=subprocess_env())
         assert r.returncode == 1, r.stderr
         assert message in r.stderr and "Traceback" not in r.stderr
 

@@ -1,5 +1,6 @@
 """ParallelDims: rank layout, group lists against a brute force, and config validation."""
 
+import dataclasses
 import itertools
 import random
 from collections import defaultdict
@@ -230,7 +231,7 @@ def test_value_object():
     a, b = ParallelDims(world_size=8, tp=2), ParallelDims(world_size=8, tp=2)
     assert a == b and hash(a) == hash(b)
     assert ParallelDims.order == "tp-cp-ep-dp-pp"
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         a.tp = 4  # frozen
     assert "dp 4" in a.describe()
 

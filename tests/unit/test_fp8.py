@@ -6,9 +6,21 @@ import torch
 from megatronish.config import gpt2
 from megatronish.parallel.dims import ConfigError
 from megatronish.parallel.layers import ColumnParallelLinear
-from megatronish.precision.fp8 import (E4M3, E5M2, FP8_MAX, Fp8LinearState, Fp8Manager, Fp8Recipe, ScalingState,
-                                       check_transformer_impl, dequantize, fp8_autocast, fp8_matmul, quantize,
-                                       relative_precision)
+from megatronish.precision.fp8 import (
+    E4M3,
+    E5M2,
+    FP8_MAX,
+    Fp8LinearState,
+    Fp8Manager,
+    Fp8Recipe,
+    ScalingState,
+    check_transformer_impl,
+    dequantize,
+    fp8_autocast,
+    fp8_matmul,
+    quantize,
+    relative_precision,
+)
 
 INF = float("inf")
 

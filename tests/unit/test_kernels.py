@@ -10,13 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernel_support import import_interpreted, not_interpreted_mark  # noqa: E402
+from kernel_support import import_interpreted, not_interpreted_mark
+from megatronish.model.rope import RotaryEmbedding, apply_rotary  # loads no kernel module, so no triton
+from megatronish.parallel.cross_entropy import vocab_parallel_cross_entropy
 
 kernels, _triton, _mods = import_interpreted("fused_cross_entropy")
 fused_ce = _mods[0].vocab_parallel_cross_entropy
-
-from megatronish.model.rope import RotaryEmbedding, apply_rotary  # noqa: E402
-from megatronish.parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: E402
 
 pytestmark = not_interpreted_mark(_triton)
 DTYPES = [torch.float32, torch.bfloat16]

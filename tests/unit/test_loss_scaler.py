@@ -87,7 +87,7 @@ def test_injected_inf_skips_step_and_backs_off():
     # clean steps: the gradient is unscaled (grad = scale * g  ->  update -lr * g), and after the window the
     # scale grows
     g = {id(p): torch.randn(p.shape) for p in model.parameters()}
-    for step in range(2):
+    for _ in range(2):
         ddp.zero_grad_buffer()
         start = [s.main.detach().clone() for s in opt.slots]
         scale = scaler.scale

@@ -6,17 +6,23 @@ bytes exceed the formula for three reasons this implementation has on CPU (tenso
 ``memory.cpu_activation_bytes_per_layer``): CPU dropout keeps 2-byte masks, under SP the QKV/FC1 linears keep the
 gathered input instead of re-gathering it in backward, and the CPU SDPA math kernel keeps fp32 copies of q, k, v
 and fp32 probabilities/mask/dropped probabilities. The measurement must equal formula + those deviations within
-1% (measured: 0.1-0.5%; what is left is LayerNorm mean/rstd, 2 bytes per token each), and, against the pure formula: within +25% with
-selective recompute (SP + selective: measured 40 vs 34 units of s*b*h/t), and within 2x without (the fp32
-attention scores: 12 bytes per score where the formula has 5).
+1% (measured: 0.1-0.5%; what is left is LayerNorm mean/rstd, 2 bytes per token each), and, against the pure
+formula: within +25% with selective recompute (SP + selective: measured 40 vs 34 units of s*b*h/t), and within 2x
+without (the fp32 attention scores: 12 bytes per score where the formula has 5).
 """
 import pytest
 import torch
 
-from harness import run_distributed
 from megatronish.config import gpt2
-from megatronish.training.memory import (SavedActivationCounter, activation_bytes, activation_bytes_per_layer,
-                                         bytes_per_parameter, cpu_activation_bytes_per_layer, interleave_factor)
+from megatronish.testing import run_distributed
+from megatronish.training.memory import (
+    SavedActivationCounter,
+    activation_bytes,
+    activation_bytes_per_layer,
+    bytes_per_parameter,
+    cpu_activation_bytes_per_layer,
+    interleave_factor,
+)
 
 S, B, H, A = 128, 2, 64, 4
 

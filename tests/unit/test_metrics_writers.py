@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from megatronish.training.flops import num_floating_point_operations
 from megatronish.config import gpt2, llama
+from megatronish.training.flops import num_floating_point_operations
 from megatronish.training.metrics import MetricsWriter, train_log_line
 
 
@@ -48,7 +48,8 @@ def test_flops_formula():
     """Megatron's formula: for MHA with ffn = 4h it reduces to 72 B s L h^2 (1 + s/(6h) + V/(12 L h))."""
     c = gpt2(num_layers=24, hidden_size=1024, num_attention_heads=16, vocab_size=50257, seq_length=2048)
     B, s, L, h, V = 8, 2048, 24, 1024, c.padded_vocab_size(1)
-    assert num_floating_point_operations(c, B) == pytest.approx(72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h)))
+    megatron_formula = 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
+    assert num_floating_point_operations(c, B) == pytest.approx(megatron_formula)
     # GQA and SwiGLU: the attention term shrinks with fewer key/value groups, the MLP term grows by 3/2
     q = llama(num_layers=2, hidden_size=512, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=1024,
               vocab_size=1000, seq_length=128)

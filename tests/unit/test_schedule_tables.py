@@ -7,9 +7,15 @@ import itertools
 import pytest
 
 from megatronish.parallel.dims import ConfigError
-from megatronish.parallel.pipeline.schedules import check_interleaving, get_forward_backward_func, schedule_table, \
-    schedule_trace, forward_backward_no_pipelining, forward_backward_pipelining_with_interleaving, \
-    forward_backward_pipelining_without_interleaving
+from megatronish.parallel.pipeline.schedules import (
+    check_interleaving,
+    forward_backward_no_pipelining,
+    forward_backward_pipelining_with_interleaving,
+    forward_backward_pipelining_without_interleaving,
+    get_forward_backward_func,
+    schedule_table,
+    schedule_trace,
+)
 
 CASES = [  # (p, v, M)
     (2, 1, 1), (2, 1, 4), (3, 1, 2), (3, 1, 5), (4, 1, 3), (4, 1, 8), (8, 1, 16),
@@ -98,10 +104,10 @@ def _check_routing(p, v, traces):
         recv_grad = [s["recv_next"] for s in traces[prv] if s["op"] == "comm" and s["recv_next"]]
         assert len(sent_act) == len(recv_act) == len(used_act), f"rank {r} -> {nxt} activations"
         assert len(sent_grad) == len(recv_grad) == len(used_grad), f"rank {r} -> {prv} gradients"
-        for i, (_, src, mb, c) in enumerate(sent_act):
+        for i, (_, _, mb, c) in enumerate(sent_act):
             target_chunk = c + 1 if nxt == 0 else c  # the ring: last rank's chunk c feeds rank 0's chunk c+1
             assert used_act[("recv_activation", nxt, i)] == (mb, target_chunk), (r, i)
-        for i, (_, src, mb, c) in enumerate(sent_grad):
+        for i, (_, _, mb, c) in enumerate(sent_grad):
             target_chunk = c - 1 if r == 0 else c
             assert used_grad[("recv_gradient", prv, i)] == (mb, target_chunk), (r, i)
 

@@ -78,7 +78,8 @@ def tokenizer_configs(directory):
     hf = make_hf_tokenizer_json(directory)
     tk = make_tiktoken_json(directory)
     return [
-        ("GPT2BPETokenizer", dict(vocab_file=vocab, merge_file=merges), ["--vocab-file", vocab, "--merge-file", merges]),
+        ("GPT2BPETokenizer", dict(vocab_file=vocab, merge_file=merges),
+         ["--vocab-file", vocab, "--merge-file", merges]),
         ("SentencePieceTokenizer", dict(tokenizer_model=sp), ["--tokenizer-model", sp]),
         ("GPTSentencePieceTokenizer", dict(tokenizer_model=sp), ["--tokenizer-model", sp]),
         ("Llama2Tokenizer", dict(tokenizer_model=sp), ["--tokenizer-model", sp]),

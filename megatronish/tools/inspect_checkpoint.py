@@ -1,30 +1,20 @@
 """Print a checkpoint's iteration, config and tensors with their global shapes.
 
-    python tools/checkpoint/inspect.py CKPT_DIR            # a --save directory (follows its tracker)
-    python tools/checkpoint/inspect.py CKPT_DIR/iter_0000100 --config --json
+    megatronish-inspect-checkpoint CKPT_DIR                 # a --save directory (follows its tracker)
+    megatronish-inspect-checkpoint CKPT_DIR/iter_0000100 --config --json
+    python tools/checkpoint/inspect_checkpoint.py CKPT_DIR  # the same, from a checkout
 
 Runs in one process without torch.distributed; reads no tensor data (``--stats`` reads each model tensor,
 one at a time, to print its norm).
 """
 from __future__ import annotations
 
-import os
+import argparse
+import json
+import math
 import sys
 
-# This file's name shadows the standard library's ``inspect`` when its directory is on sys.path (as it is
-# for ``python tools/checkpoint/inspect.py``): drop that entry before importing anything else.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-ROOT = os.path.dirname(os.path.dirname(_HERE))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-
-from megatronish.checkpoint.offline import (CheckpointError, iter_model_tensors,  # noqa: E402
-                                            read_checkpoint_meta)
+from ..checkpoint.offline import CheckpointError, iter_model_tensors, read_checkpoint_meta
 
 
 def _dtype(d) -> str:

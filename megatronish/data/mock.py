@@ -10,6 +10,8 @@ import hashlib
 
 import torch
 
+__all__ = ["MockGPTDataset"]
+
 
 def _sample_seed(seed: int, index: int) -> int:
     return int.from_bytes(hashlib.sha256(f"mock|{seed}|{index}".encode()).digest()[:8], "little") >> 1
@@ -36,18 +38,3 @@ class MockGPTDataset:
         text = torch.where(noisy, torch.randint(self.vocab_size, (n,), generator=g), text)
         return {"tokens": text[:-1].clone(), "labels": text[1:].clone(),
                 "loss_mask": torch.ones(self.seq_length), "position_ids": torch.arange(self.seq_length)}
-
-
-def global_batch_indices(consumed_samples: int, micro_batch_size: int, dp_size: int, dp_rank: int,
-                         num_microbatches: int) -> list[list[int]]:
-    """Megatron's pretraining sampler: each step of ``micro_batch_size * dp`` consecutive samples is split
-    into DP slices; returns this rank's sample indices for each microbatch of the iteration."""
-    out = []
-    for m in range(num_microbatches):
-        base = consumed_samples + m * micro_batch_size * dp_size + dp_rank * micro_batch_size
-        out.append(list(range(base, base + micro_batch_size)))
-    return out
-
-
-def collate(items: list[dict]) -> dict:
-    return {k: torch.stack([it[k] for it in items]) for k in items[0]}

@@ -1,5 +1,7 @@
 """Multi-process test harness: run a function on N gloo ranks started with ``fork``.
 
+``from megatronish.testing import run_distributed`` (the tests and benchmarks use it).
+
 ``run_distributed(fn, world_size, *args)`` returns each rank's return value (rank order). A rank that
 raises fails the test with that rank's traceback; a hang fails it after ``timeout`` seconds instead of
 hanging CI. ``fork`` starts 8 ranks in ~0.1 s (``spawn`` re-imports torch in each: ~11 s), so a test group
@@ -18,6 +20,15 @@ import torch
 import torch.distributed as dist
 
 
+def subprocess_env(**extra: str) -> dict:
+    """The environment for a child Python process (a tool script, ``torchrun``) that must import this same
+    ``megatronish``, e.g. a checkout's rather than another installed copy: ``PYTHONPATH`` leads with the directory
+    that holds the package. ``extra`` entries are added."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.environ.get("PYTHONPATH")
+    return dict(os.environ, PYTHONPATH=here + (os.pathsep + path if path else ""), **extra)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -33,11 +44,11 @@ def _worker(rank, world_size, port, conn, fn, args, kwargs):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size)
         payload = fn(rank, world_size, *args, **kwargs)
-    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+    except BaseException:  # everything goes back to the parent
         status, payload = "error", traceback.format_exc()
     try:
         conn.send((status, payload))
-    except Exception:  # noqa: BLE001 - unpicklable result
+    except Exception:  # an unpicklable result
         conn.send(("error", f"rank {rank}: could not send result:\n{traceback.format_exc()}"))
     conn.close()
     if status == "ok" and dist.is_initialized():
