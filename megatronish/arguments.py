@@ -105,9 +105,11 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message}\n(run with --help for the list of flags)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """All flags, with Megatron-LM's names and defaults (differences in docs/flags.md)."""
-    p = _Parser(prog="pretrain_gpt.py", description="Pretrain a GPT model (Megatron-LM flags).", allow_abbrev=False)
+def build_parser(prog: str = "pretrain_gpt.py", description: str = "Pretrain a GPT model (Megatron-LM flags).",
+                 ) -> argparse.ArgumentParser:
+    """All flags, with Megatron-LM's names and defaults (differences in docs/flags.md). Other entry points
+    (text generation) take the same model and checkpoint flags and add their own group."""
+    p = _Parser(prog=prog, description=description, allow_abbrev=False)
     flag = lambda g, name, **kw: g.add_argument(name, **kw)  # noqa: E731
     on = dict(action="store_true")
 
@@ -349,9 +351,10 @@ def _model_kwargs(args, vocab_size: int) -> dict:
         use_triton_kernels=args.use_triton_kernels, cross_entropy_loss_fusion=args.cross_entropy_loss_fusion)
 
 
-def _check_required(args, errors: list[str]) -> bool:
+def _check_required(args, errors: list[str], for_training: bool = True) -> bool:
     ok = True
-    for dest in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size"):
+    for dest in ("num_layers", "hidden_size", "num_attention_heads", "seq_length") + \
+            (("micro_batch_size",) if for_training else ()):
         if getattr(args, dest) is None:
             errors.append(f"--{dest.replace('_', '-')} is required")
             ok = False
@@ -478,13 +481,13 @@ def _check_warmup_vs_decay(args, errors: list[str], gbs: int | None) -> None:
                       f"most the LR decay length ({decay} samples)")
 
 
-def _check_data(args, errors: list[str]) -> None:
+def _check_data(args, errors: list[str], for_training: bool = True) -> None:
     per_split = args.train_data_path or args.valid_data_path or args.test_data_path
     if args.mock_data and (args.data_path or per_split):
         errors.append("--mock-data and --data-path (or --train/valid/test-data-path) are mutually exclusive; pass one")
     elif args.data_path and per_split:
         errors.append("--data-path with --split and --train/valid/test-data-path are mutually exclusive; pass one")
-    elif not args.mock_data and not args.data_path and not args.train_data_path:
+    elif for_training and not args.mock_data and not args.data_path and not args.train_data_path:
         errors.append("no training data: pass --data-path PREFIX (or weighted prefixes), --train-data-path, "
                       "or --mock-data")
     t = args.tokenizer_type
@@ -576,24 +579,26 @@ def _check_checkpoint(args, errors: list[str]) -> None:
         errors.append("--use-checkpoint-args needs --load (the checkpoint to take the model flags from)")
 
 
-def validate_args(args: argparse.Namespace, world_size: int) -> None:
+def validate_args(args: argparse.Namespace, world_size: int, *, for_training: bool = True) -> None:
     """Check every flag against the others and the world size; raise one :class:`ConfigError` listing every
-    problem, one line each, naming the flags. Does not modify ``args``."""
+    problem, one line each, naming the flags. Does not modify ``args``. ``for_training=False`` (text
+    generation from a checkpoint): the batch, schedule and training-data flags are not needed."""
     errors: list[str] = []
     for dest, rule in NOT_YET_SUPPORTED.items():
         value = getattr(args, dest)
         if value not in rule.allowed:
             errors.append(rule.message(value))
-    shapes_ok = _check_required(args, errors)
+    shapes_ok = _check_required(args, errors, for_training)
     dims = _check_parallel(args, world_size, errors, shapes_ok)
-    _check_batch(args, dims, errors)
-    _check_schedule(args, errors)
-    gbs = args.global_batch_size
-    if gbs is None and dims is not None and args.micro_batch_size:
-        gbs = args.micro_batch_size * dims.dp
-    if not errors:
-        _check_warmup_vs_decay(args, errors, gbs)
-    _check_data(args, errors)
+    if for_training:
+        _check_batch(args, dims, errors)
+        _check_schedule(args, errors)
+        gbs = args.global_batch_size
+        if gbs is None and dims is not None and args.micro_batch_size:
+            gbs = args.micro_batch_size * dims.dp
+        if not errors:
+            _check_warmup_vs_decay(args, errors, gbs)
+    _check_data(args, errors, for_training)
     _check_model(args, errors)
     _check_checkpoint(args, errors)
     if shapes_ok and dims is not None and not errors:
@@ -626,13 +631,16 @@ def _tokenizer_vocab_size(args) -> int:
     return int(tok.vocab_size)
 
 
-def configs_from_args(args: argparse.Namespace, world_size: int) -> RunConfig:
-    """Validate ``args`` and build the :class:`RunConfig` (derived values filled as Megatron-LM does)."""
+def configs_from_args(args: argparse.Namespace, world_size: int, *, for_training: bool = True) -> RunConfig:
+    """Validate ``args`` and build the :class:`RunConfig` (derived values filled as Megatron-LM does).
+    ``for_training=False``: see :func:`validate_args` (the micro-batch size defaults to 1)."""
     if getattr(args, "use_checkpoint_args", False):
         from .checkpoint.args import apply_checkpoint_args  # reads the --load checkpoint's config
 
         apply_checkpoint_args(args)
-    validate_args(args, world_size)
+    validate_args(args, world_size, for_training=for_training)
+    if not for_training and args.micro_batch_size is None:
+        args.micro_batch_size = 1
     vp = _virtual_stages(args, [])
     parallel = ParallelDims(world_size=world_size, tp=args.tensor_model_parallel_size,
                             pp=args.pipeline_model_parallel_size, vp=vp, cp=args.context_parallel_size,

@@ -146,18 +146,34 @@ class GPTModel(nn.Module):
 
     # ---- forward ---------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None):
+                labels: torch.Tensor | None = None, inference_params=None):
         """``input_ids``/``labels``: ``[b, s]``. Returns the per-token loss ``[b, s]`` (fp32) if ``labels``
         are given on the last stage, else logits ``[b, s, V_padded/t]``; earlier stages return hidden
-        states ``[s, b, h]``."""
+        states ``[s, b, h]``.
+
+        ``inference_params`` (generation; ``megatronish.inference.kv_cache.InferenceParams``): the tokens are
+        positions ``offset ... offset + s - 1`` of the sequences whose earlier keys/values the layers' caches
+        hold; with ``last_logits_only`` the last stage returns the logits of the last position only."""
+        offset = 0 if inference_params is None else inference_params.offset
+        if inference_params is not None and position_ids is None and self.pre_process \
+                and self.embedding.position_embeddings is not None:
+            position_ids = torch.arange(offset, offset + input_ids.size(1), device=input_ids.device)
+            position_ids = position_ids.expand_as(input_ids)  # [b, s]
         x = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor
         rotary = None
         if self.rotary is not None:
             s = x.size(0) * (self.parallel.tp_size if self.sequence_parallel else 1)
-            rotary = self.rotary(s, device=x.device)
-        x = self.decoder(x, rotary)
+            rotary = self.rotary(offset + s, device=x.device)
+            if offset:  # the tables of positions offset ... offset + s - 1: [s, 1, 1, rot]
+                rotary = tuple(t[offset:] if isinstance(t, torch.Tensor) else t for t in rotary)
+        if inference_params is None:
+            x = self.decoder(x, rotary)
+        else:
+            x = self.decoder(x, rotary, inference_params)
         if not self.post_process:
             return x
+        if inference_params is not None and inference_params.last_logits_only:
+            x = x[-1:]  # [1, b, h]
         weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
         logits, _ = self.output_layer(x, weight)  # [s, b, V/t]
         if labels is None:

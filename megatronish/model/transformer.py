@@ -39,8 +39,9 @@ class TransformerLayer(nn.Module):
         self.pre_mlp_layernorm = norm()
         self.mlp = MLP(c, sequence_parallel, out_std, params_dtype, device, tp_group)
 
-    def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
-        out, bias = self.self_attention(self.input_layernorm(x), rotary)
+    def forward(self, x: torch.Tensor, rotary=None, inference_params=None) -> torch.Tensor:
+        kv_cache = None if inference_params is None else inference_params.layer_cache(self.layer_number)
+        out, bias = self.self_attention(self.input_layernorm(x), rotary, kv_cache)
         x = _bias_dropout_add(out, bias, x, self.hidden_dropout, self.training)
         out, bias = self.mlp(self.pre_mlp_layernorm(x))
         return _bias_dropout_add(out, bias, x, self.hidden_dropout, self.training)
@@ -63,13 +64,17 @@ class TransformerBlock(nn.Module):
         self.final_layernorm = build_norm(config.normalization, config.hidden_size, config.norm_epsilon,
                                           sequence_parallel, params_dtype, device) if post_process else None
 
-    def _run(self, start, end, x, rotary):
+    def _run(self, start, end, x, rotary, inference_params=None):
         for layer in self.layers[start:end]:
-            x = layer(x, rotary)
+            x = layer(x, rotary, inference_params)
         return x
 
-    def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary=None, inference_params=None) -> torch.Tensor:
+        """``inference_params`` (generation, eval mode): the KV caches of the layers, keyed by global layer."""
         c = self.config
+        if inference_params is not None:
+            x = self._run(0, len(self.layers), x, rotary, inference_params)
+            return x if self.final_layernorm is None else self.final_layernorm(x)
         dropout = self.training and (c.hidden_dropout > 0 or c.attention_dropout > 0)
         rng = get_rng_tracker().fork() if self.sequence_parallel and dropout else contextlib.nullcontext()
         n = len(self.layers)

@@ -1,0 +1,16 @@
+"""Generate text from a checkpoint once, from the command line (prompts from --prompts, --prompt-file or
+standard input, one per line), at any TP x PP layout:
+
+    python tools/generate.py --load ckpts/run1 --use-checkpoint-args --tokenizer-type GPT2BPETokenizer \\
+        --vocab-file vocab.json --merge-file merges.txt --prompts "The Python" --num-tokens-to-generate 32
+
+See docs/generation.md."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatronish.inference.cli import generate_main  # noqa: E402
+
+if __name__ == "__main__":
+    generate_main()
