@@ -29,13 +29,15 @@ def setup(tmp_path_factory):
     refs = {}
     for arch in ARCHS:
         hf = tiny_hf_model(arch, vocab=V)
+        hf.generation_config.eos_token_id = None  # generate exactly NEW tokens
         cfg, a = model_config_from_hf(hf.config.to_dict())
         write_checkpoint(str(root / arch), None, hf_state_dict_to_ours(hf.state_dict(), cfg, a, tp=1),
                          {"model": dataclasses.asdict(cfg)})
         seqs, lps = [], []
         with torch.no_grad():
             for p in PROMPTS:
-                seq = hf.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                ids = torch.tensor([p])
+                seq = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
                                   pad_token_id=0)[0]
                 seqs.append(seq.tolist())
                 lps.append(torch.log_softmax(hf(seq[None]).logits[0, :-1], -1).gather(-1, seq[1:, None])[:, 0])

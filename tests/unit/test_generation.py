@@ -26,11 +26,14 @@ def _ours(hf, dtype=torch.float32):
 
 
 def hf_reference(hf, prompts, new, use_cache=True):
-    """transformers' greedy continuation of each prompt and the log-probs of every token after the first."""
+    """transformers' greedy continuation of each prompt (exactly ``new`` tokens: no end-of-sequence stop) and
+    the log-probs of every token after the first."""
+    hf.generation_config.eos_token_id = None
     seqs, lps = [], []
     with torch.no_grad():
         for p in prompts:
-            seq = hf.generate(torch.tensor([p]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+            ids = torch.tensor([p])
+            seq = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
                               use_cache=use_cache, pad_token_id=0)[0]
             lp = torch.log_softmax(hf(seq[None]).logits[0, :-1].float(), -1).gather(-1, seq[1:, None])[:, 0]
             seqs.append(seq.tolist())
