@@ -184,11 +184,9 @@ class GenerationServer:
             raise RuntimeError(job.error)
         return job.result
 
-    def serve_forever(self, ready=None) -> None:
+    def serve_forever(self) -> None:
         threading.Thread(target=self.httpd.serve_forever, name="http", daemon=True).start()
         print(f"serving text generation on http://{self.httpd.host}:{self.port}/api (PUT)", flush=True)
-        if ready is not None:
-            ready()
         try:
             while True:
                 try:

@@ -11,6 +11,7 @@ import torch
 
 from .. import device
 from ..arguments import build_parser, configs_from_args
+from ..checkpoint import layout
 from ..checkpoint.manager import Checkpointer
 from ..model.build import build_model_chunks
 from ..parallel import groups
@@ -61,6 +62,9 @@ def configs_for_generation(args: argparse.Namespace, world_size: int):
     errors = []
     if not args.load:
         errors.append("--load is required: the checkpoint directory to generate from")
+    elif layout.resolve(args.load) is None:
+        errors.append(f"--load {args.load}: no checkpoint there (no {layout.TRACKER} and not an iter_XXXXXXX or "
+                      "release directory); point --load at a checkpoint directory")
     if args.num_layers_per_virtual_pipeline_stage or args.num_virtual_stages_per_pipeline_rank:
         errors.append("generation runs one model chunk per pipeline rank: drop --num-layers-per-virtual-pipeline-"
                       "stage / --num-virtual-stages-per-pipeline-rank (the checkpoint loads at any layout)")

@@ -166,7 +166,7 @@ def test_generate_tool(model, tmp_path):
 @pytest.mark.parametrize("argv,message", [
     ([*FLAGS], "error: --load is required"),
     (["--load", "/nonexistent/ckpt", "--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2",
-      "--seq-length", "8", "--vocab-size", "10"], "error: --exit-on-missing-checkpoint: no checkpoint under --load"),
+      "--seq-length", "8", "--vocab-size", "10"], "error: --load /nonexistent/ckpt: no checkpoint there"),
     (["--top_k", "5", "--top_p", "0.5", "--load", "x", *FLAGS], "error: --top_k and --top_p cannot both be set"),
     (["--num-tokens-to-generate", "40", "--prompts", "1 2", "LOAD", *FLAGS],
      "error: prompt 1 has 2 tokens; with --num-tokens-to-generate=40 that exceeds the context of 32 tokens"),
