@@ -12,6 +12,7 @@ Differences from Megatron-LM are listed in ``docs/flags.md``.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import os
 import sys
@@ -105,9 +106,11 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message}\n(run with --help for the list of flags)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """All flags, with Megatron-LM's names and defaults (differences in docs/flags.md)."""
-    p = _Parser(prog="pretrain_gpt.py", description="Pretrain a GPT model (Megatron-LM flags).", allow_abbrev=False)
+def build_parser(prog: str = "pretrain_gpt.py", description: str = "Pretrain a GPT model (Megatron-LM flags).",
+                 ) -> argparse.ArgumentParser:
+    """All flags, with Megatron-LM's names and defaults (differences in docs/flags.md). Other entry points
+    (text generation) take the same model and checkpoint flags and add their own group."""
+    p = _Parser(prog=prog, description=description, allow_abbrev=False)
     def flag(g, name, **kw):
         return g.add_argument(name, **kw)
     on = dict(action="store_true")
@@ -422,14 +425,14 @@ def _missing_required(args) -> list[str]:
     return [f"--{dest.replace('_', '-')} is required" for dest in _REQUIRED if getattr(args, dest) is None]
 
 
-def _flag_problems(args) -> list[str]:
+def _flag_problems(args, for_training: bool = True) -> list[str]:
     """Rules about which flags were given: not-yet-available features, required flags, mutually exclusive and
     dependent flags whose difference the configs no longer show."""
     errors = [rule.message(getattr(args, dest)) for dest, rule in NOT_YET_SUPPORTED.items()
               if getattr(args, dest) not in rule.allowed]
     errors += _missing_required(args)
     iters, samples = args.train_iters, args.train_samples
-    if iters is None and samples is None:
+    if for_training and iters is None and samples is None:
         errors.append("pass --train-iters or --train-samples (the training length)")
     elif iters is not None and samples is not None:
         errors.append(f"--train-iters {iters} and --train-samples {samples} are mutually exclusive; pass one")
@@ -491,18 +494,19 @@ def _collect(errors: list[str], check: Callable[[], None]) -> bool:
     return True
 
 
-def _problems(d: _Draft, errors: list[str]) -> list[str]:
+def _problems(d: _Draft, errors: list[str], for_training: bool = True) -> list[str]:
     """``errors`` plus every problem of the configs, in the order of the flag groups."""
     m, dims = d.model, d.parallel
     fits = m is not None and dims is not None and _collect(errors, lambda: dims.validate_model(
         num_layers=m.num_layers, num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
         seq_length=m.seq_length, sequence_parallel=d.sequence_parallel_flag,
         hidden_size=m.hidden_size if m.kv_channels is None else None, ffn_hidden_size=m.ffn_hidden_size))
-    _check_batch(d.train, d.run if fits else None, errors)
-    _check_schedule(d.optim, errors)
-    if not errors and d.run is not None:
-        _check_warmup_vs_decay(d.run, errors)
-    _check_data(d.data, errors)
+    if for_training:
+        _check_batch(d.train, d.run if fits else None, errors)
+        _check_schedule(d.optim, errors)
+        if not errors and d.run is not None:
+            _check_warmup_vs_decay(d.run, errors)
+    _check_data(d.data, errors, for_training)
     _check_precision(d.optim, m, errors)
     _check_model(m, errors)
     _check_context_parallel(m, dims, errors)
@@ -581,13 +585,13 @@ def _check_warmup_vs_decay(cfg: RunConfig, errors: list[str]) -> None:
                       f"most the LR decay length ({decay} samples)")
 
 
-def _check_data(d: DataConfig, errors: list[str]) -> None:
+def _check_data(d: DataConfig, errors: list[str], for_training: bool = True) -> None:
     per_split = d.train_data_path or d.valid_data_path or d.test_data_path
     if d.mock_data and (d.data_path or per_split):
         errors.append("--mock-data and --data-path (or --train/valid/test-data-path) are mutually exclusive; pass one")
     elif d.data_path and per_split:
         errors.append("--data-path with --split and --train/valid/test-data-path are mutually exclusive; pass one")
-    elif not d.mock_data and not d.data_path and not d.train_data_path:
+    elif for_training and not d.mock_data and not d.data_path and not d.train_data_path:
         errors.append("no training data: pass --data-path PREFIX (or weighted prefixes), --train-data-path, "
                       "or --mock-data")
     if d.mock_data and d.reset_attention_mask:
@@ -694,26 +698,31 @@ def validate(cfg: RunConfig) -> None:
     _raise(_problems(_Draft.of(cfg), []))
 
 
-def _validated(args: argparse.Namespace, world_size: int) -> RunConfig:
-    errors = _flag_problems(args)
+def _validated(args: argparse.Namespace, world_size: int, for_training: bool = True) -> RunConfig:
+    if not for_training and args.micro_batch_size is None:  # generation: one sequence per micro-batch
+        args = copy.copy(args)  # the caller's namespace stays as given
+        args.micro_batch_size = 1
+    errors = _flag_problems(args, for_training)
     draft = _draft(args, world_size, errors)
-    _raise(_problems(draft, errors))
+    _raise(_problems(draft, errors, for_training))
     return draft.run
 
 
-def validate_args(args: argparse.Namespace, world_size: int) -> None:
+def validate_args(args: argparse.Namespace, world_size: int, *, for_training: bool = True) -> None:
     """Check every flag against the others and the world size; raise one :class:`ConfigError` listing every
-    problem, one line each, naming the flags. Does not modify ``args``."""
-    _validated(args, world_size)
+    problem, one line each, naming the flags. Does not modify ``args``. ``for_training=False`` (text
+    generation from a checkpoint): the batch, schedule and training-data flags are not needed."""
+    _validated(args, world_size, for_training)
 
 
-def configs_from_args(args: argparse.Namespace, world_size: int) -> RunConfig:
-    """Validate ``args`` and build the :class:`RunConfig` (derived values filled as Megatron-LM does)."""
+def configs_from_args(args: argparse.Namespace, world_size: int, *, for_training: bool = True) -> RunConfig:
+    """Validate ``args`` and build the :class:`RunConfig` (derived values filled as Megatron-LM does).
+    ``for_training=False``: see :func:`validate_args` (the micro-batch size defaults to 1)."""
     if getattr(args, "use_checkpoint_args", False):
         from .checkpoint.args import apply_checkpoint_args  # reads the --load checkpoint's config
 
         apply_checkpoint_args(args)
-    cfg = _validated(args, world_size)
+    cfg = _validated(args, world_size, for_training)
     # The model's true vocabulary is the tokenizer's, built here once (it may read files) and kept on cfg.data.
     cfg.model = dataclasses.replace(cfg.model, vocab_size=int(cfg.data.tokenizer.vocab_size))
     return cfg

@@ -47,7 +47,10 @@ class SelfAttention(nn.Module):
                                              params_dtype=params_dtype, device=device, tp_group=tp_group)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-                document_ids: torch.Tensor | None = None):
+                document_ids: torch.Tensor | None = None, kv_cache=None):
+        """``document_ids``: ``[b, s]`` of the whole sequence (``--reset-attention-mask``). ``kv_cache``
+        (generation): this layer's cache (``megatronish.inference.kv_cache``); the step's keys and values are
+        appended at its ``offset`` and the queries attend to every cached position."""
         qkv, _ = self.linear_qkv(x)  # [s, b, groups/t * (heads/groups + 2) * d]
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.local_groups, self.heads_per_group + 2, self.kv_channels)
@@ -57,7 +60,11 @@ class SelfAttention(nn.Module):
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
-        if self.recompute_core_attention and self.training:
+        if kv_cache is not None:
+            offset = kv_cache.offset
+            k, v = kv_cache.append(k, v)  # [b, groups/t, offset + s, d]: the cached keys/values and this step's
+            ctx = self._cached_attention(q, k, v, offset)
+        elif self.recompute_core_attention and self.training:
             ctx = checkpoint(lambda *qkv: self._core_attention(*qkv, document_ids), q, k, v)
         else:
             ctx = self._core_attention(q, k, v, document_ids)
@@ -87,3 +94,14 @@ class SelfAttention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
                                                   scale=1.0 / math.sqrt(self.kv_channels),
                                                   enable_gqa=self.heads_per_group > 1)
+
+    def _cached_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> torch.Tensor:
+        """Queries at positions ``offset ...`` over keys ``0 ... offset + s - 1`` (no dropout):
+        [b, heads, s, d] x [b, groups, offset + s, d] -> [b, heads, s, d]."""
+        s, total = q.size(2), k.size(2)
+        mask = None
+        if s > 1 and offset > 0:  # query i sees keys up to offset + i (SDPA's is_causal aligns top-left)
+            mask = torch.ones(s, total, dtype=torch.bool, device=q.device).tril(offset)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=s > 1 and offset == 0,
+                                              scale=1.0 / math.sqrt(self.kv_channels),
+                                              enable_gqa=self.heads_per_group > 1)

@@ -150,27 +150,41 @@ class GPTModel(nn.Module):
 
     # ---- forward ---------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, document_ids: torch.Tensor | None = None):
+                labels: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
+                inference_params=None):
         """``input_ids``/``labels``: ``[b, s]`` (under context parallelism this rank's tokens, chunks ``r`` and
         ``2N-1-r``; positions default to theirs in the whole sequence). ``document_ids``: ``[b, s]`` of the *whole*
         sequence (``--reset-attention-mask``): attention stays within a document. Returns the per-token loss
         ``[b, s]`` (fp32) if ``labels`` are given on the last stage, else logits ``[b, s, V_padded/t]``; earlier
-        stages return hidden states ``[s, b, h]``."""
+        stages return hidden states ``[s, b, h]``.
+
+        ``inference_params`` (generation; ``megatronish.inference.kv_cache.InferenceParams``): the tokens are
+        positions ``offset ... offset + s - 1`` of the sequences whose earlier keys/values the layers' caches
+        hold; with ``last_logits_only`` the last stage returns the logits of the last position only."""
         p = self.parallel
-        if p.cp_size > 1 and position_ids is None and self.pre_process:  # this CP rank's tokens' global positions
-            position_ids = cp_chunk_index(input_ids.size(1) * p.cp_size, p.cp_size, p.cp_rank,
-                                          input_ids.device).expand_as(input_ids)
+        offset = 0 if inference_params is None else inference_params.offset
+        if position_ids is None and self.pre_process:
+            if p.cp_size > 1:  # this CP rank's tokens' global positions
+                position_ids = cp_chunk_index(input_ids.size(1) * p.cp_size, p.cp_size, p.cp_rank,
+                                              input_ids.device).expand_as(input_ids)
+            elif inference_params is not None and self.embedding.position_embeddings is not None:
+                position_ids = torch.arange(offset, offset + input_ids.size(1), device=input_ids.device)
+                position_ids = position_ids.expand_as(input_ids)  # [b, s]
         x = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor
         rotary = None
         if self.rotary is not None:
             s = x.size(0) * (p.tp_size if self.sequence_parallel else 1)  # this CP rank's tokens
-            rotary = self.rotary(s * p.cp_size, device=x.device)
+            rotary = self.rotary(offset + s * p.cp_size, device=x.device)
             if p.cp_size > 1:
                 index = cp_chunk_index(s * p.cp_size, p.cp_size, p.cp_rank, x.device)
                 rotary = tuple(t.index_select(0, index) if torch.is_tensor(t) else t for t in rotary)
-        x = self.decoder(x, rotary, document_ids)
+            elif offset:  # the tables of positions offset ... offset + s - 1: [s, 1, 1, rot]
+                rotary = tuple(t[offset:] if torch.is_tensor(t) else t for t in rotary)
+        x = self.decoder(x, rotary, document_ids, inference_params)
         if not self.post_process:
             return x
+        if inference_params is not None and inference_params.last_logits_only:
+            x = x[-1:]  # [1, b, h]
         weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
         logits, _ = self.output_layer(x, weight)  # [s, b, V/t]
         if labels is None:

@@ -42,8 +42,9 @@ class TransformerLayer(nn.Module):
         self.pre_mlp_layernorm = norm()
         self.mlp = MLP(c, sequence_parallel, out_std, params_dtype, device, parallel.tp_group)
 
-    def forward(self, x: torch.Tensor, rotary=None, document_ids=None) -> torch.Tensor:
-        out, bias = self.self_attention(self.input_layernorm(x), rotary, document_ids)
+    def forward(self, x: torch.Tensor, rotary=None, document_ids=None, inference_params=None) -> torch.Tensor:
+        kv_cache = None if inference_params is None else inference_params.layer_cache(self.layer_number)
+        out, bias = self.self_attention(self.input_layernorm(x), rotary, document_ids, kv_cache)
         x = _bias_dropout_add(out, bias, x, self.hidden_dropout, self.training)
         out, bias = self.mlp(self.pre_mlp_layernorm(x))
         return _bias_dropout_add(out, bias, x, self.hidden_dropout, self.training)
@@ -67,15 +68,19 @@ class TransformerBlock(nn.Module):
         self.final_layernorm = build_norm(config.normalization, config.hidden_size, config.norm_epsilon,
                                           sequence_parallel, params_dtype, device) if post_process else None
 
-    def _run(self, start, end, x, rotary, docs):
+    def _run(self, start, end, x, rotary, docs, inference_params=None):
         for layer in self.layers[start:end]:
-            x = layer(x, rotary, docs)
+            x = layer(x, rotary, docs, inference_params)
         return x
 
-    def forward(self, x: torch.Tensor, rotary=None, document_ids=None) -> torch.Tensor:
-        """``document_ids``: ``[b, s]`` of the whole sequence (``--reset-attention-mask``), or None (causal)."""
+    def forward(self, x: torch.Tensor, rotary=None, document_ids=None, inference_params=None) -> torch.Tensor:
+        """``document_ids``: ``[b, s]`` of the whole sequence (``--reset-attention-mask``), or None (causal).
+        ``inference_params`` (generation, eval mode): the KV caches of the layers, keyed by global layer."""
         docs = document_ids
         c = self.config
+        if inference_params is not None:
+            x = self._run(0, len(self.layers), x, rotary, docs, inference_params)
+            return x if self.final_layernorm is None else self.final_layernorm(x)
         dropout = self.training and (c.hidden_dropout > 0 or c.attention_dropout > 0)
         rng = get_rng_tracker().fork() if self.sequence_parallel and dropout else contextlib.nullcontext()
         n = len(self.layers)

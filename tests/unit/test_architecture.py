@@ -11,7 +11,7 @@ PKG = os.path.dirname(megatronish.__file__)
 # The floors, top to bottom (docs/architecture.md). A module may import from its own room or from a lower floor.
 FLOORS = {
     "tools": 6,  # console entry points (the tools/*.py scripts' logic)
-    "arguments": 5, "training": 5, "convert": 5, "testing": 5,
+    "arguments": 5, "training": 5, "convert": 5, "testing": 5, "inference": 5,
     "checkpoint": 4, "optim": 4, "precision": 4,
     "model": 3,
     "config": 2, "kernels": 2, "data": 2,
