@@ -7,6 +7,7 @@ alone at TP 2 matches torch's cross entropy on the gathered logits, including a 
 all padding."""
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from kernel_support import import_interpreted, not_interpreted_mark
@@ -18,6 +19,10 @@ fused_cross_entropy = _mods[0]
 from megatronish.config import llama  # noqa: E402 - after the interpreted kernels are loaded
 from megatronish.model import GPTModel  # noqa: E402 - after the interpreted kernels are loaded
 from megatronish.parallel import groups  # noqa: E402 - after the interpreted kernels are loaded
+from megatronish.parallel.context_parallel import (  # noqa: E402 - after the interpreted kernels are loaded
+    gather_from_context_parallel,
+    split_for_context_parallel,
+)
 from megatronish.parallel.dims import ParallelDims  # noqa: E402 - after the interpreted kernels are loaded
 from megatronish.parallel.init import gather_to_global  # noqa: E402 - after the interpreted kernels are loaded
 from megatronish.parallel.layers import allreduce_sequence_parallel_grads  # noqa: E402 - after the interpreted kernels are loaded
@@ -141,3 +146,42 @@ def test_llama_tp2_kernels_on_equals_one_process_kernels_off(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the model's availability check, in the forked ranks too
     refs = {name: _reference(name) for name in VARIANTS}
     assert all(run_distributed(_worker, 2, refs, timeout=300))
+
+
+def _cp_worker(rank, world, ref):
+    """Context parallelism 2 with the fused kernels on (RoPE at each token's global position): per-token losses
+    and the gradients summed over the CP ranks equal the one-process model with the kernels off."""
+    _triton.POISON_OUTPUTS = True
+    calls = {}
+    _count_fused_calls(calls)
+    ctx = groups.initialize_model_parallel(ParallelDims(world_size=world, cp=2))
+    set_random_seed(SEED)
+    model = GPTModel(_config({}, fused=True), parallel=ctx)
+    model.init_parameters(SEED)
+    model.train()
+    ids, labels = (split_for_context_parallel(t, 1, 2, ctx.cp_rank) for t in _batch())
+    loss = model(ids, labels=labels)  # [b, 2c]: this rank's tokens
+    loss.sum().backward()
+    r_loss, r_grads = ref
+    torch.testing.assert_close(gather_from_context_parallel(loss.detach(), 1, ctx.cp_group), r_loss, rtol=1e-5,
+                               atol=0)
+    for n, p in model.named_global_parameters():
+        g = p.grad.clone()
+        dist.all_reduce(g, group=ctx.cp_group)  # each CP rank holds its tokens' share
+        torch.testing.assert_close(g, r_grads[n], rtol=1e-5, atol=1e-5 * r_grads[n].abs().max().item(),
+                                   msg=lambda m: f"CP2 kernels grad {n}: {m}")
+    assert calls["rms_norm"] == 5 and calls["apply_rotary_"] == 4 and calls["swiglu"] == 2, calls
+    return True
+
+
+def test_llama_cp2_kernels_on_equals_one_process_kernels_off(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    set_random_seed(SEED)
+    model = GPTModel(_config({}, fused=False))
+    model.init_parameters(SEED)
+    model.train()
+    ids, labels = _batch()
+    loss = model(ids, labels=labels)
+    loss.sum().backward()
+    ref = (loss.detach(), {n: p.grad.clone() for n, p in model.named_global_parameters()})
+    assert all(run_distributed(_cp_worker, 2, ref, timeout=300))
