@@ -54,6 +54,7 @@ def bench_args():
     p.add_argument("--save-interval", type=int, default=4)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--dir", default=None, help="where checkpoints and the raw file go (default: a temp dir)")
+    p.add_argument("--only", choices=["throughput", "ranks", "blocking"], default=None, help="run one part")
     return p.parse_args()
 
 
@@ -193,8 +194,10 @@ def main():
     root = tempfile.mkdtemp(prefix="bench_ckpt_", dir=a.dir)
     ckpt_manager._log = lambda msg: None  # quiet
     try:
-        throughput(a, root)
-        loop_blocking(a, root)
+        if a.only in (None, "throughput"):
+            throughput(a, root)
+        if a.only in (None, "blocking"):
+            loop_blocking(a, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
         if dist.is_initialized():
