@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatronish.arguments import configs_from_args, parse_args
+from megatronish.checkpoint import dcp_io
 from megatronish.checkpoint import manager as ckpt_manager
 from megatronish.checkpoint.manager import Checkpointer
 from megatronish.model.build import build_model_chunks
@@ -52,6 +53,9 @@ def bench_args():
     p.add_argument("--save-interval", type=int, default=4)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--dir", default=None, help="where checkpoints and the raw file go (default: a temp dir)")
+    p.add_argument("--only", choices=["throughput", "ranks", "blocking"], default=None, help="run one part")
+    p.add_argument("--ranks", type=int, nargs="+", default=[1, 4], help="process counts of the storage measurement")
+    p.add_argument("--state-mb", type=int, default=512, help="state size of the storage measurement (MiB)")
     return p.parse_args()
 
 
@@ -144,6 +148,82 @@ def throughput(a, root):
     groups.destroy_model_parallel()
 
 
+def _rank_io(rank, world, port, root, state_mb, reps, out):
+    """One rank of the multi-rank storage measurement (see :func:`ranks_io`)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    rows = (state_mb << 20) // (4 * 4096 * 8)  # 8 global fp32 tensors of [rows, 4096]; each rank holds a row block
+    per = rows // world
+    g = torch.Generator().manual_seed(rank)
+    mine = [torch.randn(per, 4096, generator=g) for _ in range(8)]
+    state = {f"model.w{i}": dcp_io.Sharded((per * world, 4096), [dcp_io.Piece(t, (rank * per, 0))])
+             for i, t in enumerate(mine)}
+    nbytes = sum(t.numel() * 4 for t in mine)
+    raw = os.path.join(root, f"raw_{rank}.bin")
+    times = {"save": [], "load": [], "write": [], "read": []}
+    # loads go into tensors that already exist (a model's parameters), allocated once
+    target = {k: dcp_io.Sharded(v.global_shape, [dcp_io.Piece(torch.zeros_like(v.pieces[0].tensor),
+                                                              v.pieces[0].offsets)]) for k, v in state.items()}
+
+    def timed(key, fn):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        dist.barrier()
+        times[key].append(time.perf_counter() - t0)
+
+    for rep in range(reps):
+        ck = os.path.join(root, f"ranks_{rep}")
+        timed("save", lambda: dcp_io.save(state, ck))
+        timed("write", lambda: raw_write(raw, nbytes))
+        drop_cache(raw)
+        if rank == 0:
+            drop_cache(ck)
+        for t in target.values():
+            t.pieces[0].tensor.zero_()
+        timed("load", lambda: dcp_io.load(target, ck))
+        timed("read", lambda: raw_read(raw))
+        assert all(torch.equal(target[k].pieces[0].tensor, state[k].pieces[0].tensor) for k in state)
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(ck)
+    if rank == 0:
+        out.put((nbytes * world, {k: statistics.median(v) for k, v in times.items()}))
+    dist.destroy_process_group()
+
+
+def ranks_io(a, root):
+    """Storage layer alone on ``--ranks`` processes (gloo): each saves / loads its row block of a ``--state-mb`` state
+    through ``dcp_io`` (DCP plans, one file per rank); the limit is every rank writing / reading a raw file of its
+    byte count at the same time (8 MiB writes, fsync; page cache dropped before the reads). Wall time between
+    barriers, median of ``--reps``."""
+    import multiprocessing
+    import socket
+
+    from megatronish.checkpoint import dcp_io
+    globals()["dcp_io"] = dcp_io
+    ctx = multiprocessing.get_context("fork")
+    for world in a.ranks:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        out = ctx.Queue()
+        procs = [ctx.Process(target=_rank_io, args=(r, world, port, root, a.state_mb, a.reps, out))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        total, t = out.get(timeout=1800)
+        for p in procs:
+            p.join()
+        gb = total / 1e9
+        print(f"{world} rank(s), {total / 1e6:.0f} MB state, median of {a.reps}")
+        print(f"  save  {gb / t['save']:6.3f} GB/s   raw write, same bytes per rank {gb / t['write']:6.3f} GB/s   "
+              f"ratio {t['write'] / t['save']:.2f}")
+        print(f"  load  {gb / t['load']:6.3f} GB/s   raw read, same bytes per rank  {gb / t['read']:6.3f} GB/s   "
+              f"ratio {t['read'] / t['load']:.2f}")
+
+
 def loop_blocking(a, root):
     blocked = {"after_iteration": 0.0, "finish": 0.0}
 
@@ -192,8 +272,12 @@ def main():
     root = tempfile.mkdtemp(prefix="bench_ckpt_", dir=a.dir)
     ckpt_manager._log = lambda msg: None  # quiet
     try:
-        throughput(a, root)
-        loop_blocking(a, root)
+        if a.only in (None, "throughput"):
+            throughput(a, root)
+        if a.only in (None, "ranks"):
+            ranks_io(a, root)
+        if a.only in (None, "blocking"):
+            loop_blocking(a, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
         if dist.is_initialized():

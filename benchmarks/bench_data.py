@@ -4,8 +4,9 @@
 1. preprocess throughput (tools/preprocess_data.py on the bundled corpus, JSON parsing and .bin/.idx
    writing included) vs the same tokenizer's raw batched encode of the same texts held in memory,
    with the same worker count (the limit), on the bundled corpus repeated 16 times;
-2. random sample reads through GPTDataset (tokens, labels, masks) vs raw numpy.memmap slicing of
-   seq_length + 1 tokens at random offsets (the limit);
+2. random sample reads through GPTDataset.get_batch (tokens, labels, masks; batches of 32) vs raw numpy.memmap
+   reads of the same bytes into the same batch array: per-sample slices at random offsets, and one contiguous
+   slice (the memory-bandwidth bound); also the per-sample dataset[i] path;
 3. sample-index build for 1e9 tokens: ours (C++) vs megatron-core's compiled helper (the peer).
 
     python benchmarks/bench_data.py [--workers 1 2] [--seq-length 2048]
@@ -81,7 +82,30 @@ def bench_preprocess(workers_list, out_dir):
     return os.path.join(out_dir, "bench1_text_document"), results
 
 
-def bench_reads(prefix, seq_length, out_dir, n_reads=20000):
+def make_corpus_dataset(out_dir):
+    """The bundled corpus (repeated 16 times) tokenized once, untimed; returns the dataset prefix."""
+    vocab, merges = gpt2_files()
+    corpus = os.path.join(out_dir, "corpus.jsonl")
+    with open(CORPUS, encoding="utf-8") as f:
+        lines = f.readlines()
+    with open(corpus, "w", encoding="utf-8") as f:
+        f.writelines(lines * 16)
+    preprocess_data.main(["--input", corpus, "--output-prefix", os.path.join(out_dir, "reads"), "--tokenizer-type",
+                          "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges, "--append-eod",
+                          "--workers", "2", "--log-interval", "100000000"])
+    return os.path.join(out_dir, "reads_text_document")
+
+
+def bench_reads(prefix, seq_length, out_dir, n_reads=20000, batch=32):
+    """Random samples read as training reads them, against raw memmap reads of the same bytes.
+
+    ``get_batch``: batches of ``batch`` random sample indices through ``GPTDataset.get_batch`` (tokens, labels,
+    loss mask, position ids), into reused buffers. Limits, same batch shape, same uint16 -> int64 copy into a
+    preallocated ``[batch, seq_length + 1]`` array: (a) one memmap slice of ``seq_length + 1`` tokens per sample
+    at random offsets; (b) one contiguous memmap slice of all ``batch * (seq_length + 1)`` tokens at a random
+    offset (no per-sample work at all: the memory-bandwidth bound). Also the per-sample path
+    (``dataset[i]``, what a DataLoader with ``default_collate`` calls) against (a) done per sample.
+    """
     n_samples = 4000
     train = build_gpt_datasets([prefix], "1", seq_length, 1234, (n_samples, None, None),
                                cache_dir=os.path.join(out_dir, "cache"), eod_id=50256)[0]
@@ -89,24 +113,47 @@ def bench_reads(prefix, seq_length, out_dir, n_reads=20000):
 
     raw = np.memmap(prefix + ".bin", dtype=np.uint16, mode="r")
     rng = np.random.default_rng(0)
-    idx = rng.integers(0, len(train), n_reads)
-    offs = rng.integers(0, raw.shape[0] - seq_length - 1, n_reads)
+    n_batches = n_reads // batch
+    idx = rng.integers(0, len(train), (n_batches, batch))
+    offs = rng.integers(0, raw.shape[0] - seq_length - 1, (n_batches, batch))
+    starts = rng.integers(0, raw.shape[0] - batch * (seq_length + 1), n_batches)
+    buf = np.empty((batch, seq_length + 1), dtype=np.int64)
+    flat = buf.reshape(-1)
 
-    def via_dataset():
-        for i in idx:
+    def batched():
+        for b in idx:
+            train.get_batch(b, reuse=True)
+
+    def raw_per_sample():
+        for row in offs:
+            for k, o in enumerate(row):
+                buf[k] = raw[o:o + seq_length + 1]
+
+    def raw_contiguous():
+        for o in starts:
+            flat[:] = raw[o:o + flat.shape[0]]
+
+    def per_item():
+        for i in idx.reshape(-1)[:n_reads // 4]:
             train[int(i)]
 
-    def via_memmap():
-        for o in offs:
+    def raw_per_item():
+        for o in offs.reshape(-1)[:n_reads // 4]:
             text = torch.from_numpy(raw[o:o + seq_length + 1].astype(np.int64))
             text[:-1], text[1:]
 
-    via_dataset()  # warm page cache and mask cache
-    t_ds = best_of(via_dataset)
-    t_raw = best_of(via_memmap)
-    print(f"sample reads seq={seq_length}: dataset {n_reads / t_ds:9.0f} samples/s, raw memmap "
-          f"{n_reads / t_raw:9.0f} samples/s  ->  ratio {t_raw / t_ds:.2f}")
-    return t_raw / t_ds
+    batched(), raw_contiguous()  # warm the page cache and the buffers
+    t = {name: best_of(fn) for name, fn in (("batched", batched), ("raw_per_sample", raw_per_sample),
+                                            ("raw_contiguous", raw_contiguous), ("per_item", per_item),
+                                            ("raw_per_item", raw_per_item))}
+    n = n_batches * batch
+    print(f"sample reads seq={seq_length}, batches of {batch}: get_batch {n / t['batched']:9.0f} samples/s; raw "
+          f"memmap per-sample slices {n / t['raw_per_sample']:9.0f} samples/s -> ratio "
+          f"{t['raw_per_sample'] / t['batched']:.2f}; raw one contiguous slice {n / t['raw_contiguous']:9.0f} "
+          f"samples/s -> ratio {t['raw_contiguous'] / t['batched']:.2f}")
+    print(f"  per-sample dataset[i] {n_reads // 4 / t['per_item']:9.0f} samples/s vs raw per-sample slice + "
+          f"torch {n_reads // 4 / t['raw_per_item']:9.0f} samples/s -> ratio {t['raw_per_item'] / t['per_item']:.2f}")
+    return t["raw_per_sample"] / t["batched"], t["raw_contiguous"] / t["batched"]
 
 
 def bench_sample_index(seq_length, total_tokens=10**9):
@@ -136,15 +183,21 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--seq-length", type=int, default=2048)
+    parser.add_argument("--only", choices=["preprocess", "reads", "index"], default=None,
+                        help="run one part (reads still preprocess the corpus once, untimed when alone)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as out_dir:
-        prefix, _ = bench_preprocess(args.workers, out_dir)
-        if not os.path.exists(prefix + ".idx"):
-            prefix = os.path.join(out_dir, f"bench{args.workers[0]}_text_document")
-        bench_reads(prefix, args.seq_length, out_dir)
-        bench_reads(prefix, 256, out_dir)
-    bench_sample_index(args.seq_length)
-
+        if args.only in (None, "preprocess"):
+            prefix, _ = bench_preprocess(args.workers, out_dir)
+            if not os.path.exists(prefix + ".idx"):
+                prefix = os.path.join(out_dir, f"bench{args.workers[0]}_text_document")
+        if args.only in (None, "reads"):
+            if args.only == "reads":
+                prefix = make_corpus_dataset(out_dir)
+            bench_reads(prefix, args.seq_length, out_dir)
+            bench_reads(prefix, 256, out_dir)
+    if args.only in (None, "index"):
+        bench_sample_index(args.seq_length)
 
 if __name__ == "__main__":
     main()

@@ -6,6 +6,8 @@
 #include <pybind11/numpy.h>
 
 #include <algorithm>
+#include <cstring>
+#include <type_traits>
 #include <cmath>
 #include <cstdint>
 #include <iostream>
@@ -205,7 +207,123 @@ static void build_exhaustive_blending_indices(py::array_t<int16_t, py::array::c_
   }
 }
 
+// Sample gather: the tokens of a batch of GPT samples copied from the memory-mapped .bin into one
+// [batch, want] int64 array, one contiguous copy per document span. `bounds` row k is
+// (doc_beg, off_beg, doc_end, off_end) of sample k (two consecutive rows of the sample index):
+// the sample runs from token off_beg of document_index[doc_beg] to token off_end + extra of
+// document_index[doc_end] (whole documents in between). Rows shorter than `want` are filled with
+// `pad`; `filled` receives the number of real tokens of each row.
+template <typename D>
+static void gather_rows(const uint8_t *bin, int64_t bin_size, const int64_t *pointers, const int32_t *lengths,
+                        int64_t num_sequences, const int32_t *documents, int64_t num_documents,
+                        const int64_t *bounds, int64_t batch, int64_t want, int64_t extra, int64_t pad,
+                        int64_t *out, int64_t *filled, std::string &error) {
+  for (int64_t k = 0; k < batch; ++k) {
+    const int64_t doc_beg = bounds[4 * k], off_beg = bounds[4 * k + 1];
+    const int64_t doc_end = bounds[4 * k + 2], off_end = bounds[4 * k + 3];
+    int64_t *row = out + k * want;
+    int64_t n = 0;
+    if (doc_beg < 0 || doc_end < doc_beg || doc_end >= num_documents) {
+      error = "sample " + std::to_string(k) + " has document positions out of range";
+      return;
+    }
+    for (int64_t i = doc_beg; i <= doc_end; ++i) {
+      const int64_t seq = documents[i];
+      if (seq < 0 || seq >= num_sequences) {
+        error = "document index entry " + std::to_string(i) + " names sequence " + std::to_string(seq) +
+                " of " + std::to_string(num_sequences);
+        return;
+      }
+      const int64_t seq_len = lengths[seq];
+      const int64_t offset = i == doc_beg ? off_beg : 0;
+      const int64_t stop = i == doc_end ? off_end + extra : seq_len;
+      if (offset < 0 || stop > seq_len || stop < offset) {
+        error = "span [" + std::to_string(offset) + ", " + std::to_string(stop) + ") is outside sequence " +
+                std::to_string(seq) + " of length " + std::to_string(seq_len);
+        return;
+      }
+      const int64_t count = std::min(stop - offset, want - n);
+      const int64_t byte = pointers[seq] + offset * static_cast<int64_t>(sizeof(D));
+      if (byte < 0 || byte + count * static_cast<int64_t>(sizeof(D)) > bin_size) {
+        error = "sequence " + std::to_string(seq) + " lies outside the .bin file";
+        return;
+      }
+      const D *src = reinterpret_cast<const D *>(bin + byte);
+      if constexpr (std::is_same<D, int64_t>::value) {
+        std::memcpy(row + n, src, count * sizeof(int64_t));
+      } else {
+        for (int64_t t = 0; t < count; ++t) row[n + t] = static_cast<int64_t>(src[t]);
+      }
+      n += count;
+    }
+    filled[k] = n;
+    for (int64_t t = n; t < want; ++t) row[t] = pad;
+  }
+}
+
+// The token file of one indexed dataset, held for gather calls: the .bin bytes and the .idx pointers and
+// lengths (numpy arrays kept alive by this object; the .bin is a read-only memory map).
+class SampleReader {
+ public:
+  SampleReader(py::array_t<uint8_t, py::array::c_style> bin, int dtype_code,
+               py::array_t<int64_t, py::array::c_style> pointers, py::array_t<int32_t, py::array::c_style> lengths)
+      : bin_(std::move(bin)), pointers_(std::move(pointers)), lengths_(std::move(lengths)), code_(dtype_code) {
+    if (pointers_.ndim() != 1 || lengths_.ndim() != 1 || pointers_.shape(0) != lengths_.shape(0))
+      throw py::value_error("SampleReader: pointers and lengths must be 1-D of one length");
+    if (code_ < 1 || code_ > 8) throw py::value_error("SampleReader: unknown dtype code " + std::to_string(code_));
+  }
+
+  py::array_t<int64_t> gather(const py::array_t<int32_t, py::array::c_style> &documents,
+                              const py::array_t<int64_t, py::array::c_style> &bounds, int64_t extra, int64_t pad,
+                              py::array_t<int64_t, py::array::c_style> &out) const {
+    if (bounds.ndim() != 2 || bounds.shape(1) != 4) throw py::value_error("gather: bounds must be [batch, 4]");
+    const int64_t batch = bounds.shape(0);
+    if (out.ndim() != 2 || out.shape(0) != batch) throw py::value_error("gather: out must be [batch, want]");
+    const int64_t want = out.shape(1);
+    py::array_t<int64_t> filled(batch);
+    const uint8_t *b = bin_.data();
+    const int64_t bin_size = bin_.size();
+    const int64_t *p = pointers_.data();
+    const int32_t *l = lengths_.data();
+    const int32_t *d = documents.data();
+    const int64_t *bd = bounds.data();
+    int64_t *o = out.mutable_data();
+    int64_t *f = filled.mutable_data();
+    const int64_t ns = pointers_.shape(0), nd = documents.shape(0);
+    std::string error;
+    {
+      py::gil_scoped_release release;
+      switch (code_) {
+        case 1: gather_rows<uint8_t>(b, bin_size, p, l, ns, d, nd, bd, batch, want, extra, pad, o, f, error); break;
+        case 2: gather_rows<int8_t>(b, bin_size, p, l, ns, d, nd, bd, batch, want, extra, pad, o, f, error); break;
+        case 3: gather_rows<int16_t>(b, bin_size, p, l, ns, d, nd, bd, batch, want, extra, pad, o, f, error); break;
+        case 4: gather_rows<int32_t>(b, bin_size, p, l, ns, d, nd, bd, batch, want, extra, pad, o, f, error); break;
+        case 5: gather_rows<int64_t>(b, bin_size, p, l, ns, d, nd, bd, batch, want, extra, pad, o, f, error); break;
+        case 6: gather_rows<double>(b, bin_size, p, l, ns, d, nd, bd, batch, want, extra, pad, o, f, error); break;
+        case 7: gather_rows<float>(b, bin_size, p, l, ns, d, nd, bd, batch, want, extra, pad, o, f, error); break;
+        default: gather_rows<uint16_t>(b, bin_size, p, l, ns, d, nd, bd, batch, want, extra, pad, o, f, error);
+      }
+    }
+    if (!error.empty()) throw py::index_error("gather: " + error);
+    return filled;
+  }
+
+ private:
+  py::array_t<uint8_t, py::array::c_style> bin_;
+  py::array_t<int64_t, py::array::c_style> pointers_;
+  py::array_t<int32_t, py::array::c_style> lengths_;
+  int code_;
+};
+
 void register_helpers(py::module_ &m) {
+  py::class_<SampleReader>(m, "SampleReader")
+      .def(py::init<py::array_t<uint8_t, py::array::c_style>, int, py::array_t<int64_t, py::array::c_style>,
+                    py::array_t<int32_t, py::array::c_style>>(),
+           py::arg("bin"), py::arg("dtype_code"), py::arg("pointers"), py::arg("lengths"))
+      .def("gather", &SampleReader::gather, py::arg("documents"), py::arg("bounds"), py::arg("extra"),
+           py::arg("pad"), py::arg("out"),
+           "Copy a batch of samples (document spans per bounds row) into out [batch, want] int64; pad the "
+           "rest; return the real token count of each row.");
   m.def("num_samples", &num_samples, py::arg("num_tokens"), py::arg("seq_length"),
         "Whole samples of seq_length tokens (+1 label token) in num_tokens tokens.");
   m.def("build_sample_idx_int32", &build_sample_idx_impl<int32_t>, py::arg("sizes"),

@@ -206,30 +206,47 @@ def _chunks(lines: Iterator[Tuple[str, int, bytes]], size: int):
 
 
 class _Progress:
-    def __init__(self, interval: int, label: str = "") -> None:
+    """A tqdm bar over the input bytes (done, rate, ETA) on a terminal; without one, a log line every
+    ``interval`` documents. The summary line (documents, docs/s, tokens/s, MB/s) is printed at the end."""
+
+    def __init__(self, interval: int, label: str = "", total_bytes: Optional[int] = None) -> None:
         self.interval = max(1, interval)
         self.label = label
         self.start = time.time()
         self.docs = self.tokens = self.bytes = 0
         self.next_report = self.interval
-        self.tty = sys.stderr.isatty()
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+                            desc=label.strip() or "preprocess", dynamic_ncols=True)
 
     def update(self, docs: int, tokens: int, nbytes: int) -> None:
         self.docs += docs
         self.tokens += tokens
         self.bytes += nbytes
-        if self.docs >= self.next_report:
+        if self.bar is not None:
+            self.bar.update(nbytes)
+            self.bar.set_postfix(docs=self.docs, refresh=False)
+        elif self.docs >= self.next_report:
             self.next_report = (self.docs // self.interval + 1) * self.interval
             self.report()
 
     def report(self, final: bool = False) -> None:
+        if final and self.bar is not None:
+            self.bar.close()
         dt = max(time.time() - self.start, 1e-9)
-        msg = (f"{self.label}processed {self.docs} documents ({self.docs / dt:.1f} docs/s, "
-               f"{self.tokens / dt:.0f} tokens/s, {self.bytes / dt / 1024 / 1024:.2f} MB/s)")
-        if self.tty and not final:
-            print("\r" + msg, end="", file=sys.stderr, flush=True)
-        else:
-            print(("\r" if self.tty else "") + msg, file=sys.stderr, flush=True)
+        print(f"{self.label}processed {self.docs} documents ({self.docs / dt:.1f} docs/s, "
+              f"{self.tokens / dt:.0f} tokens/s, {self.bytes / dt / 1024 / 1024:.2f} MB/s)", file=sys.stderr,
+              flush=True)
+
+
+def _input_bytes(files: Sequence[str]) -> Optional[int]:
+    """Bytes the progress bar counts to (None when a file is compressed: its text size is unknown)."""
+    if any(f.endswith(".gz") for f in files):
+        return None
+    return sum(os.path.getsize(f) for f in files)
 
 
 def process_range(args, files: Sequence[str], prefix: str, workers: int, start: int = 0,
@@ -244,7 +261,8 @@ def process_range(args, files: Sequence[str], prefix: str, workers: int, start: 
         if os.path.exists(get_idx_path(p)):
             os.remove(get_idx_path(p))  # a stale .idx must never pair with the new .bin
         builders[key] = IndexedDatasetBuilder(get_bin_path(p), dtype=Encoder.dtype)
-    progress = _Progress(args.log_interval, label)
+    total = _input_bytes(files) if start == 0 and stop is None else None
+    progress = _Progress(args.log_interval, label, total)
     pool = None
     try:
         chunks = _chunks(iter_lines(files, start, stop), _CHUNK_LINES)

@@ -9,16 +9,25 @@ piece, so any layout reads any other.
 A tensor-parallel split with ``partition_stride > 1`` (fused ``[gate; up]``) gives a rank ``stride``
 separate blocks along the split dimension; each is its own piece.
 
-Loading is weights-only: tensors are read with ``torch.load(weights_only=True)``, JSON entries are
-decoded as JSON, and DCP's ``.metadata`` index is unpickled with an allow-list of DCP's own classes.
+Loading is weights-only: tensors are read with ``torch.load(weights_only=True)`` (or, for a plain contiguous chunk,
+its ``data.pkl`` is unpickled weights-only onto the meta device and the data read straight into the destination),
+JSON entries are decoded as JSON, and DCP's ``.metadata`` index is unpickled with an allow-list of DCP's own
+classes.
+
+Files are DCP's (``__<rank>_0.distcp``, byte for byte what ``FileSystemWriter`` writes): :class:`Writer` writes each
+rank's file with large sequential writes straight from tensor memory on a background thread and one fsync;
+:class:`Reader` reads chunks with one ``preadv`` into the destination where the layout allows.
 """
 from __future__ import annotations
 
 import base64
 import io
 import json
+import math
 import os
 import pickle
+import queue
+import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,8 +35,10 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.filesystem as dcp_fs
+from torch import _weights_only_unpickler
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter, _create_file_view
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -37,7 +48,15 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.planner_helpers import _create_read_item_for_byteio, create_read_items_for_chunk_list
 
 from ..errors import ConfigError
@@ -265,10 +284,15 @@ class LoadPlanner(DefaultLoadPlanner):
             self.transform_tensor(read_item, alias).copy_(tensor)
 
     def transform_tensor(self, read_item: ReadItem, tensor: torch.Tensor):
-        # narrow to the overlap; DCP copies the stored data into this view
-        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
-            tensor = tensor.narrow(dim, start, length)
-        return tensor
+        # narrow to the overlap; the reader copies the stored data into this view
+        return narrow(tensor, read_item.dest_offsets, read_item.lengths)
+
+
+def narrow(tensor: torch.Tensor, offsets, lengths) -> torch.Tensor:
+    """The block of ``tensor`` starting at ``offsets`` with ``lengths`` (a view)."""
+    for dim, (start, length) in enumerate(zip(offsets, lengths)):
+        tensor = tensor.narrow(dim, start, length)
+    return tensor
 
 
 def check_shape(key: str, stored: tuple[int, ...], entry: Sharded) -> None:
@@ -340,13 +364,275 @@ def check_files(iter_dir: str, md: Metadata) -> None:
 
 
 class Reader(FileSystemReader):
-    """File reader using :func:`read_index` (allow-listed unpickling) and checking the shard files first."""
+    """File reader using :func:`read_index` (allow-listed unpickling) and checking the shard files first.
+
+    Tensor chunks are read straight into their destination: each stored item is a ``torch.save`` archive whose
+    one data record holds the contiguous chunk, so a request that covers a contiguous byte range of it (the whole
+    chunk, or a block of leading-dimension rows) into a contiguous CPU destination is one ``preadv`` into the
+    destination's memory (no temporary tensor, no second copy). Anything else (a column block, a non-contiguous
+    or device destination, stream transforms) takes DCP's path: ``torch.load`` of the item, then a copy.
+    """
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         md = read_index(str(self.path))
         md.storage_meta.load_id = self.load_id
         check_files(str(self.path), md)
         return md
+
+    def read_data(self, plan: LoadPlan, planner) -> torch.futures.Future:
+        if any(self.storage_data[r.storage_index].transform_descriptors for r in plan.items):
+            return super().read_data(plan, planner)
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for relative_path, items in per_file.items():
+            items.sort(key=lambda r: self.storage_data[r.storage_index].offset)  # one forward pass over the file
+            with open(os.path.join(str(self.path), relative_path), "rb", buffering=0) as f:
+                for item in items:
+                    info = self.storage_data[item.storage_index]
+                    if item.type == LoadItemType.BYTE_IO:
+                        planner.load_bytes(item, io.BytesIO(_pread_exact(f.fileno(), info.offset, info.length)))
+                        continue
+                    target = planner.resolve_tensor(item).detach()
+                    if not _read_into(f, info, item, target):
+                        stored = torch.load(_create_file_view(f, info.offset, info.length), map_location="cpu",
+                                            weights_only=True)
+                        target.copy_(narrow(stored, item.storage_offsets, item.lengths))
+                    planner.commit_tensor(item, target)
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(None)
+        return fut
+
+
+_LAYOUTS: dict[bytes, tuple | None] = {}
+
+
+def _stored_layout(pickled: bytes):
+    """``(dtype, shape)`` of the tensor an item's ``data.pkl`` describes when it is contiguous, starts at offset 0
+    and fills its one storage exactly; else None. Unpickled weights-only onto the meta device (no data read)."""
+    if pickled in _LAYOUTS:
+        return _LAYOUTS[pickled]
+    sizes = []
+
+    def persistent_load(saved_id):
+        _, storage_type, _key, _location, numel = saved_id
+        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+        sizes.append(numel * dtype.itemsize)
+        return torch.storage.TypedStorage(wrap_storage=torch.UntypedStorage(numel * dtype.itemsize, device="meta"),
+                                          dtype=dtype, _internal=True)
+
+    layout = None
+    try:
+        unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(pickled), encoding="utf-8")
+        unpickler.persistent_load = persistent_load
+        t = unpickler.load()
+        if isinstance(t, torch.Tensor) and len(sizes) == 1 and t.is_contiguous() and t.storage_offset() == 0 \
+                and sizes[0] == t.numel() * t.element_size():
+            layout = (t.dtype, tuple(t.shape))
+    except Exception:
+        layout = None
+    _LAYOUTS[pickled] = layout
+    return layout
+
+
+def _read_into(f, info, item: ReadItem, target: torch.Tensor) -> bool:
+    """Read the requested block of a stored chunk straight into ``target``; False when it is not one contiguous
+    byte range of a plain contiguous chunk (the caller then takes the general path)."""
+    if target.device.type != "cpu" or not target.is_contiguous():
+        return False
+    archive = torch._C.PyTorchFileReader(_EndsView(f.fileno(), info.offset, info.length))
+    records = [r for r in archive.get_all_records() if r.startswith("data/")]
+    if len(records) != 1 or not archive.has_record("data.pkl"):
+        return False
+    layout = _stored_layout(archive.get_record("data.pkl"))
+    if layout is None or layout[0] != target.dtype or archive.get_record_size(records[0]) \
+            != math.prod(layout[1]) * target.element_size():
+        return False
+    shape, starts, lengths = layout[1], list(item.storage_offsets), list(item.lengths)
+    if len(shape) != len(lengths) or tuple(lengths) != tuple(target.shape):
+        return False
+    # one contiguous byte range: length 1 before some dim k, any length at k, whole dims after k
+    k = next((d for d in range(len(shape)) if lengths[d] != 1), len(shape))
+    if any(starts[d] != 0 or lengths[d] != shape[d] for d in range(k + 1, len(shape))):
+        return False
+    first = sum(starts[d] * math.prod(shape[d + 1:]) for d in range(len(shape)))
+    nbytes = target.numel() * target.element_size()
+    if nbytes:
+        offset = info.offset + archive.get_record_offset(records[0]) + first * target.element_size()
+        _preadv_exact(f.fileno(), memoryview(target.reshape(-1).view(torch.uint8).numpy()), offset)
+    return True
+
+
+class _EndsView(io.RawIOBase):
+    """One stored item as a seekable file whose first and last 4 KiB (the zip records ``torch.load`` parses) are
+    read with one read each; other ranges are read from the file when asked."""
+
+    _END = 4096
+
+    def __init__(self, fd: int, offset: int, length: int):
+        super().__init__()
+        self.fd, self.offset, self.length, self.pos = fd, offset, length, 0
+        n = min(length, self._END)
+        self.head = _pread_exact(fd, offset, n)
+        self.tail_start = length - n
+        self.tail = _pread_exact(fd, offset + self.tail_start, n)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        self.pos = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence] + pos
+        return self.pos
+
+    def readinto(self, buf) -> int:
+        n = max(0, min(len(buf), self.length - self.pos))
+        end = self.pos + n
+        if end <= len(self.head):
+            buf[:n] = self.head[self.pos:end]
+        elif self.pos >= self.tail_start:
+            buf[:n] = self.tail[self.pos - self.tail_start:end - self.tail_start]
+        else:
+            _preadv_exact(self.fd, memoryview(buf)[:n], self.offset + self.pos)
+        self.pos = end
+        return n
+
+
+def _preadv_exact(fd: int, buf: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if n <= 0:
+            raise CheckpointError(f"checkpoint shard (fd {fd}) ended {len(buf) - done} bytes early")
+        done += n
+
+
+def _pread_exact(fd: int, offset: int, length: int) -> bytes:
+    buf = bytearray(length)
+    _preadv_exact(fd, memoryview(buf), offset)
+    return bytes(buf)
+
+
+class Writer(FileSystemWriter):
+    """DCP's file writer, one ``__<rank>_0.distcp`` file per rank, in DCP's format and item order (each tensor a
+    ``torch.save`` archive, JSON entries as raw bytes), written through :class:`_OrderedFile`: the small zip records
+    are gathered into large writes, each tensor's data is written straight from its memory by a background thread
+    (which releases the GIL in ``write``) while ``torch.save`` checksums the next bytes, and the file is fsync'd
+    once at the end."""
+
+    def __init__(self, path: str):
+        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
+
+    def write_data(self, plan: SavePlan, planner) -> torch.futures.Future:
+        name = f"{plan.storage_data.prefix}0.distcp"
+        results: list = []
+        with _OrderedFile(os.path.join(str(self.path), name)) as out:
+            # DCP's order: the byte entries, then the tensors in plan order
+            for item in sorted(plan.items, key=lambda i: i.type != WriteItemType.BYTE_IO):
+                data = planner.resolve_data(item)
+                if item.type != WriteItemType.BYTE_IO:
+                    data = data.detach() if data.device.type == "cpu" else data.detach().cpu()
+                    out.lend(data)
+                # DCP's own item writer (torch.save of the tensor, or the raw bytes) into our file
+                results.append(dcp_fs._write_item(self.transforms, out, data, item, name, self.serialization_format))
+            out.sync()
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(results)
+        return fut
+
+
+class _OrderedFile:
+    """A write-only file whose writes happen in order on one background thread.
+
+    Writes of at least ``DIRECT`` bytes that lie inside a tensor handed to :meth:`lend` are queued as they are (no
+    copy; the tensor is kept until :meth:`sync`); smaller writes are gathered into ``GATHER``-byte blocks."""
+
+    DIRECT = 1 << 18
+    GATHER = 1 << 22
+
+    def __init__(self, path: str):
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.pos = 0
+        self.small = bytearray()
+        self.lent: list[torch.Tensor] = []
+        self.queue: queue.Queue = queue.Queue(maxsize=64)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._drain, name="checkpoint-file-writer", daemon=True)
+        self.thread.start()
+
+    def _drain(self) -> None:
+        while True:
+            buf = self.queue.get()
+            if buf is None:
+                return
+            if self.error is not None:
+                continue
+            try:
+                view, done = memoryview(buf).cast("B"), 0
+                while done < len(view):
+                    done += os.write(self.fd, view[done:])
+            except BaseException as e:
+                self.error = e
+
+    def lend(self, tensor: torch.Tensor) -> None:
+        self.lent.append(tensor)
+
+    def _inside_lent(self, view: memoryview) -> bool:
+        if not self.lent or len(view) == 0:
+            return False
+        start = np.frombuffer(view, dtype=np.uint8).ctypes.data
+        t = self.lent[-1]
+        base = t.untyped_storage().data_ptr()
+        return base <= start and start + len(view) <= base + t.untyped_storage().nbytes()
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        n = len(view)
+        if n >= self.DIRECT and self._inside_lent(view):
+            self._flush_small()
+            self.queue.put(view)
+        else:
+            self.small += view
+            if len(self.small) >= self.GATHER:
+                self._flush_small()
+        self.pos += n
+        return n
+
+    def _flush_small(self) -> None:
+        if self.small:
+            self.queue.put(self.small)
+            self.small = bytearray()
+
+    def tell(self) -> int:
+        return self.pos
+
+    def flush(self) -> None:
+        """Called by ``torch.save`` after each archive; small records keep gathering across archives."""
+
+    def sync(self) -> None:
+        """Write everything, fsync, and raise the first write error."""
+        self._flush_small()
+        self.queue.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        os.fsync(self.fd)
+
+    def __enter__(self) -> "_OrderedFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.thread.is_alive():  # an exception before sync(): stop the thread, keep the first error
+            self.small = bytearray()
+            self.queue.put(None)
+            self.thread.join()
+        self.lent.clear()
+        os.close(self.fd)
 
 
 def read_bytes_entry(iter_dir: str, md: Metadata, key: str):
@@ -386,10 +672,7 @@ def read_tensor(iter_dir: str, md: Metadata, key: str) -> torch.Tensor:
             part = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
         except Exception as e:  # any decoding failure is a damaged file
             raise CheckpointError(f"cannot read {key!r} from checkpoint shard {path}: {e}") from None
-        view = out
-        for dim, (o, s) in enumerate(zip(chunk.offsets, chunk.sizes)):
-            view = view.narrow(dim, o, s)
-        view.copy_(part)
+        narrow(out, chunk.offsets, chunk.sizes).copy_(part)
     return out
 
 
@@ -399,7 +682,7 @@ def read_tensor(iter_dir: str, md: Metadata, key: str) -> torch.Tensor:
 def save(state: dict, iter_dir: str, process_group=None, no_dist: bool = False) -> None:
     """Write ``state`` (entries as above) to ``iter_dir``; collective over ``process_group`` unless ``no_dist``."""
     os.makedirs(iter_dir, exist_ok=True)
-    writer = FileSystemWriter(iter_dir, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
+    writer = Writer(iter_dir)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")

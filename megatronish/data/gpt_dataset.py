@@ -24,6 +24,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy
 import torch
 
+from megatronish import device
 from megatronish.data import helpers
 from megatronish.data.blending import (
     BlendedDataset,
@@ -43,6 +44,7 @@ __all__ = [
     "GPTDatasetConfig",
     "GPTDataset",
     "build_gpt_datasets",
+    "get_batch",
     "BlendError",
 ]
 
@@ -188,8 +190,9 @@ class GPTDataset(torch.utils.data.Dataset):
             ("document_index", "sample_index", "shuffle_index"), self._build_indices
         )
         self._cached_masks = None
+        self._reused: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
         # plain ndarray views (memmap-backed on a cache hit) index faster than numpy.memmap objects
-        self._documents = numpy.asarray(self.document_index).view(numpy.ndarray)
+        self._documents = numpy.ascontiguousarray(self.document_index, dtype=numpy.int32).view(numpy.ndarray)
         self._sample = numpy.asarray(self.sample_index).view(numpy.ndarray)
         self._shuffle = numpy.asarray(self.shuffle_index).view(numpy.ndarray)
 
@@ -250,32 +253,29 @@ class GPTDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return int(self.sample_index.shape[0]) - 1
 
+    def _bounds(self, idx: numpy.ndarray) -> numpy.ndarray:
+        """``[b, 4]`` int64 (doc_beg, off_beg, doc_end, off_end) of samples ``idx`` (shuffled order)."""
+        j = self._shuffle[idx].astype(numpy.int64)
+        bounds = numpy.empty((j.shape[0], 4), dtype=numpy.int64)
+        bounds[:, :2] = self._sample[j]
+        bounds[:, 2:] = self._sample[j + 1]
+        return bounds
+
+    def _read_tokens(self, idx: numpy.ndarray, out: numpy.ndarray) -> numpy.ndarray:
+        """Fills ``out`` ``[b, seq_length + extra]`` with the tokens of samples ``idx`` (pad past a short
+        sample's end); returns which rows were padded."""
+        filled = self.dataset.gather(self._documents, self._bounds(idx), self._extra, self._pad_token_id, out)
+        return filled < out.shape[1]
+
     def _query(self, idx: int) -> Tuple[numpy.ndarray, bool]:
         """Tokens of sample ``idx`` (seq_length + extra of them) as int64, and whether it was padded."""
         j = int(self._shuffle[idx])
-        doc_beg, off_beg = self._sample[j].tolist()
-        doc_end, off_end = self._sample[j + 1].tolist()
-        want = self.config.sequence_length + self._extra
-        get = self.dataset.get
-        if doc_beg == doc_end:
-            part = get(int(self._documents[doc_beg]), off_beg, off_end - off_beg + self._extra)
-            if part.shape[0] == want:
-                return part.astype(numpy.int64), False
-            parts = [part]
-        else:
-            parts = []
-            for i in range(doc_beg, doc_end + 1):
-                offset = off_beg if i == doc_beg else 0
-                length = off_end + self._extra if i == doc_end else None
-                parts.append(get(int(self._documents[i]), offset, length))
-        out = numpy.empty(want, dtype=numpy.int64)
-        n = 0
-        for p in parts:
-            out[n:n + p.shape[0]] = p
-            n += p.shape[0]
-        if n < want:
-            out[n:] = self._pad_token_id
-        return out, n < want
+        bounds = numpy.empty((1, 4), dtype=numpy.int64)
+        bounds[0, :2] = self._sample[j]
+        bounds[0, 2:] = self._sample[j + 1]
+        out = numpy.empty((1, self.config.sequence_length + self._extra), dtype=numpy.int64)
+        filled = self.dataset.gather(self._documents, bounds, self._extra, self._pad_token_id, out)
+        return out[0], bool(filled[0] < out.shape[1])
 
     def __getitem__(self, idx: Optional[int]) -> Dict[str, torch.Tensor]:
         array, padded = self._query(0 if idx is None else idx)
@@ -314,6 +314,104 @@ class GPTDataset(torch.utils.data.Dataset):
         if docs is not None:
             item["document_ids"] = docs
         return item
+
+
+    def get_batch(self, indices: Sequence[int], reuse: bool = False) -> Dict[str, torch.Tensor]:
+        """Samples ``indices`` as one batch: the values of stacking ``[self[i] for i in indices]``
+        (``torch.utils.data.default_collate``), read in one C++ pass.
+
+        The tokens of all samples are copied once, one contiguous copy per document span, into a
+        ``[b, seq_length + 1]`` int64 buffer; ``tokens`` (``[:, :-1]``) and ``labels`` (``[:, 1:]``) are
+        views of it (not contiguous). ``loss_mask`` is ``[b, s]`` float32; ``position_ids`` ``[b, s]`` and
+        ``attention_mask`` ``[b, 1, s, s]`` are read-only broadcast views unless ``--reset-position-ids`` /
+        ``--reset-attention-mask`` / ``--eod-mask-loss`` make them differ per sample.
+        ``reuse``: write into buffers this dataset keeps per batch size (page-locked when training on
+        CUDA, so the host-to-device copy can be asynchronous); the next ``reuse`` call overwrites them.
+        """
+        idx = numpy.asarray(indices, dtype=numpy.int64).reshape(-1)
+        b, s, want = idx.shape[0], self.config.sequence_length, self.config.sequence_length + self._extra
+        text, loss_mask = self._batch_buffers(b, want, reuse)
+        # buffer-wide work in numpy: torch's intra-op threads cost more than they save on arrays this small
+        text_np, loss_mask_np = text.numpy(), loss_mask.numpy()
+        padded = self._read_tokens(idx, text_np)
+        cfg, pad = self.config, self._pad_token_id
+        if self._extra:
+            tokens, labels = text[:, :-1], text[:, 1:]
+        else:
+            tokens, labels = text, torch.empty_like(text)
+            labels[:, :-1] = text[:, 1:]
+            labels[:, -1] = pad
+        attention_mask = None
+        if not (cfg.reset_position_ids or cfg.reset_attention_mask or cfg.eod_mask_loss):
+            if self._cached_masks is None:
+                self._cached_masks = _get_ltor_masks_and_position_ids(
+                    tokens[0] if b else torch.zeros(s, dtype=torch.long), cfg.eod_id, False, False, False,
+                    cfg.create_attention_mask)
+                self._cached_masks = (self._cached_masks[0], self._cached_masks[1].clone(), self._cached_masks[2])
+            attention_mask, _, positions = self._cached_masks
+            loss_mask_np.fill(1.0)
+            position_ids = positions.expand(b, s)
+            if attention_mask is not None:
+                attention_mask = attention_mask.expand(b, 1, s, s)
+        else:
+            rows = [_get_ltor_masks_and_position_ids(tokens[k], cfg.eod_id, cfg.reset_position_ids,
+                                                     cfg.reset_attention_mask, cfg.eod_mask_loss,
+                                                     cfg.create_attention_mask) for k in range(b)]
+            position_ids = torch.stack([r[2] for r in rows]) if b else torch.zeros((0, s), dtype=torch.long)
+            if b:
+                torch.stack([r[1] for r in rows], out=loss_mask)
+            if cfg.create_attention_mask:
+                attention_mask = torch.stack([r[0] for r in rows]) if b else torch.zeros((0, 1, s, s), dtype=torch.bool)
+        docs = document_ids(tokens, cfg.eod_id) if cfg.reset_attention_mask else None  # before pads are zeroed
+        if pad >= 0 or padded.any():  # pad ids can only appear in padded samples or as real tokens
+            labels_np = labels.numpy()
+            pad_labels = labels_np == pad
+            loss_mask_np[pad_labels] = 0.0
+            if self._extra:
+                text_np[text_np == pad] = 0  # tokens and labels share the buffer: every position once
+            else:
+                labels_np[pad_labels] = 0
+                text_np[text_np == pad] = 0
+        batch = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
+        if cfg.create_attention_mask:
+            batch["attention_mask"] = attention_mask
+        if docs is not None:
+            batch["document_ids"] = docs
+        return batch
+
+    def _batch_buffers(self, b: int, want: int, reuse: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The token buffer ``[b, want]`` int64 and loss mask ``[b, seq_length]`` float32 of a batch."""
+        if reuse and b in self._reused:
+            return self._reused[b]
+        pin = reuse and device.device_type() == "cuda"
+        buffers = (torch.empty((b, want), dtype=torch.int64, pin_memory=pin),
+                   torch.empty((b, self.config.sequence_length), dtype=torch.float32, pin_memory=pin))
+        if reuse:
+            self._reused[b] = buffers
+        return buffers
+
+
+def get_batch(dataset, indices: Sequence[int], reuse: bool = False) -> Dict[str, torch.Tensor]:
+    """Samples ``indices`` of a :class:`GPTDataset` or a :class:`BlendedDataset` of them as one batch, equal to
+    ``default_collate([dataset[i] for i in indices])`` (see :meth:`GPTDataset.get_batch`; a blend adds
+    ``dataset_id`` and reads each member's samples in one pass)."""
+    if isinstance(dataset, GPTDataset):
+        return dataset.get_batch(indices, reuse)
+    if not isinstance(dataset, BlendedDataset):
+        raise TypeError(f"get_batch reads a GPTDataset or a BlendedDataset, not {type(dataset).__name__}")
+    idx = numpy.asarray(indices, dtype=numpy.int64).reshape(-1)
+    which = numpy.asarray(dataset.dataset_index[idx], dtype=numpy.int64)
+    samples = numpy.asarray(dataset.dataset_sample_index[idx], dtype=numpy.int64)
+    batch: Dict[str, torch.Tensor] = {}
+    for d in numpy.unique(which).tolist():
+        rows = torch.from_numpy(numpy.nonzero(which == d)[0])
+        part = dataset.datasets[d].get_batch(samples[rows.numpy()])
+        for key, value in part.items():
+            if key not in batch:
+                batch[key] = torch.empty((idx.shape[0], *value.shape[1:]), dtype=value.dtype)
+            batch[key][rows] = value
+    batch["dataset_id"] = torch.from_numpy(which)
+    return batch
 
 
 def _build_document_index(

@@ -1,0 +1,136 @@
+"""The checkpoint storage layer against DCP's own: the same bytes on disk, bit-exact round trips, and reads of
+any block (row blocks read in place, column blocks and odd layouts through torch.load)."""
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+
+from megatronish.checkpoint import dcp_io
+from megatronish.checkpoint.dcp_io import Obj, Piece, Sharded
+
+
+def _state(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    big = torch.randn(300, 1000, generator=g)  # 1.2 MB: written straight from the tensor's memory
+    return {
+        "model.big": Sharded.whole(big),
+        "model.bf16": Sharded.whole(torch.randn(64, 48, generator=g).to(torch.bfloat16)),
+        "model.vec": Sharded.whole(torch.randn(7, generator=g)),
+        "model.int": Sharded.whole(torch.arange(12, dtype=torch.int64).reshape(3, 4)),
+        "model.empty": Sharded.whole(torch.zeros(0, 5)),
+        "model.view": Sharded.whole(big[10:20, :3]),  # a non-contiguous view of a larger storage
+        "common_state": Obj({"iteration": 3, "t": torch.arange(4)}),
+    }
+
+
+def _plain(state):
+    """The same entries as plain tensors / bytes for DCP's stock writer and reader."""
+    return {k: v.pieces[0].tensor.contiguous() if isinstance(v, Sharded) else v for k, v in state.items()}
+
+
+def _save_stock(state, path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, storage_writer=FileSystemWriter(path, single_file_per_rank=True, thread_count=1),
+                 planner=dcp_io.SavePlanner(), no_dist=True)
+
+
+def _empty_like(state):
+    return {k: Sharded.whole(torch.full_like(v.pieces[0].tensor.contiguous(), 7)) if isinstance(v, Sharded) else Obj()
+            for k, v in state.items()}
+
+
+def test_same_bytes_as_dcp_writer(tmp_path):
+    state = _state()
+    dcp_io.save(state, str(tmp_path / "ours"), no_dist=True)
+    _save_stock(state, str(tmp_path / "stock"))
+    ours = sorted(f for f in os.listdir(tmp_path / "ours") if f.endswith(".distcp"))
+    assert ours == sorted(f for f in os.listdir(tmp_path / "stock") if f.endswith(".distcp")) == ["__0_0.distcp"]
+    with open(tmp_path / "ours" / ours[0], "rb") as a, open(tmp_path / "stock" / ours[0], "rb") as b:
+        assert a.read() == b.read()
+    md_ours, md_stock = dcp_io.read_index(str(tmp_path / "ours")), dcp_io.read_index(str(tmp_path / "stock"))
+    assert md_ours.storage_data == md_stock.storage_data
+
+
+def test_round_trip_bit_exact_and_stock_readable(tmp_path):
+    state = _state(1)
+    path = str(tmp_path / "ck")
+    dcp_io.save(state, path, no_dist=True)
+    target = _empty_like(state)
+    objects = dcp_io.load(target, path, no_dist=True)
+    for k, v in state.items():
+        if isinstance(v, Sharded):
+            want, got = v.pieces[0].tensor, target[k].pieces[0].tensor
+            assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8) if got.numel() else got,
+                                                           want.contiguous().view(torch.uint8) if want.numel()
+                                                           else want), k
+    assert objects["common_state"]["iteration"] == 3 and torch.equal(objects["common_state"]["t"], torch.arange(4))
+    # DCP's own reader loads what we wrote
+    plain = {k: torch.zeros_like(v) for k, v in _plain(state).items() if isinstance(v, torch.Tensor)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(plain, storage_reader=FileSystemReader(path), no_dist=True)
+    for k, v in plain.items():
+        assert torch.equal(v, state[k].pieces[0].tensor.contiguous()), k
+
+
+@pytest.mark.parametrize("rows,cols", [((0, 300), (0, 1000)), ((40, 90), (0, 1000)), ((0, 300), (100, 350)),
+                                       ((7, 8), (500, 1000)), ((13, 14), (0, 1000))])
+def test_block_reads(tmp_path, rows, cols):
+    """A piece of another layout: row blocks are read in place, column blocks through the general path."""
+    state = _state(2)
+    path = str(tmp_path / "ck")
+    dcp_io.save(state, path, no_dist=True)
+    full = state["model.big"].pieces[0].tensor
+    block = torch.full((rows[1] - rows[0], cols[1] - cols[0]), -1.0)
+    alias = torch.empty_like(block)
+    target = {"model.big": Sharded((300, 1000), [Piece(block, (rows[0], cols[0]), [alias])])}
+    dcp_io.load(target, path, no_dist=True)
+    assert torch.equal(block, full[rows[0]:rows[1], cols[0]:cols[1]])
+    assert torch.equal(alias, block)
+
+
+def test_split_pieces_from_two_stored_chunks(tmp_path):
+    """Two stored row chunks read into one piece that straddles them (two reads into one destination)."""
+    full = torch.randn(10, 6)
+    stored = {"model.w": Sharded((10, 6), [Piece(full[:4].clone(), (0, 0)), Piece(full[4:].clone(), (4, 0))])}
+    path = str(tmp_path / "ck")
+    dcp_io.save(stored, path, no_dist=True)
+    piece = torch.zeros(6, 6)
+    dcp_io.load({"model.w": Sharded((10, 6), [Piece(piece, (2, 0))])}, path, no_dist=True)
+    assert torch.equal(piece, full[2:8])
+
+
+def test_failed_write_raises_and_closes(tmp_path, monkeypatch):
+    path = str(tmp_path / "ck")
+    calls = []
+
+    def failing_write(fd, data):
+        calls.append(len(data))
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(dcp_io.os, "write", failing_write)
+    with pytest.raises(dcp_io.CheckpointError, match="No space left on device"):
+        dcp_io.save(_state(), path, no_dist=True)
+    assert calls and not os.path.exists(os.path.join(path, dcp_io.METADATA_FILE))
+
+
+def test_whole_chunks_and_row_blocks_skip_torch_load(tmp_path, monkeypatch):
+    """Same-layout loads and row blocks never build a temporary tensor (torch.load is not called)."""
+    state = _state(3)
+    path = str(tmp_path / "ck")
+    dcp_io.save(state, path, no_dist=True)
+
+    def no_load(*a, **k):
+        raise AssertionError("torch.load called")
+
+    monkeypatch.setattr(torch, "load", no_load)
+    target = _empty_like(state)
+    dcp_io.load(target, path, no_dist=True)
+    assert torch.equal(target["model.big"].pieces[0].tensor, state["model.big"].pieces[0].tensor)
+    rows = torch.zeros(50, 1000)
+    dcp_io.load({"model.big": Sharded((300, 1000), [Piece(rows, (100, 0))])}, path, no_dist=True)
+    assert torch.equal(rows, state["model.big"].pieces[0].tensor[100:150])
