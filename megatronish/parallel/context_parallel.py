@@ -305,31 +305,27 @@ def _all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> to
     return torch.cat(recv, dim=gather_dim)
 
 
-class _SeqToHeads(torch.autograd.Function):
-    """forward: all-to-all from ``[b, h, s/N, d]`` to ``[b, h/N, s, d]`` (tokens in rank order); backward: the
-    reverse all-to-all."""
+class _AllToAll(torch.autograd.Function):
+    """forward: all-to-all scattering ``scatter_dim`` and gathering ``gather_dim`` (sequence-sharded
+    ``[b, h, s/N, d]`` <-> head-sharded ``[b, h/N, s, d]``, tokens in rank order); backward: the reverse."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_to_all(x, group, scatter_dim=1, gather_dim=2)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_to_all(grad, ctx.group, scatter_dim=2, gather_dim=1), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    """forward: all-to-all from ``[b, h/N, s, d]`` back to ``[b, h, s/N, d]``; backward: the reverse."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_to_all(x, group, scatter_dim=2, gather_dim=1)
+    def forward(ctx, x, group, scatter_dim, gather_dim):
+        ctx.args = (group, scatter_dim, gather_dim)
+        return _all_to_all(x, group, scatter_dim, gather_dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_to_all(grad, ctx.group, scatter_dim=1, gather_dim=2), None
+        group, scatter_dim, gather_dim = ctx.args
+        return _all_to_all(grad, group, gather_dim, scatter_dim), None, None, None
+
+
+def _seq_to_heads(x, group):
+    return _AllToAll.apply(x, group, 1, 2)
+
+
+def _heads_to_seq(x, group):
+    return _AllToAll.apply(x, group, 2, 1)
 
 
 def _full_sequence_attention(q, k, v, scale, docs, c):
@@ -343,9 +339,9 @@ def _full_sequence_attention(q, k, v, scale, docs, c):
 def _a2a_attention(q, k, v, group, scale, docs):
     n, c = group_size(group), q.size(2) // 2
     order = _true_order(n, 2 * c * n, q.device)
-    qh, kh, vh = (_SeqToHeads.apply(t, group).index_select(2, order) for t in (q, k, v))  # [b, h/N, s, d]
+    qh, kh, vh = (_seq_to_heads(t, group).index_select(2, order) for t in (q, k, v))  # [b, h/N, s, d]
     out = _full_sequence_attention(qh, kh, vh, scale, docs, c)
-    return _HeadsToSeq.apply(out.index_select(2, torch.argsort(order)), group)
+    return _heads_to_seq(out.index_select(2, torch.argsort(order)), group)
 
 
 # ================================================================================= all-gather
@@ -388,12 +384,12 @@ def _hierarchical_attention(q, k, v, inner, outer, scale, docs):
     a, p = group_size(inner), group_size(outer)
     n, c = a * p, q.size(2) // 2
     chunk_sets = [_hierarchical_chunks(n, a, o) for o in range(p)]
-    qh, kh, vh = (_SeqToHeads.apply(t, inner) if a > 1 else t for t in (q, k, v))  # [b, h/a, 2ac, d]
+    qh, kh, vh = (_seq_to_heads(t, inner) if a > 1 else t for t in (q, k, v))  # [b, h/a, 2ac, d]
     if p > 1:
         out = _RingAttention.apply(qh, kh, vh, outer, chunk_sets, c, scale, docs)
     else:  # one inner group holds the whole sequence
         out = _LocalAttention.apply(qh, kh, vh, chunk_sets[0], chunk_sets[0], c, scale, docs)
-    return _HeadsToSeq.apply(out, inner) if a > 1 else out
+    return _heads_to_seq(out, inner) if a > 1 else out
 
 
 # ================================================================================= entry point

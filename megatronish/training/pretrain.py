@@ -115,13 +115,13 @@ def _reported_loss(stats: list[dict], parallel: ParallelContext) -> float:
 
 
 def _microbatches(dataset, consumed: int, mbs: int, num_mb: int, dev, parallel: ParallelContext):
+    if not isinstance(dataset, MockGPTDataset):
+        from ..data.gpt_dataset import get_batch  # file data only: mock runs do not load the compiled helpers
     # CP ranks of one data-parallel replica read the same samples (each keeps its chunks of the sequence)
     for idx in global_batch_indices(consumed, mbs, parallel.dp_size, parallel.dp_rank, num_mb):
         if isinstance(dataset, MockGPTDataset):
             batch = collate([{k: torch.as_tensor(v) for k, v in dataset[i].items()} for i in idx])
         else:  # file data: the micro-batch read at once (each document span copied once; same samples, same order)
-            from ..data.gpt_dataset import get_batch
-
             batch = get_batch(dataset, idx)
         yield {k: v.to(dev) for k, v in batch.items()}
 
