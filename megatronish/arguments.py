@@ -65,10 +65,32 @@ NOT_YET_SUPPORTED: dict[str, NotYet] = {
     nt.flag.lstrip("-").replace("-", "_") if dest is None else dest: nt
     for dest, nt in [
         # parallelism
-        (None, NotYet("--expert-model-parallel-size", (1,), "expert parallelism (mixture of experts)", "use 1")),
         (None, NotYet("--tp-comm-overlap", (False,), "tensor-parallel communication overlap", _DROP)),
         (None, NotYet("--use-torch-fsdp2", (False,), "FSDP2", _DROP)),
         (None, NotYet("--use-megatron-fsdp", (False,), "Megatron FSDP", _DROP)),
+        # mixture of experts (the features of docs/moe.md are built; these are not)
+        (None, NotYet("--moe-token-dispatcher-type", ("allgather", "alltoall"), "the flex (DeepEP/HybridEP) "
+                      "token dispatcher", "use --moe-token-dispatcher-type alltoall or allgather")),
+        (None, NotYet("--moe-enable-deepep", (False,), "the DeepEP dispatcher", _DROP)),
+        (None, NotYet("--moe-flex-dispatcher-backend", (None,), "the flex dispatcher", _DROP)),
+        (None, NotYet("--moe-permute-fusion", (False,), "Transformer Engine's fused token permutation", _DROP)),
+        (None, NotYet("--moe-router-fusion", (False,), "Transformer Engine's fused router", _DROP)),
+        (None, NotYet("--moe-shared-expert-overlap", (False,), "overlapping shared experts with dispatch", _DROP)),
+        (None, NotYet("--moe-use-upcycling", (False,), "dense-to-MoE upcycling", _DROP)),
+        (None, NotYet("--moe-input-jitter-eps", (None,), "router input jitter", _DROP)),
+        (None, NotYet("--moe-layer-recompute", (False,), "MoE-layer recompute", "drop the flag (use "
+                      "--recompute-granularity full)")),
+        (None, NotYet("--moe-use-legacy-grouped-gemm", (False,), "the legacy grouped GEMM",
+                      "drop the flag (--moe-grouped-gemm uses torch's grouped GEMM)")),
+        (None, NotYet("--moe-router-force-load-balancing", (False,), "forced (random) routing", _DROP)),
+        (None, NotYet("--moe-apply-probs-on-input", (False,), "applying router probs to the expert input", _DROP)),
+        (None, NotYet("--moe-router-padding-for-fp8", (False,), "router padding for FP8", _DROP)),
+        (None, NotYet("--moe-router-padding-for-quantization", (False,), "router padding for quantization",
+                      _DROP)),
+        (None, NotYet("--moe-latent-size", (None,), "MoE latent projections", _DROP)),
+        (None, NotYet("--moe-extended-tp", (False,), "extended expert tensor parallelism",
+                      "use --expert-tensor-parallel-size")),
+        (None, NotYet("--multi-latent-attention", (False,), "multi-latent attention (MLA)", _DROP)),
         # batch
         (None, NotYet("--rampup-batch-size", (None,), "batch-size ramp-up", "drop the flag (constant "
                       "--global-batch-size)")),
@@ -171,7 +193,10 @@ def build_parser(prog: str = "pretrain_gpt.py", description: str = "Pretrain a G
          help="context-parallel attention communication: one type, or one per layer")
     flag(g, "--hierarchical-context-parallel-sizes", nargs="+", type=int, default=None,
          help="a2a+p2p: the all-to-all size (adjacent ranks) and the ring size; their product is the CP size")
-    flag(g, "--expert-model-parallel-size", type=int, default=1)
+    flag(g, "--expert-model-parallel-size", type=int, default=1,
+         help="experts of every MoE layer spread over this many ranks (docs/moe.md)")
+    flag(g, "--expert-tensor-parallel-size", type=int, default=None,
+         help="tensor parallelism inside each expert (default --tensor-model-parallel-size)")
     flag(g, "--distributed-backend", default=None, choices=["nccl", "gloo"],
          help="default: nccl on CUDA, gloo on CPU (Megatron's default is nccl)")
     flag(g, "--distributed-timeout-minutes", type=int, default=10)
@@ -183,6 +208,50 @@ def build_parser(prog: str = "pretrain_gpt.py", description: str = "Pretrain a G
     flag(g, "--tp-comm-overlap", **on)
     flag(g, "--use-torch-fsdp2", **on)
     flag(g, "--use-megatron-fsdp", **on)
+
+    g = p.add_argument_group("mixture of experts (docs/moe.md)")
+    flag(g, "--num-experts", type=int, default=None, help="experts per MoE layer (default: dense model)")
+    flag(g, "--moe-layer-freq", type=moe_layer_freq, default=1,
+         help="every N-th layer is MoE, or a pattern like \"([1]*3+[0]*1)*2\" (1: MoE, 0: dense)")
+    flag(g, "--moe-ffn-hidden-size", type=int, default=None, help="each expert's FFN size (default --ffn-hidden-size)")
+    flag(g, "--moe-router-topk", type=int, default=2, help="experts per token")
+    flag(g, "--moe-router-score-function", default="softmax", choices=["softmax", "sigmoid"])
+    flag(g, "--moe-router-pre-softmax", **on, help="softmax over all experts before the top-k")
+    flag(g, "--moe-router-topk-scaling-factor", type=float, default=None)
+    flag(g, "--moe-router-num-groups", type=int, default=None, help="expert groups for group-limited routing")
+    flag(g, "--moe-router-group-topk", type=int, default=None, help="groups each token may use")
+    flag(g, "--moe-router-load-balancing-type", nargs="+", default="aux_loss",
+         choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"])
+    flag(g, "--moe-aux-loss-coeff", type=float, nargs="+", default=0.0)
+    flag(g, "--moe-z-loss-coeff", type=float, default=None)
+    flag(g, "--moe-router-enable-expert-bias", **on, help="aux-loss-free balancing (sigmoid scores)")
+    flag(g, "--moe-router-bias-update-rate", type=float, default=1e-3)
+    flag(g, "--moe-router-dtype", default=None, choices=["fp32", "fp64"], help="router computation dtype")
+    flag(g, "--moe-expert-capacity-factor", type=float, default=None, help="token dropping above this capacity")
+    flag(g, "--moe-token-drop-policy", default="probs", choices=["probs", "position"])
+    flag(g, "--moe-pad-expert-input-to-capacity", **on)
+    flag(g, "--moe-token-dispatcher-type", default="allgather", choices=["allgather", "alltoall", "flex"])
+    flag(g, "--moe-grouped-gemm", **on, help="all local experts in one grouped GEMM")
+    flag(g, "--moe-shared-expert-intermediate-size", type=int, default=None)
+    flag(g, "--moe-shared-expert-gate", **on, help="sigmoid gate on the shared experts' output")
+    flag(g, "--moe-per-layer-logging", **on, help="log the MoE losses of every layer")
+    # Megatron MoE flags of features not built here: rejected by NOT_YET_SUPPORTED
+    flag(g, "--moe-enable-deepep", **on)
+    flag(g, "--moe-flex-dispatcher-backend", default=None)
+    flag(g, "--moe-permute-fusion", **on)
+    flag(g, "--moe-router-fusion", **on)
+    flag(g, "--moe-shared-expert-overlap", **on)
+    flag(g, "--moe-use-upcycling", **on)
+    flag(g, "--moe-input-jitter-eps", type=float, default=None)
+    flag(g, "--moe-layer-recompute", **on)
+    flag(g, "--moe-use-legacy-grouped-gemm", **on)
+    flag(g, "--moe-router-force-load-balancing", **on)
+    flag(g, "--moe-apply-probs-on-input", **on)
+    flag(g, "--moe-router-padding-for-fp8", **on)
+    flag(g, "--moe-router-padding-for-quantization", **on)
+    flag(g, "--moe-latent-size", type=int, default=None)
+    flag(g, "--moe-extended-tp", **on)
+    flag(g, "--multi-latent-attention", **on)
 
     g = p.add_argument_group("batch and iterations")
     flag(g, "--micro-batch-size", type=int, default=None, help="samples per microbatch per rank (required)")
@@ -307,6 +376,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---------------------------------------------------------------------------------------------------------------
 # Flags -> configs: by field name (argparse dest == dataclass field), a rule only where the names differ
 # ---------------------------------------------------------------------------------------------------------------
+def _one_or_list(value):
+    return value[0] if isinstance(value, list) and len(value) == 1 else value
+
+
+def moe_layer_freq(text: str):
+    """``--moe-layer-freq``: an int N (every N-th layer is MoE) or Megatron's list expression such as
+    ``"([1]*3+[0]*1)*2"`` (1: MoE layer, 0: dense). The expression is evaluated over lists, ints, ``+`` and ``*``
+    only (never ``eval``)."""
+    import ast
+
+    text = str(text).strip()
+    if "[" not in text:
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int or a list pattern, got {text!r}") from None
+
+    def ev(node):
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.List):
+            return [ev(e) for e in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = ev(node.left), ev(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise argparse.ArgumentTypeError(f"unsupported element in pattern {text!r} (use lists, ints, + and *)")
+
+    try:
+        value = ev(ast.parse(text, mode="eval"))
+    except SyntaxError:
+        raise argparse.ArgumentTypeError(f"cannot read pattern {text!r}") from None
+    if not isinstance(value, list):
+        raise argparse.ArgumentTypeError(f"pattern {text!r} is not a list")
+    return value
+
+
 def _rules(args) -> dict[type, dict]:
     """The config fields whose value is not the flag of the same name: a renamed flag or Megatron's rule."""
     constant_wd = args.weight_decay_incr_style == "constant"
@@ -316,6 +423,9 @@ def _rules(args) -> dict[type, dict]:
             num_query_groups=args.num_query_groups if args.group_query_attention else None,
             recompute_granularity="selective" if args.recompute_activations else args.recompute_granularity,
             transformer_impl=args.transformer_impl or "local",
+            # Megatron: one load-balancing type (and coefficient) given as a list of one is that value
+            moe_router_load_balancing_type=_one_or_list(args.moe_router_load_balancing_type),
+            moe_aux_loss_coeff=_one_or_list(args.moe_aux_loss_coeff),
         ),
         OptimizerConfig: dict(
             start_weight_decay=args.weight_decay if constant_wd else args.start_weight_decay,
@@ -367,7 +477,7 @@ def _parallel_dims(args, world_size: int, errors: list[str]) -> ParallelDims | N
     try:
         return ParallelDims(world_size=world_size, tp=args.tensor_model_parallel_size,
                             pp=args.pipeline_model_parallel_size, vp=vp, cp=args.context_parallel_size,
-                            ep=args.expert_model_parallel_size,
+                            ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size,
                             tie_embeddings=not args.untie_embeddings_and_output_weights)
     except ConfigError as e:
         errors.append(str(e))
@@ -510,6 +620,7 @@ def _problems(d: _Draft, errors: list[str], for_training: bool = True) -> list[s
     _check_precision(d.optim, m, errors)
     _check_model(m, errors)
     _check_context_parallel(m, dims, errors)
+    _check_moe(m, dims, d.sequence_parallel_flag, errors)
     _check_checkpoint(d.checkpoint, errors)
     if fits and not errors:
         errors += m.problems()
@@ -676,6 +787,40 @@ def _check_context_parallel(m: ModelConfig | None, dims: ParallelDims | None, er
             errors.append(f"--hierarchical-context-parallel-sizes {sizes[0]} {sizes[1]}: the heads per TP rank "
                           f"({heads} / {tp}) and the query groups per TP rank ({groups} / {tp}) must divide by the "
                           f"all-to-all size {sizes[0]}")
+
+
+def _check_moe(m: ModelConfig | None, dims: ParallelDims | None, sequence_parallel: bool,
+               errors: list[str]) -> None:
+    """Mixture of experts against the layout (the MoE flags' own problems are ``ModelConfig.moe_problems``)."""
+    if m is None or dims is None:
+        return
+    ep, etp = dims.ep, dims.expert_tp
+    if m.num_experts is None:
+        given = [f for f, on in ((f"--expert-model-parallel-size {ep}", ep > 1),
+                                 (f"--expert-tensor-parallel-size {dims.etp}", dims.etp not in (None, dims.tp)))
+                 if on]
+        if given:
+            errors.append(f"{' and '.join(given)} need --num-experts (a mixture-of-experts model)")
+        return
+    if m.num_experts < 1:
+        return  # named by moe_problems
+    if m.num_experts % ep:
+        errors.append(f"--num-experts {m.num_experts} is not divisible by --expert-model-parallel-size {ep}; every "
+                      "expert-parallel rank holds the same number of experts")
+    ffn = m.moe_ffn_hidden_size or m.ffn_hidden_size
+    if ffn % etp:
+        errors.append(f"--moe-ffn-hidden-size {ffn} is not divisible by the expert tensor-parallel size {etp} "
+                      "(--expert-tensor-parallel-size, default --tensor-model-parallel-size)")
+    shared = m.moe_shared_expert_intermediate_size
+    if shared and shared % dims.tp:
+        errors.append(f"--moe-shared-expert-intermediate-size {shared} is not divisible by "
+                      f"--tensor-model-parallel-size {dims.tp}")
+    if dims.tp > 1 and not sequence_parallel:
+        errors.append(f"--num-experts with --tensor-model-parallel-size {dims.tp} needs --sequence-parallel (as in "
+                      "Megatron-LM: the expert layers take each tensor-parallel rank's own tokens)")
+    if dims.cp > 1:
+        errors.append(f"--num-experts with --context-parallel-size {dims.cp} is not available yet in this version; "
+                      "use --context-parallel-size 1")
 
 
 def _check_checkpoint(c: CheckpointConfig, errors: list[str]) -> None:

@@ -63,6 +63,29 @@ class ModelConfig:
     cross_entropy_loss_fusion: bool = False  # --cross-entropy-loss-fusion: the vocab-parallel loss
     cp_comm_type: str | list = "p2p"  # --cp-comm-type: p2p | a2a | allgather | a2a+p2p, or one per layer
     hierarchical_context_parallel_sizes: list | None = None  # a2a+p2p: [inner (a2a), outer (ring)]
+    # mixture of experts (Megatron's flags and defaults; docs/moe.md)
+    num_experts: int | None = None  # None: dense MLPs
+    moe_layer_freq: int | list = 1  # every N-th layer is MoE, or a 1/0 pattern per layer
+    moe_ffn_hidden_size: int | None = None  # default --ffn-hidden-size
+    moe_router_topk: int = 2
+    moe_router_score_function: str = "softmax"  # softmax | sigmoid
+    moe_router_pre_softmax: bool = False
+    moe_router_topk_scaling_factor: float | None = None
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    moe_router_load_balancing_type: str | list = "aux_loss"  # aux_loss | seq_aux_loss | global_aux_loss | none
+    moe_aux_loss_coeff: float | list = 0.0
+    moe_z_loss_coeff: float | None = None
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    moe_router_dtype: str | None = None  # None (the activations') | fp32 | fp64
+    moe_expert_capacity_factor: float | None = None  # None: no token dropping
+    moe_token_drop_policy: str = "probs"  # probs | position
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_token_dispatcher_type: str = "allgather"  # allgather | alltoall
+    moe_grouped_gemm: bool = False
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_shared_expert_gate: bool = False
 
     # False: fill the defaults only, and leave every problem to problems() (argument validation lists them all)
     check: InitVar[bool] = True
@@ -77,6 +100,8 @@ class ModelConfig:
             self.num_query_groups = self.num_attention_heads
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
+        if self.num_experts and self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
         if check:
             problems = self.problems()
             if problems:
@@ -107,6 +132,74 @@ class ModelConfig:
                 out.append("--recompute-granularity full needs --recompute-method uniform or block")
             elif not self.recompute_num_layers or self.recompute_num_layers < 1:
                 out.append("--recompute-granularity full needs --recompute-num-layers >= 1")
+        out += self.moe_problems()
+        return out
+
+    def moe_problems(self) -> list[str]:
+        """The mixture-of-experts flags' own problems (their fit to the layout is ``validate``'s)."""
+        if self.num_experts is None:
+            return []
+        out = []
+        e, k = self.num_experts, self.moe_router_topk
+        if e < 1:
+            out.append(f"--num-experts must be >= 1, got {e}")
+            return out
+        if not 1 <= k <= e:
+            out.append(f"--moe-router-topk {k} must be between 1 and --num-experts {e}")
+        if self.moe_router_score_function not in ("softmax", "sigmoid"):
+            out.append(f"--moe-router-score-function {self.moe_router_score_function!r}: choose softmax or sigmoid")
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+            out.append("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (aux-loss-free "
+                       "balancing biases sigmoid scores)")
+        if self.moe_router_pre_softmax and self.moe_router_score_function != "softmax":
+            out.append("--moe-router-pre-softmax applies to --moe-router-score-function softmax only")
+        if self.moe_router_group_topk:
+            g = self.moe_router_num_groups
+            if not g:
+                out.append("--moe-router-group-topk needs --moe-router-num-groups")
+            elif e % g:
+                out.append(f"--num-experts {e} is not divisible by --moe-router-num-groups {g}")
+            elif self.moe_router_group_topk > g:
+                out.append(f"--moe-router-group-topk {self.moe_router_group_topk} exceeds --moe-router-num-groups {g}")
+            elif k % self.moe_router_group_topk:
+                out.append(f"--moe-router-topk {k} is not divisible by --moe-router-group-topk "
+                           f"{self.moe_router_group_topk}")
+        types = self.moe_router_load_balancing_type
+        types = [types] if isinstance(types, str) else list(types)
+        coeffs = self.moe_aux_loss_coeff
+        for t in types:
+            if t not in ("aux_loss", "seq_aux_loss", "global_aux_loss", "none"):
+                out.append(f"--moe-router-load-balancing-type {t!r}: choose aux_loss, seq_aux_loss, "
+                           "global_aux_loss or none (Sinkhorn balancing is not available in this version)")
+        if not isinstance(coeffs, (int, float)) and len(coeffs) != len(types):
+            out.append(f"--moe-aux-loss-coeff gives {len(coeffs)} values for {len(types)} load-balancing types; "
+                       "give one per type")
+        cf = self.moe_expert_capacity_factor
+        if cf is not None and not cf > 0:
+            out.append(f"--moe-expert-capacity-factor must be > 0, got {cf} (omit the flag for no token dropping)")
+        if self.moe_pad_expert_input_to_capacity and cf is None:
+            out.append("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+        if self.moe_token_drop_policy not in ("probs", "position"):
+            out.append(f"--moe-token-drop-policy {self.moe_token_drop_policy!r}: choose probs or position")
+        if self.moe_token_dispatcher_type not in ("allgather", "alltoall"):
+            out.append(f"--moe-token-dispatcher-type {self.moe_token_dispatcher_type!r}: choose allgather or "
+                       "alltoall (the flex/DeepEP dispatcher is not available in this version)")
+        if self.moe_router_dtype not in (None, "fp32", "fp64"):
+            out.append(f"--moe-router-dtype {self.moe_router_dtype!r}: choose fp32 or fp64")
+        if self.add_bias_linear:
+            out.append("--num-experts: expert linear layers have no biases in this version; pass "
+                       "--disable-bias-linear")
+        freq = self.moe_layer_freq
+        if isinstance(freq, int):
+            if freq < 1:
+                out.append(f"--moe-layer-freq must be >= 1, got {freq}")
+        elif len(freq) != self.num_layers or any(v not in (0, 1) for v in freq):
+            out.append(f"--moe-layer-freq pattern must hold one 0 or 1 per layer ({self.num_layers}), got "
+                       f"{len(freq)} values")
+        if self.moe_shared_expert_intermediate_size is not None and self.moe_shared_expert_intermediate_size < 1:
+            out.append("--moe-shared-expert-intermediate-size must be >= 1")
+        if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
+            out.append("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")
         return out
 
     @property
@@ -231,6 +324,7 @@ class LoggingConfig:
     wandb_exp_name: str = ""
     wandb_save_dir: str = ""
     timing_log_level: int = 0
+    moe_per_layer_logging: bool = False  # the MoE losses of every layer, not only their mean
     metrics_file: str | None = None
     pipeline_timeline: str | None = None  # Chrome trace of the last training iteration's pipeline events
 

@@ -93,7 +93,7 @@ class Checkpointer:
         self.fp8 = _Fp8States(fp8) if fp8 else None  # one FP8 manager, or one per model chunk
         self.named = named_params(models)
         self.names = {id(p): (name, p.desc) for name, p in self.named}
-        self.tp_rank, self.tp = parallel.tp_rank, parallel.tp_size
+        self.parallel = parallel
         # DCP's collectives get their own (gloo) group: async saves run them from a background thread
         self._group = parallel.io_group if dist.is_initialized() else None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -129,12 +129,12 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {iter_dir} has no optimizer state (saved with --no-save-optim, or "
                                   "converted); pass --no-load-optim or --finetune")
 
-        entries = model_entries(self.named, self.tp_rank, self.tp)
+        entries = model_entries(self.named, self.parallel)
         param_state = None
         if load_optim:
             param_state = self.opt.sharded_param_state()
             self._check_optimizer_keys(param_state, common["optimizer"], md, iter_dir)
-            opt_entries = optimizer_entries(param_state, self.names, self.tp_rank, self.tp)
+            opt_entries = optimizer_entries(param_state, self.names, self.parallel)
             for key, entry in opt_entries.items():
                 if key not in md.state_dict_metadata and key.endswith(".main_param"):
                     # an fp32-trained checkpoint: the master copy starts from the stored model weights
@@ -219,11 +219,11 @@ class Checkpointer:
         stage = bool(ck.async_save)
         if self._finish_param_sync is not None:
             self._finish_param_sync()  # the entries below read the parameters
-        entries = model_entries(self.named, self.tp_rank, self.tp, stage=stage)
+        entries = model_entries(self.named, self.parallel, stage=stage)
         opt_common = None
         if not ck.no_save_optim and self.opt is not None:
             param_state = self.opt.sharded_param_state()  # collective for the distributed optimizer
-            optimizer_entries(param_state, self.names, self.tp_rank, self.tp, stage=stage, entries=entries)
+            optimizer_entries(param_state, self.names, self.parallel, stage=stage, entries=entries)
             keys = sorted({k for _, states in param_state for k in states})
             opt_common = {"class": type(getattr(self.opt, "optimizer", self.opt)).__name__,
                           "param_state_keys": keys, "scalars": self.opt.scalar_state_dict()}

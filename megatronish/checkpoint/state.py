@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from .. import device
-from ..parallel.init import TensorDesc
+from ..parallel.init import TensorDesc, expert_range, split_ranks
 from ..parallel.random import get_rng_tracker
 from .common import MODEL, OPTIMIZER
 from .dcp_io import Piece, Sharded
@@ -24,18 +24,22 @@ from .dcp_io import Piece, Sharded
 # ---------------------------------------------------------------------------------------------------------------
 # Slices of a tensor-parallel tensor
 # ---------------------------------------------------------------------------------------------------------------
-def tp_pieces(local: torch.Tensor, desc: TensorDesc, tp_rank: int, tp: int) -> list[Piece]:
+def tp_pieces(local: torch.Tensor, desc: TensorDesc, tp_rank: int, tp: int, ep_rank: int = 0,
+              ep: int = 1) -> list[Piece]:
     """This rank's blocks of the global tensor: one per stride block along the split dimension (the layout of
-    :func:`megatronish.parallel.init.local_indices`), or the whole tensor when it is not split."""
+    :func:`megatronish.parallel.init.local_indices`), or the whole tensor when it is not split. An expert weight
+    starts at its first expert's row (``ep_rank``'s block of dim 0)."""
     ndim = len(desc.global_shape)
+    first = [0] * ndim
+    first[0] = expert_range(desc, ep_rank, ep)[0]
     if desc.partition_dim is None or tp == 1:
-        return [Piece(local, (0,) * ndim)]
+        return [Piece(local, tuple(first))]
     dim, stride = desc.partition_dim, desc.partition_stride
     block = desc.global_shape[dim] // stride
     part = block // tp
     pieces = []
     for k in range(stride):
-        offsets = [0] * ndim
+        offsets = list(first)
         offsets[dim] = k * block + tp_rank * part
         pieces.append(Piece(local.narrow(dim, k * part, part), tuple(offsets)))
     return pieces
@@ -67,16 +71,18 @@ def named_params(models) -> list[tuple[str, torch.nn.Parameter]]:
     return [(name, p) for m in models for name, p in m.named_global_parameters()]
 
 
-def model_entries(named, tp_rank: int, tp: int, *, stage: bool = False, entries: Entries | None = None) -> Entries:
+def model_entries(named, parallel, *, stage: bool = False, entries: Entries | None = None) -> Entries:
+    """``parallel``: the run's ParallelContext (which slice of each tensor this rank holds)."""
     entries = Entries() if entries is None else entries
     for name, p in named:
         desc = p.desc
-        pieces = [Piece(_staged(x.tensor, stage), x.offsets) for x in tp_pieces(p.data, desc, tp_rank, tp)]
+        pieces = [Piece(_staged(x.tensor, stage), x.offsets)
+                  for x in tp_pieces(p.data, desc, *split_ranks(desc, parallel))]
         entries.add(MODEL + name, Sharded(desc.global_shape, pieces, resizable_rows=desc.valid_rows is not None))
     return entries
 
 
-def optimizer_entries(param_state, names: dict[int, tuple[str, TensorDesc]], tp_rank: int, tp: int, *,
+def optimizer_entries(param_state, names: dict[int, tuple[str, TensorDesc]], parallel, *,
                       stage: bool = False, entries: Entries | None = None) -> Entries:
     """``param_state``: ``[(param, {state key: tensor shaped like param})]`` (the optimizer contract)."""
     entries = Entries() if entries is None else entries
@@ -86,7 +92,8 @@ def optimizer_entries(param_state, names: dict[int, tuple[str, TensorDesc]], tp_
             if tuple(t.shape) != tuple(p.shape):
                 raise ValueError(f"optimizer state {key} of {name} has shape {tuple(t.shape)}, the parameter "
                                  f"{tuple(p.shape)}")
-            pieces = [Piece(_staged(x.tensor, stage), x.offsets) for x in tp_pieces(t, desc, tp_rank, tp)]
+            pieces = [Piece(_staged(x.tensor, stage), x.offsets)
+                      for x in tp_pieces(t, desc, *split_ranks(desc, parallel))]
             entries.add(f"{OPTIMIZER}{name}.{key}",
                         Sharded(desc.global_shape, pieces, resizable_rows=desc.valid_rows is not None))
     return entries

@@ -22,7 +22,7 @@ from ..parallel.context import ParallelContext, Shared
 from ..parallel.context_parallel import cp_chunk_index
 from ..parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..parallel.dims import effective_sequence_parallel
-from ..parallel.init import TensorDesc, initialize_slice, set_desc
+from ..parallel.init import TensorDesc, initialize_slice, set_desc, split_ranks
 from ..parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from ..parallel.mappings import scatter_to_sequence_parallel_region
 from ..parallel.random import get_rng_tracker
@@ -141,9 +141,8 @@ class GPTModel(nn.Module):
 
     def init_parameters(self, seed: int) -> None:
         """Fill every parameter with its slice of the global value given by ``(seed, global name)``."""
-        tp_rank, tp = self.parallel.tp_rank, self.parallel.tp_size
         for name, p in self.named_global_parameters():
-            initialize_slice(p, p.desc, seed, name, tp_rank, tp)
+            initialize_slice(p, p.desc, seed, name, *split_ranks(p.desc, self.parallel))
 
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
         self.input_tensor = tensor

@@ -13,6 +13,7 @@ from ..parallel.context import ParallelContext
 from ..parallel.random import checkpoint, get_rng_tracker
 from .attention import SelfAttention
 from .mlp import MLP
+from .moe.layer import MoELayer, is_moe_layer
 from .norms import build_norm
 
 
@@ -40,7 +41,10 @@ class TransformerLayer(nn.Module):
         self.self_attention = SelfAttention(c, sequence_parallel, out_std, params_dtype, device, parallel,
                                             layer_number)
         self.pre_mlp_layernorm = norm()
-        self.mlp = MLP(c, sequence_parallel, out_std, params_dtype, device, parallel.tp_group)
+        if is_moe_layer(c, layer_number):
+            self.mlp = MoELayer(c, sequence_parallel, out_std, params_dtype, device, parallel, layer_number)
+        else:
+            self.mlp = MLP(c, sequence_parallel, out_std, params_dtype, device, parallel.tp_group)
 
     def forward(self, x: torch.Tensor, rotary=None, document_ids=None, inference_params=None) -> torch.Tensor:
         kv_cache = None if inference_params is None else inference_params.layer_cache(self.layer_number)

@@ -14,9 +14,19 @@ def _grad(p):
     return p.grad if g is None else g
 
 
+def is_expert(p) -> bool:
+    """An expert weight (its replicas are the expert-DP group, not DP; its pieces are unique over expert-TP x EP
+    x PP)."""
+    desc = getattr(p, "desc", None)
+    return bool(desc is not None and desc.expert)
+
+
 def counts_once(p, parallel: ParallelContext) -> bool:
     """False for copies: a TP-replicated parameter off TP rank 0, and the tied word embedding's copy on
-    the last pipeline stage (its first-stage original is counted)."""
+    the last pipeline stage (its first-stage original is counted). Expert weights always count: no two ranks of
+    an expert model-parallel group hold the same piece."""
+    if is_expert(p):
+        return True
     if getattr(p, "shared_embedding", False) and not parallel.is_first_stage:
         return False
     tp_rank = parallel.tp_rank
@@ -37,13 +47,24 @@ def sum_of_squares(tensors, group=None) -> torch.Tensor:
     return sq
 
 
-def global_norm(params, use_grad: bool = True, parallel: ParallelContext | None = None) -> float:
+def model_sum_of_squares(tensors_of, params, parallel: ParallelContext, experts: bool) -> torch.Tensor:
+    """``sum(t**2)`` of ``tensors_of(p)`` over the whole model, each piece counted once: the dense parameters' sum
+    runs over the model-parallel group (TP x PP), and with ``experts`` (every rank of a mixture-of-experts model
+    passes True) the expert weights' over the expert model-parallel group (expert-TP x EP x PP)."""
+    counted = [p for p in params if counts_once(p, parallel)]
+    sq = sum_of_squares([tensors_of(p) for p in counted if not is_expert(p)], parallel.mp_group)
+    if experts:
+        sq = sq + sum_of_squares([tensors_of(p) for p in counted if is_expert(p)], parallel.expert_mp_group)
+    return sq
+
+
+def global_norm(params, use_grad: bool = True, parallel: ParallelContext | None = None,
+                experts: bool = False) -> float:
     """L2 norm over the whole model of the grads (or the values) of ``params`` (this rank's share under
     ``parallel``; default one process). Grads are DP-identical after the reduction, so the sum runs over the
-    model-parallel group only."""
+    model-parallel groups only (``experts``: see :func:`model_sum_of_squares`)."""
     parallel = parallel or ParallelContext.single()
-    tensors = [(_grad(p) if use_grad else p) for p in params if counts_once(p, parallel)]
-    return math.sqrt(sum_of_squares(tensors, parallel.mp_group).item())
+    return math.sqrt(model_sum_of_squares(_grad if use_grad else (lambda p: p), params, parallel, experts).item())
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float | None:
@@ -55,11 +76,11 @@ def clip_coefficient(norm: float, max_norm: float) -> float | None:
     return None
 
 
-def clip_grad_norm(params, max_norm: float, parallel: ParallelContext | None = None) -> float:
+def clip_grad_norm(params, max_norm: float, parallel: ParallelContext | None = None, experts: bool = False) -> float:
     """Scale every grad by ``max_norm / (norm + 1e-6)`` when the global norm exceeds ``max_norm``; returns
     the norm before clipping."""
     params = list(params)
-    norm = global_norm(params, parallel=parallel)
+    norm = global_norm(params, parallel=parallel, experts=experts)
     coeff = clip_coefficient(norm, max_norm)
     if coeff is not None:
         grads = [g for g in map(_grad, params) if g is not None]

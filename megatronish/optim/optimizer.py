@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from .. import device
 from ..parallel.context import ParallelContext
-from .clip_grads import clip_coefficient, clip_grad_norm, counts_once, sum_of_squares
+from .clip_grads import clip_coefficient, clip_grad_norm, counts_once, model_sum_of_squares, sum_of_squares
 
 
 def no_weight_decay(name: str, p: torch.Tensor) -> bool:
@@ -119,6 +119,9 @@ class MegatronOptimizer:
         self.kind = optimizer
         named = [(n, p) for c in self.chunks for n, p in _module(c).named_parameters() if p.requires_grad]
         self.model_params = [p for _, p in named]
+        # a mixture-of-experts model (every rank knows from its config): expert weights need their own reductions
+        self.has_experts = any(getattr(getattr(_module(c), "config", None), "num_experts", None)
+                               for c in self.chunks)
         dtypes = {p.dtype for p in self.model_params}
         if len(dtypes) > 1:
             raise ValueError(f"all model parameters must share one dtype, got {sorted(map(str, dtypes))}")
@@ -163,7 +166,7 @@ class MegatronOptimizer:
             _copy_attrs(p, main)
             return _Slot(p, main, 0, p.numel(), True, ci)
         bucket = chunk.bucket_of(p)
-        shard_lo, shard_hi = bucket.shard(chunk.dp_rank, chunk.dp_size)
+        shard_lo, shard_hi = bucket.shard()
         p_lo, p_hi = chunk.param_range[id(p)]
         lo, hi = max(p_lo - bucket.start, shard_lo), min(p_hi - bucket.start, shard_hi)
         if lo >= hi:
@@ -215,7 +218,7 @@ class MegatronOptimizer:
         return out
 
     def _gather_bucket(self, chunk, ci: int, bucket, key: str) -> torch.Tensor:
-        shard_lo, shard_hi = bucket.shard(chunk.dp_rank, chunk.dp_size)
+        shard_lo, shard_hi = bucket.shard()
         local = torch.zeros(shard_hi - shard_lo, dtype=torch.float32, device=bucket.buffer.device)
         for p in bucket.params:
             s = self.slot_of.get(id(p))
@@ -224,10 +227,10 @@ class MegatronOptimizer:
             at = chunk.param_range[id(p)][0] - bucket.start + s.lo - shard_lo
             local[at: at + s.hi - s.lo] = self._slot_state(s, key)
         full = torch.empty(bucket.buffer.numel(), dtype=torch.float32, device=local.device)
-        if chunk.dp_size == 1:
+        if bucket.world == 1:
             full.copy_(local)
         else:
-            dist.all_gather_single(full, local, group=chunk.dp_group)
+            dist.all_gather_single(full, local, group=bucket.group)
         return full
 
     def load_sharded_param_state(self, get) -> None:
@@ -283,7 +286,7 @@ class MegatronOptimizer:
         distributed optimizer the whole world (its DP shards are disjoint)."""
         if self.parallel.world_size == 1:
             return None
-        return dist.group.WORLD if self.distributed else self.parallel.mp_group
+        return dist.group.WORLD if self.distributed or self.has_experts else self.parallel.mp_group
 
     def _prepare_grads(self) -> list[torch.Tensor]:
         grads = []
@@ -309,7 +312,12 @@ class MegatronOptimizer:
         """Global L2 norm of the main gradients, each element of the global model counted once."""
         if not self.distributed and not self.float16:
             from .clip_grads import global_norm
-            return global_norm(self.model_params, parallel=self.parallel)
+            return global_norm(self.model_params, parallel=self.parallel, experts=self.has_experts)
+        if not self.distributed:  # 16-bit master copies, whole parameters: as global_norm, on the main grads
+            main = {id(s.model): s.main for s in self.slots}
+            sq = model_sum_of_squares(lambda p: main[id(p)].grad, [s.model for s in self.slots], self.parallel,
+                                      self.has_experts)
+            return math.sqrt(sq.item())
         tensors = [s.main.grad for s in self.slots if counts_once(s.model, self.parallel)]
         sq = sum_of_squares(tensors)
         group = self._stats_group()
@@ -329,7 +337,8 @@ class MegatronOptimizer:
                 self._release_grads()
                 return False, None
         if not self.distributed and not self.float16:
-            norm = clip_grad_norm(self.model_params, self.clip_grad, self.parallel)  # DDP buffers: main grads
+            norm = clip_grad_norm(self.model_params, self.clip_grad, self.parallel,  # DDP buffers: main grads
+                                  experts=self.has_experts)
         else:
             norm = self.grad_norm()
             coeff = clip_coefficient(norm, self.clip_grad)

@@ -280,6 +280,55 @@ class ParallelContext:
     def embedding_ranks(self) -> tuple[int, ...]:
         return self.ranks("embedding")
 
+    # ---- the expert grid (mixture-of-experts layers; ParallelDims' etp-ep-edp layout)
+    @property
+    def ep_size(self) -> int:
+        return self.dims.ep
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank_in("ep")
+
+    @property
+    def ep_group(self):
+        return self.group("ep")
+
+    @property
+    def etp_size(self) -> int:
+        """Expert tensor-parallel size (``--expert-tensor-parallel-size``, default TP)."""
+        return self.dims.expert_tp
+
+    @property
+    def etp_rank(self) -> int:
+        return self.rank_in("etp")
+
+    @property
+    def etp_group(self):
+        return self.group("etp")
+
+    @property
+    def tp_ep_group(self):
+        """Expert-TP x EP: the all-gather dispatcher's group; its rank is ``ep_rank * etp_size + etp_rank``."""
+        return self.group("tp_ep")
+
+    @property
+    def expert_dp_size(self) -> int:
+        return self.dims.expert_dp
+
+    @property
+    def expert_dp_group(self):
+        """The replicas of this rank's expert shards: expert gradients are reduced over it."""
+        return self.group("expert_dp")
+
+    @property
+    def expert_dp_rank(self) -> int:
+        return self.rank_in("expert_dp")
+
+    @property
+    def expert_mp_group(self):
+        """Expert-TP x EP x PP: where the expert weights' gradient norm is summed."""
+        return self.group("expert_mp")
+
     def amax_reduction_group(self, with_context_parallel: bool = False):
         """Tensor x data (x context) group over which FP8 amax histories are reduced."""
         return self.group("tp_dp_cp" if with_context_parallel else "tp_dp")

@@ -42,9 +42,21 @@ class _Bucket:
     ready: set = field(default_factory=set)
     work: object = None
     gather_work: object = None
+    group: object = None  # the group this bucket is reduced over (DP x CP, or expert-DP for expert weights)
 
-    def shard(self, rank: int, world: int) -> tuple[int, int]:
-        """``[lo, hi)`` of DP rank ``rank``'s shard, relative to the bucket start."""
+    @property
+    def world(self) -> int:
+        return group_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return group_rank(self.group)
+
+    def shard(self, rank: int | None = None, world: int | None = None) -> tuple[int, int]:
+        """``[lo, hi)`` of DP rank ``rank``'s shard (default: this rank in the bucket's group), relative to the
+        bucket start."""
+        rank = self.rank if rank is None else rank
+        world = self.world if world is None else world
         n = self.buffer.numel() // world
         return rank * n, (rank + 1) * n
 
@@ -59,12 +71,15 @@ class DistributedDataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, *, dp_group=None, overlap_grad_reduce: bool = False,
                  bucket_size: int | None = None, grad_dtype=torch.float32, use_distributed_optimizer: bool = False,
-                 overlap_param_gather: bool = False):
+                 overlap_param_gather: bool = False, expert_dp_group=None):
         super().__init__()
         self.module = module
         self.dp_group = dp_group  # the data x context parallel group (ParallelContext.dp_cp_group); None: no DP
         self.dp_size = group_size(dp_group)
         self.dp_rank = group_rank(dp_group)
+        # Expert weights (desc.expert) are replicated over the expert-DP group only: their own buckets reduce over
+        # it, with the same 1/(DP x CP) pre-division (each expert's gradient already sums the tokens of EP ranks).
+        self.expert_dp_group = expert_dp_group
         self.overlap_grad_reduce = overlap_grad_reduce
         self.use_distributed_optimizer = use_distributed_optimizer
         self.overlap_param_gather = overlap_param_gather and use_distributed_optimizer
@@ -73,30 +88,32 @@ class DistributedDataParallel(nn.Module):
         params = [p for p in module.parameters() if p.requires_grad][::-1]  # backprop order
         self.params = params
         device = params[0].device if params else torch.device("cpu")
-        pad = self.dp_size if use_distributed_optimizer else 1
 
-        # ---- bucket boundaries: (start, end (padded), params)
+        # ---- bucket boundaries: (start, end (padded), params, group); dense buckets first, then expert ones
         layout, offset, start, current = [], 0, 0, []
         self.param_range: dict[int, tuple[int, int]] = {}
 
-        def close():
+        def close(group):
             nonlocal offset, start, current
             if current:
+                pad = group_size(group) if use_distributed_optimizer else 1
                 end = -(-offset // pad) * pad
-                layout.append((start, end, current))
+                layout.append((start, end, current, group))
                 offset = start = end
                 current = []
 
-        for p in params:
-            alone = use_distributed_optimizer and getattr(p, "shared_embedding", False)
-            if alone:
-                close()
-            self.param_range[id(p)] = (offset, offset + p.numel())
-            offset += p.numel()
-            current.append(p)
-            if alone or (bucket_size is not None and offset - start >= bucket_size):
-                close()
-        close()
+        for group, members in ((dp_group, [p for p in params if not _is_expert(p)]),
+                               (expert_dp_group, [p for p in params if _is_expert(p)])):
+            for p in members:
+                alone = use_distributed_optimizer and getattr(p, "shared_embedding", False)
+                if alone:
+                    close(group)
+                self.param_range[id(p)] = (offset, offset + p.numel())
+                offset += p.numel()
+                current.append(p)
+                if alone or (bucket_size is not None and offset - start >= bucket_size):
+                    close(group)
+            close(group)
 
         self.grad_buffer = torch.zeros(offset, dtype=grad_dtype, device=device)
         self.param_buffer = None
@@ -104,8 +121,8 @@ class DistributedDataParallel(nn.Module):
             self.param_buffer = torch.zeros(offset, dtype=params[0].dtype, device=device)
         self.buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
-        for start, end, bparams in layout:
-            bucket = _Bucket(bparams, self.grad_buffer[start:end], start)
+        for start, end, bparams, group in layout:
+            bucket = _Bucket(bparams, self.grad_buffer[start:end], start, group=group)
             if self.param_buffer is not None:
                 bucket.param_buffer = self.param_buffer[start:end]
             self.buckets.append(bucket)
@@ -145,15 +162,17 @@ class DistributedDataParallel(nn.Module):
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
-        if bucket.work is not None or self.dp_size == 1:
+        if bucket.work is not None or self.dp_size == 1 and bucket.world == 1:
             return
         bucket.buffer.div_(self.dp_size)
+        if bucket.world == 1:
+            return
         if self.use_distributed_optimizer:
-            lo, hi = bucket.shard(self.dp_rank, self.dp_size)
-            bucket.work = dist.reduce_scatter_single(bucket.buffer[lo:hi], bucket.buffer, group=self.dp_group,
+            lo, hi = bucket.shard()
+            bucket.work = dist.reduce_scatter_single(bucket.buffer[lo:hi], bucket.buffer, group=bucket.group,
                                                      async_op=True)
         else:
-            bucket.work = dist.all_reduce(bucket.buffer, group=self.dp_group, async_op=True)
+            bucket.work = dist.all_reduce(bucket.buffer, group=bucket.group, async_op=True)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -187,12 +206,14 @@ class DistributedDataParallel(nn.Module):
     def start_param_sync(self) -> None:
         """All-gather every bucket's updated shards into the param buffer (asynchronously with
         ``overlap_param_gather``: then the forward pre-hooks, or :meth:`finish_param_sync`, wait)."""
-        if self.param_buffer is None or self.dp_size == 1:
+        if self.param_buffer is None:
             return
         for bucket in self.buckets:
-            lo, hi = bucket.shard(self.dp_rank, self.dp_size)
+            if bucket.world == 1:
+                continue
+            lo, hi = bucket.shard()
             bucket.gather_work = dist.all_gather_single(bucket.param_buffer, bucket.param_buffer[lo:hi],
-                                                        group=self.dp_group, async_op=self.overlap_param_gather)
+                                                        group=bucket.group, async_op=self.overlap_param_gather)
             if not self.overlap_param_gather:
                 bucket.gather_work = None
 
@@ -218,6 +239,11 @@ class DistributedDataParallel(nn.Module):
                     self._wait_gather(b)
 
             module.register_forward_pre_hook(hook)
+
+
+def _is_expert(p) -> bool:
+    desc = getattr(p, "desc", None)
+    return bool(desc is not None and desc.expert)
 
 
 def finalize_model_grads(chunks: list[DistributedDataParallel], parallel: ParallelContext) -> None:

@@ -7,9 +7,16 @@ same node)::
 
     rank = tp + cp*TP + dp*TP*CP + pp*TP*CP*DP
 
-Expert parallelism lives inside data parallelism (as in Megatron-LM): the data-parallel index ``dp`` is split as
-``dp = ep + EP * edp``, where ``ep = dp % EP`` is the expert-parallel index and ``edp = dp // EP`` the index inside
-the expert-data-parallel group. Megatron-LM rejects EP together with CP, and so do we.
+Mixture-of-experts layers use a second grid over the same ranks (Megatron-LM's expert rank generator): inside one
+pipeline stage the ``TP x CP x DP`` ranks are laid out again as ``etp-ep-edp`` with expert tensor parallelism
+fastest::
+
+    rank = etp + ep*ETP + edp*ETP*EP + pp*TP*CP*DP
+
+``ETP`` is ``--expert-tensor-parallel-size`` (default: TP), ``EP`` ``--expert-model-parallel-size``, and the
+expert-data-parallel size ``EDP = TP*CP*DP / (ETP*EP)``. With ``ETP = TP`` and ``CP = 1`` this is the classic
+"experts inside data parallelism" (``dp = ep + EP*edp``); with ``ETP < TP`` expert parallelism also spans the
+tensor-parallel ranks.
 
 Every group list is produced by one helper, :func:`masked_rank_groups`: the axes of the order get strides that are
 prefix products of their sizes; a group fixes the coordinates on the unmasked axes and enumerates the masked ones.
@@ -32,6 +39,7 @@ _TP = "--tensor-model-parallel-size"
 _PP = "--pipeline-model-parallel-size"
 _CP = "--context-parallel-size"
 _EP = "--expert-model-parallel-size"
+_ETP = "--expert-tensor-parallel-size"
 _VP = "--num-virtual-stages-per-pipeline-rank (or --num-layers-per-virtual-pipeline-stage)"
 _WORLD = "the world size {n} (torchrun --nproc-per-node x --nnodes)"
 
@@ -116,20 +124,25 @@ class ParallelDims:
     cp: int = 1
     ep: int = 1
     tie_embeddings: bool = True
+    etp: int | None = None  # --expert-tensor-parallel-size; None: the tensor-parallel size
 
     order: ClassVar[str] = "tp-cp-ep-dp-pp"
-    # Internal axes of the rank grid; the user-facing token "dp" spans ("ep", "edp").
-    _AXES: ClassVar[tuple[str, ...]] = ("tp", "cp", "ep", "edp", "pp")
+    # Axes of the dense grid.
+    _AXES: ClassVar[tuple[str, ...]] = ("tp", "cp", "dp", "pp")
     _TOKENS: ClassVar[dict[str, tuple[str, ...]]] = {
-        "tp": ("tp",), "cp": ("cp",), "ep": ("ep",), "dp": ("ep", "edp"), "edp": ("edp",), "pp": ("pp",),
+        "tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",),
     }
+    # The expert grid's axes (inside a pipeline stage: etp fastest, then ep, then edp).
+    _EXPERT_AXES: ClassVar[tuple[str, ...]] = ("etp", "ep", "edp", "pp")
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
         flags = {"world_size": "the world size (torchrun --nproc-per-node x --nnodes)", "tp": _TP, "pp": _PP,
-                 "vp": _VP, "cp": _CP, "ep": _EP}
+                 "vp": _VP, "cp": _CP, "ep": _EP, "etp": _ETP}
         for name, flag in flags.items():
             value = getattr(self, name)
+            if name == "etp" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{flag} must be an integer >= 1, got {value!r}")
         if not isinstance(self.tie_embeddings, bool):
@@ -141,15 +154,13 @@ class ParallelDims:
                 f"{_TP} {self.tp} x {_PP} {self.pp} x {_CP} {self.cp} = {model} does not divide "
                 f"{_WORLD.format(n=self.world_size)}; change these degrees so that their product divides the "
                 f"world size, or launch a multiple of {model} processes")
-        if self.ep > 1 and self.cp > 1:
+        stage = self.tp * self.cp * self.dp
+        if stage % (self.expert_tp * self.ep):
             raise ConfigError(
-                f"{_EP} {self.ep} together with {_CP} {self.cp} is not supported (as in Megatron-LM); "
-                f"set one of them to 1")
-        if self.dp % self.ep:
-            raise ConfigError(
-                f"{_EP} {self.ep} does not divide the data-parallel size {self.dp} "
-                f"(= world size {self.world_size} / ({_TP} {self.tp} x {_PP} {self.pp} x {_CP} {self.cp})); "
-                f"expert parallelism lives inside data parallelism, so choose {_EP} dividing {self.dp}")
+                f"{_EP} {self.ep} x {_ETP} {self.expert_tp} = {self.ep * self.expert_tp} does not divide the "
+                f"{stage} ranks of a pipeline stage (world size {self.world_size} / {_PP} {self.pp}, = "
+                f"{_TP} {self.tp} x {_CP} {self.cp} x data-parallel {self.dp}); the expert layers lay those ranks "
+                f"out as expert-TP x EP x expert-DP, so choose EP x expert-TP dividing {stage}")
         if self.vp > 1 and self.pp == 1:
             raise ConfigError(
                 f"{_VP} gives {self.vp} virtual stages per pipeline rank, which needs pipeline parallelism, but "
@@ -210,22 +221,33 @@ class ParallelDims:
         return self.world_size // (self.tp * self.cp * self.pp)
 
     @property
+    def expert_tp(self) -> int:
+        """Expert tensor-parallel size (``--expert-tensor-parallel-size``, default TP)."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
     def expert_dp(self) -> int:
-        """Size of an expert-data-parallel group (``dp // ep``)."""
-        return self.dp // self.ep
+        """Size of an expert-data-parallel group: ``TP*CP*DP / (ETP*EP)``."""
+        return self.tp * self.cp * self.dp // (self.expert_tp * self.ep)
 
     @property
     def _sizes(self) -> tuple[int, ...]:
-        return (self.tp, self.cp, self.ep, self.expert_dp, self.pp)
+        return (self.tp, self.cp, self.dp, self.pp)
+
+    @property
+    def _expert_sizes(self) -> tuple[int, ...]:
+        return (self.expert_tp, self.ep, self.expert_dp, self.pp)
 
     def coords(self, rank: int) -> dict[str, int]:
-        """Coordinates of ``rank``: ``dict(tp=, cp=, ep=, dp=, pp=)``, with ``ep = dp % ep``."""
+        """Coordinates of ``rank``: ``dict(tp=, cp=, dp=, pp=)`` and in the expert grid ``etp=, ep=, edp=``."""
         self._check_rank(rank)
         tp = rank % self.tp
         cp = rank // self.tp % self.cp
         dp = rank // (self.tp * self.cp) % self.dp
         pp = rank // (self.tp * self.cp * self.dp)
-        return dict(tp=tp, cp=cp, ep=dp % self.ep, dp=dp, pp=pp)
+        etp, ep = self.expert_tp, self.ep
+        return dict(tp=tp, cp=cp, dp=dp, pp=pp, etp=rank % etp, ep=rank // etp % ep,
+                    edp=rank // (etp * ep) % self.expert_dp)
 
     def rank_of(self, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
         """Global rank at the given coordinates (inverse of :meth:`coords`)."""
@@ -241,10 +263,14 @@ class ParallelDims:
     # ------------------------------------------------------------------ groups
     def _groups(self, spec: str) -> list[list[int]]:
         """Groups whose members differ only along the axes named in ``spec`` (e.g. ``"tp-pp"``)."""
+        tokens = spec.split("-")
+        if set(tokens) <= set(self._EXPERT_AXES) and set(tokens) - {"pp"}:  # the expert grid
+            return masked_rank_groups(self._expert_sizes, [axis in tokens for axis in self._EXPERT_AXES])
         varying: set[str] = set()
-        for token in spec.split("-"):
+        for token in tokens:
             if token not in self._TOKENS:
-                raise ValueError(f"unknown axis {token!r} in {spec!r}; known: {sorted(self._TOKENS)}")
+                raise ValueError(f"unknown axis {token!r} in {spec!r}; known: {sorted(self._TOKENS)} "
+                                 f"(or only expert axes {list(self._EXPERT_AXES)})")
             varying.update(self._TOKENS[token])
         return masked_rank_groups(self._sizes, [axis in varying for axis in self._AXES])
 
@@ -285,12 +311,25 @@ class ParallelDims:
         return self._groups("tp-cp")
 
     def ep_groups(self) -> list[list[int]]:
-        """Expert-parallel groups: same tp, cp, pp and ``dp // ep``; differing in the ep index."""
+        """Expert-parallel groups (expert grid): same etp, edp and pp; differing in the ep index."""
         return self._groups("ep")
 
+    def etp_groups(self) -> list[list[int]]:
+        """Expert tensor-parallel groups (expert grid): the ranks splitting one expert's weights."""
+        return self._groups("etp")
+
+    def tp_ep_groups(self) -> list[list[int]]:
+        """Expert tensor x expert parallel groups: the ranks the all-gather dispatcher gathers tokens over."""
+        return self._groups("etp-ep")
+
     def expert_dp_groups(self) -> list[list[int]]:
-        """Expert-data-parallel groups: same tp, cp, pp and ep index; differing in ``dp // ep``."""
+        """Expert-data-parallel groups: same etp, ep and pp; the replicas of one expert shard (its gradient is
+        reduced over this group)."""
         return self._groups("edp")
+
+    def expert_mp_groups(self) -> list[list[int]]:
+        """Expert model-parallel groups (etp x ep x pp): where the expert weights' gradient norm is summed."""
+        return self._groups("etp-ep-pp")
 
     def embedding_groups(self) -> list[list[int]]:
         """Per pipeline group: ``[first, last]`` when embeddings are tied and PP > 1, else ``[first]``."""
@@ -304,7 +343,7 @@ class ParallelDims:
 
     GROUP_KINDS: ClassVar[tuple[str, ...]] = (
         "tp", "pp", "dp", "dp_cp", "cp", "mp", "tp_dp", "tp_dp_cp", "tp_cp", "ep", "expert_dp",
-        "embedding", "position_embedding",
+        "embedding", "position_embedding", "etp", "tp_ep", "expert_mp",
     )
 
     def groups(self, kind: str) -> list[list[int]]:
@@ -369,5 +408,6 @@ class ParallelDims:
 
     def describe(self) -> str:
         """One line for the log, e.g. ``world 16 = tp 2 x cp 1 x dp 2 x pp 4 (ep 1, vp 1)``."""
+        experts = f"ep {self.ep}, " if self.etp is None else f"ep {self.ep}, etp {self.etp}, "
         return (f"world {self.world_size} = tp {self.tp} x cp {self.cp} x dp {self.dp} x pp {self.pp} "
-                f"(ep {self.ep}, vp {self.vp}, tied embeddings {self.tie_embeddings})")
+                f"({experts}vp {self.vp}, tied embeddings {self.tie_embeddings})")

@@ -29,6 +29,9 @@ class TensorDesc:
     std: float = 0.02
     valid_rows: int | None = None  # rows >= this along dim 0 are padding: initialized to zero
     sequence_parallel: bool = False  # replicated over TP but fed sequence-sharded inputs: grad needs TP all-reduce
+    # An expert weight: dim 0 is the (global) expert index, split into contiguous blocks over expert parallelism
+    # (EP rank e holds experts e*E/EP ...); partition_dim then splits over *expert* tensor parallelism.
+    expert: bool = False
 
     @property
     def tensor_parallel(self) -> bool:
@@ -48,15 +51,39 @@ def local_indices(desc: TensorDesc, rank: int, world: int) -> torch.Tensor | Non
     return torch.cat([torch.arange(k * block + rank * part, k * block + (rank + 1) * part) for k in range(stride)])
 
 
-def local_shape(desc: TensorDesc, world: int) -> tuple[int, ...]:
+def local_shape(desc: TensorDesc, world: int, ep: int = 1) -> tuple[int, ...]:
     shape = list(desc.global_shape)
     if desc.partition_dim is not None:
         shape[desc.partition_dim] //= world
+    if desc.expert:
+        shape[0] //= ep
     return tuple(shape)
 
 
-def split_global(desc: TensorDesc, full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+def expert_range(desc: TensorDesc, ep_rank: int, ep: int) -> tuple[int, int]:
+    """``[lo, hi)`` of the global experts (dim 0) that EP rank ``ep_rank`` holds; all rows if not an expert."""
+    n = desc.global_shape[0]
+    if not desc.expert or ep == 1:
+        return 0, n
+    if n % ep:
+        raise ValueError(f"{n} experts are not divisible by expert-parallel size {ep}")
+    return ep_rank * n // ep, (ep_rank + 1) * n // ep
+
+
+def split_ranks(desc: TensorDesc, parallel) -> tuple[int, int, int, int]:
+    """``(rank, world, ep_rank, ep)`` of the splits of ``desc`` under ``parallel`` (a ParallelContext): the
+    tensor-parallel split, or for an expert weight the expert-TP split and the expert-parallel one."""
+    if desc.expert:
+        return parallel.etp_rank, parallel.etp_size, parallel.ep_rank, parallel.ep_size
+    return parallel.tp_rank, parallel.tp_size, 0, 1
+
+
+def split_global(desc: TensorDesc, full: torch.Tensor, rank: int, world: int, ep_rank: int = 0,
+                 ep: int = 1) -> torch.Tensor:
     """This rank's slice of a full (global) tensor."""
+    lo, hi = expert_range(desc, ep_rank, ep)
+    if (lo, hi) != (0, full.shape[0]):
+        full = full[lo:hi]
     idx = local_indices(desc, rank, world)
     return full if idx is None else full.index_select(desc.partition_dim, idx.to(full.device))
 
@@ -87,7 +114,8 @@ def _generate_rows(desc: TensorDesc, seed: int, name: str, start: int, stop: int
     return out
 
 
-def initialize_slice(param: torch.Tensor, desc: TensorDesc, seed: int, name: str, rank: int, world: int) -> None:
+def initialize_slice(param: torch.Tensor, desc: TensorDesc, seed: int, name: str, rank: int, world: int,
+                     ep_rank: int = 0, ep: int = 1) -> None:
     """Fill ``param`` (this rank's slice) with its part of the global value of ``name``."""
     with torch.no_grad():
         if desc.init == "zeros":
@@ -99,7 +127,15 @@ def initialize_slice(param: torch.Tensor, desc: TensorDesc, seed: int, name: str
         if desc.init != "normal":
             raise ValueError(f"unknown init {desc.init!r} for {name}")
         idx = local_indices(desc, rank, world)
-        if idx is None:
+        if desc.expert:  # this EP rank's experts (rows of dim 0), then the expert-TP slice of each
+            lo, hi = expert_range(desc, ep_rank, ep)
+            rows = _rows_per_chunk(desc.global_shape)
+            out = []
+            for start in range(lo, hi, rows):
+                block = _generate_rows(desc, seed, name, start, min(start + rows, hi))
+                out.append(block if idx is None else block.index_select(desc.partition_dim, idx))
+            param.copy_(torch.cat(out))
+        elif idx is None:
             param.copy_(_generate_rows(desc, seed, name, 0, desc.global_shape[0]))
         elif desc.partition_dim == 0:
             # Runs of consecutive rows (one per stride block), each generated on its own.
@@ -123,6 +159,7 @@ def set_desc(param: torch.nn.Parameter, desc: TensorDesc) -> torch.nn.Parameter:
     param.partition_dim = desc.partition_dim if desc.partition_dim is not None else -1
     param.partition_stride = desc.partition_stride
     param.sequence_parallel = desc.sequence_parallel
+    param.allreduce = not desc.expert  # Megatron's mark: expert weights reduce over expert-DP, not DP
     return param
 
 

@@ -173,3 +173,107 @@ def gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, gr
 
 def reduce_scatter_to_sequence_parallel_region(x, group=None):
     return _ReduceScatterToSequenceParallelRegion.apply(x, group)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Token exchange of the mixture-of-experts dispatchers: rows of ``[tokens, h]`` with per-rank counts.
+# ---------------------------------------------------------------------------------------------------------------
+def _all_to_all_rows(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+    out = torch.empty((sum(output_splits), *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=list(output_splits),
+                           input_split_sizes=list(input_splits), group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """Forward: all-to-all of rows (``input_splits[r]`` rows to rank ``r``, ``output_splits[r]`` from it).
+    Backward: the all-to-all with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, x, group, output_splits, input_splits):
+        ctx.group, ctx.splits = group, (output_splits, input_splits)
+        return _all_to_all_rows(x, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        return _all_to_all_rows(grad, input_splits, output_splits, ctx.group), None, None, None
+
+
+class _GatherRows(torch.autograd.Function):
+    """Forward: all-gather of rows with a different count per rank (``counts``, in group order) — one
+    all-to-all, as gloo has no uneven all-gather. Backward: reduce-scatter of the rows (each rank gets the sum of
+    every rank's gradient of its own rows)."""
+
+    @staticmethod
+    def forward(ctx, x, group, counts):
+        ctx.group, ctx.counts = group, counts
+        world = len(counts)
+        return _all_to_all_rows(x.repeat(world, *([1] * (x.dim() - 1))), counts, [x.size(0)] * world, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        counts, me = ctx.counts, _rank(ctx.group)
+        parts = _all_to_all_rows(grad, [counts[me]] * len(counts), counts, ctx.group)
+        return parts.view(len(counts), counts[me], *grad.shape[1:]).sum(0), None, None
+
+
+def all_to_all(x: torch.Tensor, group, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
+    """Rows of ``x`` exchanged over ``group``: ``input_splits[r]`` consecutive rows go to rank ``r``; the result
+    holds ``output_splits[r]`` rows from each rank ``r``, in rank order."""
+    if _world(group) == 1:
+        return x
+    return _AllToAll.apply(x, group, list(output_splits), list(input_splits))
+
+
+def gather_rows(x: torch.Tensor, group, counts: list[int]) -> torch.Tensor:
+    """Every rank's rows of ``x`` concatenated in rank order; ``counts[r]`` is rank ``r``'s row count."""
+    if _world(group) == 1:
+        return x
+    return _GatherRows.apply(x, group, list(counts))
+
+
+def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
+    """All-to-all of per-destination counts: ``counts`` is ``[world, ...]`` (row ``r`` for rank ``r``); returns
+    the rows every rank addressed to this one (no autograd)."""
+    if _world(group) == 1:
+        return counts
+    out = torch.empty_like(counts)
+    dist.all_to_all_single(out, counts.contiguous(), group=group)
+    return out
+
+
+def all_gather_tensor(x: torch.Tensor, group) -> torch.Tensor:
+    """``[world, *x.shape]``: every rank's ``x`` (same shape everywhere; no autograd)."""
+    if _world(group) == 1:
+        return x.unsqueeze(0)
+    out = torch.empty((_world(group) * x.size(0), *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out.view(_world(group), *x.shape)
+
+
+class _ReduceScatterRows(torch.autograd.Function):
+    """Forward: reduce-scatter of rows with a different count per rank (``counts``, in group order): rank
+    ``r`` gets the sum over ranks of rows ``counts[:r].sum() ...``. Backward: the uneven all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, group, counts):
+        ctx.group, ctx.counts = group, counts
+        me = _rank(group)
+        parts = _all_to_all_rows(x, [counts[me]] * len(counts), counts, group)
+        return parts.view(len(counts), counts[me], *x.shape[1:]).sum(0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        counts = ctx.counts
+        world = len(counts)
+        out = _all_to_all_rows(grad.repeat(world, *([1] * (grad.dim() - 1))), counts, [grad.size(0)] * world,
+                               ctx.group)
+        return out, None, None
+
+
+def reduce_scatter_rows(x: torch.Tensor, group, counts: list[int]) -> torch.Tensor:
+    """Inverse of :func:`gather_rows`: the sum over ranks of ``x``, this rank keeping its ``counts[rank]`` rows."""
+    if _world(group) == 1:
+        return x
+    return _ReduceScatterRows.apply(x, group, list(counts))

@@ -68,7 +68,8 @@ def print_rank_last(enabled: bool, msg: str) -> None:
 def train_log_line(*, iteration: int, train_iters: int, consumed_samples: int, elapsed_ms: float,
                    tflops: float, tokens_per_sec: float, lr: float, global_batch_size: int, loss: float,
                    grad_norm: float | None, loss_scale: float, skipped: int, nan: int,
-                   params_norm: float | None = None, mfu: float | None = None) -> str:
+                   params_norm: float | None = None, mfu: float | None = None,
+                   extra: dict | None = None) -> str:
     """Megatron's training log line (same fields and number formats, plus tokens/s)."""
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     parts = [f" [{stamp}] iteration {iteration:8d}/{train_iters:8d}",
@@ -78,8 +79,9 @@ def train_log_line(*, iteration: int, train_iters: int, consumed_samples: int, e
              f"tokens per second: {tokens_per_sec:.1f}",
              f"learning rate: {lr:.6E}",
              f"global batch size: {global_batch_size:5d}",
-             f"lm loss: {loss:.6E}",
-             f"loss scale: {loss_scale:.1f}"]
+             f"lm loss: {loss:.6E}"]
+    parts += [f"{name}: {value:.6E}" for name, value in (extra or {}).items()]  # MoE losses, as Megatron
+    parts.append(f"loss scale: {loss_scale:.1f}")
     if grad_norm is not None:
         parts.append(f"grad norm: {grad_norm:.3f}")
     if params_norm is not None:

@@ -28,6 +28,7 @@ from ..checkpoint.manager import setup_checkpointing
 from ..data.mock import MockGPTDataset
 from ..data.sampler import collate, global_batch_indices
 from ..model.build import build_model_chunks
+from ..model.moe import stats as moe_stats
 from ..optim.clip_grads import global_norm
 from ..optim.grad_scaler import build_grad_scaler
 from ..optim.lr_schedule import OptimizerParamScheduler, scheduler_steps_from_config
@@ -239,7 +240,8 @@ def setup(cfg) -> tuple[TrainContext, TrainState]:
     chunks = [DistributedDataParallel(m, dp_group=parallel.dp_cp_group, overlap_grad_reduce=o.overlap_grad_reduce,
                                       bucket_size=o.ddp_bucket_size, grad_dtype=o.grad_dtype,
                                       use_distributed_optimizer=o.use_distributed_optimizer,
-                                      overlap_param_gather=o.overlap_param_gather)
+                                      overlap_param_gather=o.overlap_param_gather,
+                                      expert_dp_group=parallel.expert_dp_group)
               for m in models]
     grad_scaler = build_grad_scaler(o.fp16, o.loss_scale, o.initial_loss_scale, o.min_loss_scale,
                                     o.loss_scale_window, o.hysteresis)
@@ -273,6 +275,7 @@ class StepResult:
     loss: float
     update_successful: bool
     grad_norm: float | None
+    moe: dict | None = None  # mixture of experts: moe_stats.step_metrics
 
 
 def train_step(run: TrainContext, state: TrainState, timeline: PipelineTimeline | None = None) -> StepResult:
@@ -281,10 +284,15 @@ def train_step(run: TrainContext, state: TrainState, timeline: PipelineTimeline 
     for c in run.chunks:
         c.zero_grad_buffer()
     it = _data_iterators(run, run.train_ds, state.consumed_samples)
+    moe = cfg.model.num_experts is not None
+    if moe:  # the routers' losses take the main loss's backward scale
+        moe_stats.start_step(run.models, run.optimizer.loss_scale / cfg.num_microbatches)
     with run.memory.measure():  # saved-activation bytes (CPU) / allocator peak (CUDA), first iteration
         stats = run.schedule(run.forward_step, it, _model_arg(run), cfg.num_microbatches, timeline=timeline)
     run.memory.report(print_fn=_print_rank0())
     finalize_model_grads(run.chunks, run.parallel)
+    if moe:
+        moe_stats.update_expert_biases(run.models, run.parallel)
     loss = _reported_loss(stats, run.parallel)
     update_successful, grad_norm = run.optimizer.step()  # unscale/overflow check, clip, step, copy back
     if run.fp8 is not None:
@@ -294,7 +302,8 @@ def train_step(run: TrainContext, state: TrainState, timeline: PipelineTimeline 
     state.iteration += 1
     state.consumed_samples += cfg.train.global_batch_size
     state.history.append((state.iteration, loss))
-    return StepResult(loss, update_successful, grad_norm)
+    moe_metrics = moe_stats.step_metrics(run.models, run.parallel, cfg.model, cfg.num_microbatches) if moe else None
+    return StepResult(loss, update_successful, grad_norm, moe_metrics)
 
 
 # ============================================================================================== logging
@@ -316,6 +325,7 @@ class TrainLogger:
 
     def restart_window(self) -> None:
         self.window_losses, self.window_start = [], time.perf_counter()
+        self.window_moe: list[dict] = []
 
     def after_step(self, state: TrainState, step: StepResult) -> None:
         if not step.update_successful:
@@ -323,6 +333,8 @@ class TrainLogger:
             self.nan_iters += int(not math.isfinite(step.loss)
                                   or (step.grad_norm is not None and not math.isfinite(step.grad_norm)))
         self.window_losses.append(step.loss)
+        if step.moe is not None:
+            self.window_moe.append(step.moe)
         if state.iteration % self.cfg.logging.log_interval == 0 or state.iteration == self.train_iters:
             self._log(state, step.grad_norm)
 
@@ -335,7 +347,7 @@ class TrainLogger:
         if lg.log_params_norm:
             run.optimizer.finish_param_sync()
             params_norm = global_norm([p for m in run.models for p in m.parameters()], use_grad=False,
-                                      parallel=run.parallel)
+                                      parallel=run.parallel, experts=self.cfg.model.num_experts is not None)
         record = {"iteration": state.iteration, "consumed_samples": state.consumed_samples,
                   "lm_loss": sum(self.window_losses) / len(self.window_losses),
                   "lr": run.optimizer.param_groups[0]["lr"], "grad_norm": grad_norm,
@@ -344,6 +356,7 @@ class TrainLogger:
                   "skipped_iterations": self.skipped, "nan_iterations": self.nan_iters}
         if params_norm is not None:
             record["params_norm"] = params_norm
+        moe_line = self._moe_record(record)
         self.writer.write(record, state.iteration)
         r = record
         print_rank_last(self.logging_rank, train_log_line(
@@ -351,8 +364,30 @@ class TrainLogger:
             elapsed_ms=r["elapsed_ms"], tflops=r["tflops"], tokens_per_sec=r["tokens_per_sec"], lr=r["lr"],
             global_batch_size=self.cfg.train.global_batch_size, loss=r["lm_loss"], grad_norm=r["grad_norm"],
             loss_scale=r["loss_scale"], skipped=r["skipped_iterations"], nan=r["nan_iterations"],
-            params_norm=params_norm, mfu=(tflops / self.peak) if self.peak else None))
+            params_norm=params_norm, mfu=(tflops / self.peak) if self.peak else None, extra=moe_line))
         self.restart_window()
+
+    def _moe_record(self, record: dict) -> dict:
+        """The MoE metrics averaged over the log window, added to ``record`` (``moe/...`` keys); returns the
+        losses for the log line (every layer's too with ``--moe-per-layer-logging``)."""
+        if not self.window_moe:
+            return {}
+        n, line = len(self.window_moe), {}
+        names = moe_stats.loss_names(self.cfg.model)
+        for key in self.window_moe[0]:
+            values = [m[key] for m in self.window_moe if key in m]
+            if key.endswith("_layers"):
+                if self.cfg.logging.moe_per_layer_logging:
+                    for i, v in enumerate(values[0]):
+                        if v is not None:
+                            mean = sum(m[key][i] for m in self.window_moe) / n
+                            record[f"moe/{key[:-len('_layers')]}_layer_{i}"] = mean
+                            line[f"{key[:-len('_layers')]} layer {i}"] = mean
+                continue
+            record[f"moe/{key}"] = sum(values) / len(values)
+            if key in names:
+                line[key] = record[f"moe/{key}"]
+        return line
 
     def evaluate(self, state: TrainState) -> None:
         loss = evaluate(self.run, state)

@@ -15,12 +15,23 @@ def formula_rank(d, tp, cp, dp, pp):
     return tp + cp * d.tp + dp * d.tp * d.cp + pp * d.tp * d.cp * d.dp
 
 
+def formula_expert_rank(d, etp, ep, edp, pp):
+    """Megatron's expert rank generator: etp fastest, then ep, then expert-dp, inside each pipeline stage."""
+    return etp + ep * d.expert_tp + edp * d.expert_tp * d.ep + pp * d.tp * d.cp * d.dp
+
+
 def formula_coords(d, rank):
-    """Invert the layout formula by search over the whole grid (independent of ParallelDims.coords)."""
+    """Invert the layout formulas by search over the whole grids (independent of ParallelDims.coords)."""
+    out = {}
     for tp, cp, dp, pp in itertools.product(range(d.tp), range(d.cp), range(d.dp), range(d.pp)):
         if formula_rank(d, tp, cp, dp, pp) == rank:
-            return dict(tp=tp, cp=cp, ep=dp % d.ep, dp=dp, pp=pp)
-    raise AssertionError(rank)
+            out.update(tp=tp, cp=cp, dp=dp, pp=pp)
+    for etp, ep, edp, pp in itertools.product(range(d.expert_tp), range(d.ep), range(d.expert_dp), range(d.pp)):
+        if formula_expert_rank(d, etp, ep, edp, pp) == rank:
+            assert out["pp"] == pp
+            out.update(etp=etp, ep=ep, edp=edp)
+    assert len(out) == 7, rank
+    return out
 
 
 # For each group kind: the coordinates that must be equal inside one group (everything else varies).
@@ -34,15 +45,19 @@ FIXED = {
     "tp_dp": lambda c, d: (c["cp"], c["pp"]),
     "tp_dp_cp": lambda c, d: (c["pp"],),
     "tp_cp": lambda c, d: (c["dp"], c["pp"]),
-    "ep": lambda c, d: (c["tp"], c["cp"], c["pp"], c["dp"] // d.ep),
-    "expert_dp": lambda c, d: (c["tp"], c["cp"], c["pp"], c["dp"] % d.ep),
+    "ep": lambda c, d: (c["etp"], c["edp"], c["pp"]),
+    "expert_dp": lambda c, d: (c["etp"], c["ep"], c["pp"]),
+    "etp": lambda c, d: (c["ep"], c["edp"], c["pp"]),
+    "tp_ep": lambda c, d: (c["edp"], c["pp"]),
+    "expert_mp": lambda c, d: (c["edp"],),
 }
 
 
 def degree(d, kind):
     return {"tp": d.tp, "pp": d.pp, "dp": d.dp, "dp_cp": d.dp * d.cp, "cp": d.cp, "mp": d.tp * d.pp,
             "tp_dp": d.tp * d.dp, "tp_dp_cp": d.tp * d.dp * d.cp, "tp_cp": d.tp * d.cp, "ep": d.ep,
-            "expert_dp": d.dp // d.ep}[kind]
+            "expert_dp": d.tp * d.cp * d.dp // (d.expert_tp * d.ep), "etp": d.expert_tp,
+            "tp_ep": d.expert_tp * d.ep, "expert_mp": d.expert_tp * d.ep * d.pp}[kind]
 
 
 def brute_groups(d, kind):
@@ -62,19 +77,23 @@ def random_configs(n, seed=0):
     out = []
     while len(out) < n:
         tp, cp, pp, dp = (rng.choice([1, 1, 2, 3, 4]) for _ in range(4))
-        ep = rng.choice([e for e in (1, 2, 3, 4) if dp % e == 0]) if cp == 1 else 1
+        etp = rng.choice([None, None, 1, 2, 4])
+        etp = etp if etp is None or (tp * cp * dp) % etp == 0 else None
+        stage = tp * cp * dp // (tp if etp is None else etp)
+        ep = rng.choice([e for e in (1, 2, 3, 4) if stage % e == 0])
         vp = rng.choice([1, 2, 3]) if pp > 1 else 1
-        out.append(dict(world_size=tp * cp * pp * dp, tp=tp, cp=cp, pp=pp, ep=ep, vp=vp,
+        out.append(dict(world_size=tp * cp * pp * dp, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, vp=vp,
                         tie_embeddings=rng.random() < 0.5))
     return out
 
 
 CONFIGS = random_configs(60) + [dict(world_size=16, tp=2, pp=4), dict(world_size=16, tp=2, cp=2, pp=2),
-                                dict(world_size=1), dict(world_size=8, ep=8), dict(world_size=24, tp=2, pp=3, ep=2)]
+                                dict(world_size=1), dict(world_size=8, ep=8), dict(world_size=24, tp=2, pp=3, ep=2),
+                                dict(world_size=8, tp=2, pp=2, ep=2, etp=1), dict(world_size=8, tp=4, ep=2, etp=2)]
 
 
 def cfg_id(c):
-    return "-".join(f"{k}{v}" for k, v in c.items() if k != "tie_embeddings")
+    return "-".join(f"{k}{v}" for k, v in c.items() if k != "tie_embeddings" and v is not None)
 
 
 # ---------------------------------------------------------------- the Megatron-LM docstring example
@@ -127,8 +146,8 @@ class TestDocstringExample:
         assert [d.prev_pipeline_rank(r) for r in (1, 5, 9, 13)] == [13, 1, 5, 9]
 
     def test_coords(self):
-        assert self.d.coords(13) == dict(tp=1, cp=0, ep=0, dp=0, pp=3)
-        assert self.d.coords(6) == dict(tp=0, cp=0, ep=0, dp=1, pp=1)
+        assert self.d.coords(13) == dict(tp=1, cp=0, dp=0, pp=3, etp=1, ep=0, edp=0)
+        assert self.d.coords(6) == dict(tp=0, cp=0, dp=1, pp=1, etp=0, ep=0, edp=1)
         assert self.d.rank_of(tp=1, dp=1, pp=2) == 11
 
 
@@ -201,6 +220,17 @@ def test_ep_groups_explicit():
     assert d.ep_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert d.expert_dp_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert d.coords(6)["ep"] == 2
+    # TP 2 with expert-TP 1: expert parallelism spans the tensor-parallel pair (Megatron's expert grid).
+    d = ParallelDims(world_size=8, tp=2, ep=4, etp=1)
+    assert d.ep_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert d.etp_groups() == [[r] for r in range(8)]
+    assert d.expert_dp_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert d.tp_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    # expert-TP = TP, CP 1: the classic layout, experts inside data parallelism (dp = ep + EP * edp).
+    d = ParallelDims(world_size=8, tp=2, ep=2)
+    for r in range(8):
+        c = d.coords(r)
+        assert (c["etp"], c["ep"], c["edp"]) == (c["tp"], c["dp"] % 2, c["dp"] // 2)
 
 
 def test_virtual_stage_helpers():
@@ -247,8 +277,10 @@ def test_value_object():
     (dict(world_size=0), ["world size"]),
     (dict(world_size=8, vp=2), ["--num-virtual-stages-per-pipeline-rank", "--num-layers-per-virtual-pipeline-stage",
                                 "--pipeline-model-parallel-size"]),
-    (dict(world_size=8, ep=2, cp=2), ["--expert-model-parallel-size", "--context-parallel-size"]),
-    (dict(world_size=12, tp=2, ep=4), ["--expert-model-parallel-size 4", "data-parallel size 6"]),
+    (dict(world_size=12, tp=2, ep=4, etp=2), ["--expert-model-parallel-size 4",
+                                              "--expert-tensor-parallel-size 2", "12 ranks of a pipeline stage"]),
+    (dict(world_size=4, tp=2, ep=3, etp=1), ["--expert-model-parallel-size 3", "4 ranks"]),
+    (dict(world_size=4, etp=0), ["--expert-tensor-parallel-size"]),
 ])
 def test_invalid_degrees(kwargs, flags):
     with pytest.raises(ConfigError) as e:

@@ -1,0 +1,100 @@
+"""This rank's experts: all their weights stacked in two tensors, run as one grouped GEMM.
+
+Global description (:class:`~megatronish.parallel.init.TensorDesc` with ``expert=True``):
+
+* ``linear_fc1.weight``: ``[E, 2F, h]`` with SwiGLU (each expert's rows ``[gate; up]``), else ``[E, F, h]``;
+* ``linear_fc2.weight``: ``[E, h, F]``.
+
+Expert parallelism holds experts ``ep_rank * E/EP ...`` (global number = ``ep_rank * local + i``); expert tensor
+parallelism splits fc1's rows (with stride 2 under SwiGLU, like the dense MLP) and fc2's columns, so fc2's output
+is a partial sum over the expert-TP group (the dispatcher reduces it). The router's probability multiplies each
+token's activation before fc2 (Megatron's order), so the probs' gradient flows through the experts.
+
+Three ways to run the same weights (identical names and checkpoints):
+``torch._grouped_mm`` (one kernel over all experts, where the device and shapes allow), a batched ``bmm`` over
+experts padded to the largest token count (no Python loop over experts), and a sequential loop (the reference).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ... import kernels
+from ...parallel.init import TensorDesc, local_shape, set_desc
+
+
+def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` runs these operands here: it needs 16-byte aligned row strides."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if x.device.type == "cuda" and x.dtype != torch.bfloat16:
+        return False
+    align = 16 // x.element_size()
+    return x.size(-1) % align == 0 and w.size(-1) % align == 0 and w.size(-2) % align == 0
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], how: str = "grouped") -> torch.Tensor:
+    """``x`` ``[N, in]`` (rows grouped by expert, ``counts[e]`` rows for local expert ``e``) times each
+    expert's ``weight[e]^T`` (``weight``: ``[E_local, out, in]``) -> ``[N, out]``."""
+    n, e = x.size(0), weight.size(0)
+    if n == 0:
+        return x.new_zeros((0, weight.size(1))) + 0 * weight.sum()  # keep the graph (a zero gradient)
+    if how == "sequential":
+        outs, at = [], 0
+        for i, c in enumerate(counts):
+            outs.append(x[at:at + c] @ weight[i].t())
+            at += c
+        return torch.cat(outs)
+    if how == "grouped" and _grouped_mm_ok(x, weight):
+        offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offs)
+    # batched: pad every expert's rows to the largest count, one bmm, and take the real rows back
+    most = max(counts)
+    expert = torch.repeat_interleave(torch.arange(e, device=x.device), torch.tensor(counts, device=x.device))
+    starts = torch.tensor([0] + counts[:-1], device=x.device).cumsum(0)
+    slot = torch.arange(n, device=x.device) - starts[expert]
+    index = expert * most + slot  # row of each token in the padded [E * most] layout
+    padded = x.new_zeros((e * most, x.size(1))).index_copy(0, index, x)
+    out = torch.bmm(padded.view(e, most, -1), weight.transpose(1, 2))  # [E, most, out]
+    return out.reshape(e * most, -1).index_select(0, index)
+
+
+class GroupedExperts(nn.Module):
+    """The local experts of one MoE layer. ``forward(x [N, h], counts, probs [N]) -> [N, h]`` (partial over
+    expert-TP)."""
+
+    def __init__(self, config, num_experts: int, ffn_hidden_size: int, output_init_std: float,
+                 params_dtype=torch.float32, device=None, parallel=None):
+        super().__init__()
+        c = config
+        self.swiglu, self.openai_gelu = c.swiglu, c.openai_gelu
+        self.use_triton_kernels = c.use_triton_kernels
+        self.how = "grouped" if c.moe_grouped_gemm else "sequential"
+        etp, ep = (parallel.etp_size, parallel.ep_size) if parallel is not None else (1, 1)
+        if num_experts % ep:
+            raise ValueError(f"{num_experts} experts are not divisible by expert-parallel size {ep}")
+        self.num_local_experts = num_experts // ep
+        fc1_rows = ffn_hidden_size * (2 if c.swiglu else 1)
+        d1 = TensorDesc((num_experts, fc1_rows, c.hidden_size), 1, 2 if c.swiglu else 1, "normal",
+                        c.init_method_std, expert=True)
+        d2 = TensorDesc((num_experts, c.hidden_size, ffn_hidden_size), 2, 1, "normal", output_init_std,
+                        expert=True)
+        self.linear_fc1 = nn.Module()
+        self.linear_fc2 = nn.Module()
+        self.linear_fc1.weight = set_desc(nn.Parameter(torch.empty(local_shape(d1, etp, ep), dtype=params_dtype,
+                                                                   device=device)), d1)
+        self.linear_fc2.weight = set_desc(nn.Parameter(torch.empty(local_shape(d2, etp, ep), dtype=params_dtype,
+                                                                   device=device)), d2)
+
+    def forward(self, x: torch.Tensor, counts: list[int], probs: torch.Tensor) -> torch.Tensor:
+        h = grouped_linear(x, self.linear_fc1.weight, counts, self.how)  # [N, 2F/etp] or [N, F/etp]
+        if self.swiglu and self.use_triton_kernels:
+            h = kernels.swiglu(h)
+        elif self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh" if self.openai_gelu else "none")
+        h = (h * probs.unsqueeze(-1)).to(x.dtype)
+        return grouped_linear(h, self.linear_fc2.weight, counts, self.how)  # [N, h]

@@ -1,0 +1,82 @@
+"""The mixture-of-experts MLP: router -> dispatcher -> local experts -> dispatcher, plus shared experts.
+
+``MoELayer`` stands where the dense :class:`~megatronish.model.mlp.MLP` would (``--moe-layer-freq`` says which
+layers) and returns ``(output, None)`` like it. Parameter names (global, under ``decoder.layers.<i>.mlp.``):
+``router.weight`` ``[E, h]``, ``router.expert_bias`` ``[E]`` (with ``--moe-router-enable-expert-bias``),
+``experts.linear_fc1.weight`` ``[E, 2F, h]`` / ``[E, F, h]``, ``experts.linear_fc2.weight`` ``[E, h, F]``, and with
+``--moe-shared-expert-intermediate-size`` ``shared_experts.linear_fc1/linear_fc2.weight`` (a dense tensor-parallel
+MLP) and ``shared_experts.gate_weight`` ``[1, h]`` (``--moe-shared-expert-gate``).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from ...parallel.init import TensorDesc, set_desc
+from ..mlp import MLP
+from .dispatcher import DISPATCHERS
+from .experts import GroupedExperts
+from .router import TopKRouter
+
+
+def is_moe_layer(config, layer_number: int) -> bool:
+    """Whether global layer ``layer_number`` (0-based) is an MoE layer under ``--moe-layer-freq``: an int N
+    makes every N-th layer (0, N, 2N, ...) one; a list gives 1/0 per layer."""
+    if not config.num_experts:
+        return False
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return layer_number % freq == 0
+    return bool(freq[layer_number])
+
+
+class SharedExperts(MLP):
+    """A dense tensor-parallel MLP every token goes through; with ``gate`` its output is scaled by
+    ``sigmoid(x . gate_weight)`` per token."""
+
+    def __init__(self, config, sequence_parallel: bool, output_init_std: float, params_dtype=torch.float32,
+                 device=None, tp_group=None):
+        shared = dataclasses.replace(config, ffn_hidden_size=config.moe_shared_expert_intermediate_size,
+                                     check=False)
+        super().__init__(shared, sequence_parallel, output_init_std, params_dtype, device, tp_group)
+        self.gate_weight = None
+        if config.moe_shared_expert_gate:
+            self.gate_weight = nn.Parameter(torch.empty(1, config.hidden_size, dtype=params_dtype, device=device))
+            set_desc(self.gate_weight, TensorDesc((1, config.hidden_size), None, 1, "normal",
+                                                  config.init_method_std, sequence_parallel=sequence_parallel))
+
+    def forward(self, x):
+        out, bias = super().forward(x)
+        if self.gate_weight is not None:
+            out = out * torch.sigmoid(torch.nn.functional.linear(x, self.gate_weight))
+        return out, bias
+
+
+class MoELayer(nn.Module):
+    def __init__(self, config, sequence_parallel: bool, output_init_std: float, params_dtype=torch.float32,
+                 device=None, parallel=None, layer_number: int = 0):
+        super().__init__()
+        c = config
+        self.layer_number = layer_number  # global, 0-based (metrics are per layer)
+        self.router = TopKRouter(c, sequence_parallel, params_dtype, device, parallel)
+        self.experts = GroupedExperts(c, c.num_experts, c.moe_ffn_hidden_size, output_init_std, params_dtype,
+                                      device, parallel)
+        self.dispatcher = DISPATCHERS[c.moe_token_dispatcher_type](c.num_experts, self.experts.num_local_experts,
+                                                                    parallel)
+        self.shared_experts = None
+        if c.moe_shared_expert_intermediate_size:
+            self.shared_experts = SharedExperts(c, sequence_parallel, output_init_std, params_dtype, device,
+                                                parallel.tp_group)
+
+    def forward(self, x: torch.Tensor):
+        """``x``: ``[s, b, h]`` (``[s/t, b, h]`` under sequence parallelism) -> ``(out [same], None)``."""
+        s, b, h = x.shape
+        probs, routing_map = self.router(x)  # [T, E] each
+        rows, counts, row_probs = self.dispatcher.dispatch(x.reshape(-1, h), probs, routing_map)
+        out = self.dispatcher.combine(self.experts(rows, counts, row_probs)).view(s, b, h)
+        if self.shared_experts is not None:
+            shared, _ = self.shared_experts(x)
+            out = out + shared
+        return out, None
