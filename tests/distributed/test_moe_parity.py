@@ -1,0 +1,155 @@
+"""Mixture of experts: every expert layout trains exactly as one process with the same routing.
+
+Each case runs 8 iterations through the training step (setup / train_step) and compares, against a one-process
+run of the same model (same seed, no weight copying, the same micro-batch size so every routing call sees the
+same tokens): the losses, every parameter's reduced gradient of every iteration (assembled from the ranks'
+slices, before the optimizer step clips them), and the router expert biases (fp32, rtol 1e-5). Load-balancing
+and z losses are on, so their gradients take part. SGD with gradient clipping (the clip is active: the norm
+exceeds 0.5), so a wrong reduction, scale or norm shows up in the next iteration's numbers; Adam would turn the
+reduction-order noise of near-zero gradients into full-size updates.
+"""
+import pytest
+import torch
+
+from megatronish.arguments import configs_from_args, parse_args
+from megatronish.parallel import groups
+from megatronish.testing import global_tensors, run_distributed
+from megatronish.training import pretrain as training
+
+ITERS = 8
+BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--vocab-size", "96", "--tokenizer-type", "NullTokenizer", "--mock-data", "--global-batch-size", "8",
+        "--micro-batch-size", "2", "--train-iters", str(ITERS), "--optimizer", "sgd", "--lr", "0.3",
+        "--lr-decay-style", "constant", "--clip-grad", "0.5", "--attention-dropout", "0", "--hidden-dropout", "0", "--eval-iters", "0",
+        "--log-interval", "100", "--seed", "7", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm",
+        "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
+        "--num-experts", "4", "--moe-ffn-hidden-size", "16", "--moe-aux-loss-coeff", "1e-2",
+        "--moe-z-loss-coeff", "1e-3"]
+
+
+def _run(argv, world):
+    """Losses, gradients and expert biases of every iteration."""
+    groups.destroy_model_parallel()
+    cfg = configs_from_args(parse_args(BASE + argv), world)
+    run, state = training.setup(cfg)
+    grads, biases = [], []
+    step = run.optimizer.step
+
+    def step_and_record():  # the reduced gradients, before clipping and the update
+        grads.append(global_tensors(run.models, run.parallel, grads=True, optimizer=run.optimizer))
+        return step()
+
+    run.optimizer.step = step_and_record
+    losses, norms = [], []
+    for _ in range(ITERS):
+        result = training.train_step(run, state)
+        losses.append(result.loss)
+        norms.append(result.grad_norm)
+        params = global_tensors(run.models, run.parallel)
+        biases.append({n: t for n, t in params.items() if n.endswith("expert_bias")})
+    return {"losses": losses, "grads": grads, "biases": biases, "norms": norms}
+
+
+def _numpy(x):
+    if isinstance(x, dict):
+        return {k: _numpy(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_numpy(v) for v in x]
+    return x.numpy() if torch.is_tensor(x) else x
+
+
+def _worker(rank, world, cases):
+    # numpy, not tensors: results travel to the parent through a pipe
+    return {name: _numpy(_run(argv, world)) for name, argv in cases.items()} if rank == 0 else \
+        {name: _run(argv, world) and None for name, argv in cases.items()}
+
+
+# layout flags (ranks) -> model/routing variants run at that layout
+MODEL = {
+    "top2-softmax": [],
+    "top1-softmax": ["--moe-router-topk", "1"],
+    "sigmoid-bias": ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                     "--moe-router-bias-update-rate", "1e-2", "--moe-router-load-balancing-type", "seq_aux_loss"],
+    "shared-gate": ["--moe-shared-expert-intermediate-size", "24", "--moe-shared-expert-gate"],
+    "capacity-probs": ["--moe-expert-capacity-factor", "1.0"],
+    "capacity-position-pad": ["--moe-expert-capacity-factor", "1.0", "--moe-token-drop-policy", "position",
+                              "--moe-pad-expert-input-to-capacity"],
+    "grouped-pre-softmax": ["--moe-grouped-gemm", "--moe-router-pre-softmax", "--moe-router-topk-scaling-factor",
+                            "2.0"],
+}
+A2A, AG = ["--moe-token-dispatcher-type", "alltoall"], ["--moe-token-dispatcher-type", "allgather"]
+EP2 = ["--expert-model-parallel-size", "2"]
+TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+CASES = {  # name: (world, layout flags, model variant)
+    "ep2-allgather-top2": (2, EP2 + AG, "top2-softmax"),
+    "ep2-alltoall-top2": (2, EP2 + A2A, "top2-softmax"),
+    "ep2-alltoall-top1": (2, EP2 + A2A, "top1-softmax"),
+    "ep2-allgather-top1": (2, EP2 + AG, "top1-softmax"),
+    "ep2-alltoall-sigmoid-bias": (2, EP2 + A2A, "sigmoid-bias"),
+    "ep2-allgather-shared": (2, EP2 + AG, "shared-gate"),
+    "ep2-alltoall-capacity": (2, EP2 + A2A, "capacity-probs"),
+    "ep2-allgather-capacity-pad": (2, EP2 + AG, "capacity-position-pad"),
+    "ep2-alltoall-grouped": (2, EP2 + A2A, "grouped-pre-softmax"),
+    "tp2-etp1-ep2-alltoall": (2, TP2 + EP2 + ["--expert-tensor-parallel-size", "1"] + A2A, "top2-softmax"),
+    "tp2-etp1-ep2-allgather": (2, TP2 + EP2 + ["--expert-tensor-parallel-size", "1"] + AG, "shared-gate"),
+    "ep4-alltoall": (4, ["--expert-model-parallel-size", "4"] + A2A, "top2-softmax"),
+    "ep4-allgather": (4, ["--expert-model-parallel-size", "4"] + AG, "sigmoid-bias"),
+    "ep2-tp2-sp-alltoall": (4, EP2 + TP2 + A2A, "top2-softmax"),
+    "ep2-tp2-sp-allgather": (4, EP2 + TP2 + AG, "shared-gate"),
+    "ep2-pp2-alltoall": (4, EP2 + ["--pipeline-model-parallel-size", "2"] + A2A, "sigmoid-bias"),
+    "ep2-dp4-distopt-alltoall": (4, EP2 + ["--use-distributed-optimizer"] + A2A, "top2-softmax"),
+    "ep2-dp4-distopt-allgather": (4, EP2 + ["--use-distributed-optimizer", "--overlap-grad-reduce",
+                                            "--ddp-bucket-size", "2000"] + AG, "capacity-probs"),
+}
+
+
+@pytest.fixture(scope="module")
+def results():
+    refs = run_distributed(_worker, 1, {v: MODEL[v] for v in MODEL})[0]
+    got = {}
+    for world in (2, 4):
+        cases = {name: flags + MODEL[variant] for name, (w, flags, variant) in CASES.items() if w == world}
+        got.update(run_distributed(_worker, world, cases, timeout=600)[0])
+    return refs, got
+
+
+def _close(got, want, what):
+    """rtol 1e-5; elements near zero are held to 1e-5 of the tensor's largest magnitude (reduction order)."""
+    got, want = torch.as_tensor(got), torch.as_tensor(want)
+    scale = float(want.abs().max()) if want.numel() else 0.0
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_layout_equals_one_process(results, name):
+    refs, got = results
+    ref, out = refs[CASES[name][2]], got[name]
+    _close(torch.tensor(out["losses"]), torch.tensor(ref["losses"]), f"{name} losses")
+    _close(torch.tensor(out["norms"]), torch.tensor(ref["norms"]), f"{name} grad norms (each expert counted once)")
+    assert len(out["grads"]) == len(ref["grads"]) == ITERS
+    for it, (g, r) in enumerate(zip(out["grads"], ref["grads"])):
+        assert sorted(g) == sorted(r), f"{name}: parameter names differ"
+        for param in r:
+            got, want = g[param], r[param]
+            if got.shape[0] != want.shape[0]:  # the vocabulary is padded to a multiple of 128 x TP
+                rows = min(got.shape[0], want.shape[0])
+                assert not abs(got[rows:]).any() and not abs(want[rows:]).any()
+                got, want = got[:rows], want[:rows]
+            _close(got, want, f"{name} iteration {it + 1} gradient of {param}")
+    for it, (b, r) in enumerate(zip(out["biases"], ref["biases"])):
+        for param in r:
+            _close(b[param], r[param], f"{name} iteration {it + 1} {param}")
+
+
+def test_reference_routes_and_learns(results):
+    refs, _ = results
+    for variant, ref in refs.items():
+        assert ref["losses"][-1] < ref["losses"][0], f"{variant}: loss should fall: {ref['losses']}"
+        assert min(ref["norms"]) > 0.5, f"{variant}: the clip should be active: {ref['norms']}"
+    bias = refs["sigmoid-bias"]["biases"]
+    assert any(abs(t).sum() > 0 for t in bias[-1].values()), "the expert bias should move"
+    # every expert receives gradient (tokens reach all of them) and the router learns
+    g = refs["top2-softmax"]["grads"][0]
+    fc1 = g["decoder.layers.0.mlp.experts.linear_fc1.weight"]
+    assert all(abs(fc1[e]).sum() > 0 for e in range(4))
+    assert abs(g["decoder.layers.0.mlp.router.weight"]).sum() > 0
