@@ -387,6 +387,12 @@ class TrainLogger:
             record[f"moe/{key}"] = sum(values) / len(values)
             if key in names:
                 line[key] = record[f"moe/{key}"]
+        for key, shown in (("tokens_per_expert_min", "tokens per expert min"),
+                           ("tokens_per_expert_max", "tokens per expert max"),
+                           ("expert_imbalance", "expert imbalance (max/mean)"),
+                           ("dropped_token_fraction", "dropped tokens")):
+            if f"moe/{key}" in record:
+                line[shown] = record[f"moe/{key}"]
         return line
 
     def evaluate(self, state: TrainState) -> None:

@@ -41,14 +41,15 @@ def _run(argv, world):
         return step()
 
     run.optimizer.step = step_and_record
-    losses, norms = [], []
+    losses, norms, metrics = [], [], []
     for _ in range(ITERS):
         result = training.train_step(run, state)
         losses.append(result.loss)
         norms.append(result.grad_norm)
+        metrics.append(result.moe)
         params = global_tensors(run.models, run.parallel)
         biases.append({n: t for n, t in params.items() if n.endswith("expert_bias")})
-    return {"losses": losses, "grads": grads, "biases": biases, "norms": norms}
+    return {"losses": losses, "grads": grads, "biases": biases, "norms": norms, "metrics": metrics}
 
 
 def _numpy(x):
@@ -140,6 +141,13 @@ def test_layout_equals_one_process(results, name):
     for it, (b, r) in enumerate(zip(out["biases"], ref["biases"])):
         for param in r:
             _close(b[param], r[param], f"{name} iteration {it + 1} {param}")
+    # the logged MoE metrics do not depend on the layout
+    for it, (m, r) in enumerate(zip(out["metrics"], ref["metrics"])):
+        assert sorted(m) == sorted(r)
+        for key in r:
+            want = [v for v in r[key] if v is not None] if isinstance(r[key], list) else r[key]
+            have = [v for v in m[key] if v is not None] if isinstance(m[key], list) else m[key]
+            _close(have, want, f"{name} iteration {it + 1} metric {key}")
 
 
 def test_reference_routes_and_learns(results):
@@ -147,6 +155,17 @@ def test_reference_routes_and_learns(results):
     for variant, ref in refs.items():
         assert ref["losses"][-1] < ref["losses"][0], f"{variant}: loss should fall: {ref['losses']}"
         assert min(ref["norms"]) > 0.5, f"{variant}: the clip should be active: {ref['norms']}"
+    # metrics: every token goes to k experts unless dropped; losses near their balanced values
+    for variant, ref in refs.items():
+        for m in ref["metrics"]:
+            k = 1 if variant == "top1-softmax" else 2
+            routed = 8 * 16 * k  # global batch x sequence x top-k, per layer
+            assert m["tokens_per_expert_max"] >= routed / 4 * (1 - m["dropped_token_fraction"]) - 1e-6
+            assert m["expert_imbalance"] >= 1.0
+            if "capacity" not in variant:
+                assert m["dropped_token_fraction"] == 0.0
+            else:
+                assert 0 < m["dropped_token_fraction"] < 0.5
     bias = refs["sigmoid-bias"]["biases"]
     assert any(abs(t).sum() > 0 for t in bias[-1].values()), "the expert bias should move"
     # every expert receives gradient (tokens reach all of them) and the router learns

@@ -18,6 +18,9 @@ BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8"
         "--vocab-size", "100"]
 
 
+MOE = ["--num-experts", "4", "--disable-bias-linear"]
+
+
 def cfg_of(extra=(), world=1, base=BASE):
     return configs_from_args(parse_args(list(base) + list(extra)), world)
 
@@ -30,6 +33,7 @@ def errors_of(extra=(), world=1, base=BASE):
 
 # ------------------------------------------------------------------ every flag parses
 # (argv, namespace dest, expected namespace value, config path or None, expected config value)
+MOE_ARGS = ["--num-experts", "4", "--disable-bias-linear"]
 FLAGS = [
     # model shape
     (["--num-layers", "6"], "num_layers", 6, "model.num_layers", 6),
@@ -172,6 +176,30 @@ FLAGS = [
     (["--exit-signal", "SIGUSR1"], "exit_signal", "SIGUSR1", "checkpoint.exit_signal", "SIGUSR1"),
     (["--exit-duration-in-mins", "30"], "exit_duration_in_mins", 30, "checkpoint.exit_duration_in_mins", 30),
     (["--exit-interval", "7"], "exit_interval", 7, "checkpoint.exit_interval", 7),
+    # mixture of experts (with --num-experts 4 --disable-bias-linear)
+    (MOE_ARGS + ["--moe-layer-freq", "([1]+[0])*2"], "moe_layer_freq", [1, 0, 1, 0], "model.moe_layer_freq",
+     [1, 0, 1, 0]),
+    (MOE_ARGS + ["--moe-layer-freq", "2"], "moe_layer_freq", 2, "model.moe_layer_freq", 2),
+    (MOE_ARGS, "moe_ffn_hidden_size", None, "model.moe_ffn_hidden_size", 256),  # default: --ffn-hidden-size
+    (MOE_ARGS + ["--moe-router-topk", "1"], "moe_router_topk", 1, "model.moe_router_topk", 1),
+    (MOE_ARGS + ["--moe-router-load-balancing-type", "seq_aux_loss"], "moe_router_load_balancing_type",
+     ["seq_aux_loss"], "model.moe_router_load_balancing_type", "seq_aux_loss"),
+    (MOE_ARGS + ["--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss", "--moe-aux-loss-coeff", "0.1",
+                 "0.2"], "moe_aux_loss_coeff", [0.1, 0.2], "model.moe_aux_loss_coeff", [0.1, 0.2]),
+    (MOE_ARGS + ["--moe-aux-loss-coeff", "0.01"], "moe_aux_loss_coeff", [0.01], "model.moe_aux_loss_coeff", 0.01),
+    (MOE_ARGS + ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"],
+     "moe_router_enable_expert_bias", True, "model.moe_router_enable_expert_bias", True),
+    (MOE_ARGS + ["--moe-expert-capacity-factor", "1.5"], "moe_expert_capacity_factor", 1.5,
+     "model.moe_expert_capacity_factor", 1.5),
+    (MOE_ARGS + ["--moe-token-dispatcher-type", "alltoall"], "moe_token_dispatcher_type", "alltoall",
+     "model.moe_token_dispatcher_type", "alltoall"),
+    (MOE_ARGS + ["--moe-grouped-gemm"], "moe_grouped_gemm", True, "model.moe_grouped_gemm", True),
+    (MOE_ARGS + ["--moe-shared-expert-intermediate-size", "64", "--moe-shared-expert-gate"],
+     "moe_shared_expert_gate", True, "model.moe_shared_expert_gate", True),
+    (MOE_ARGS + ["--moe-router-dtype", "fp32"], "moe_router_dtype", "fp32", "model.moe_router_dtype", "fp32"),
+    (MOE_ARGS + ["--moe-per-layer-logging"], "moe_per_layer_logging", True, "logging.moe_per_layer_logging", True),
+    (MOE_ARGS + ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                 "--expert-tensor-parallel-size", "1"], "expert_tensor_parallel_size", 1, "parallel.expert_tp", 1),
 ]
 
 
@@ -392,6 +420,39 @@ RULES = [
     ("save interval below 1", ["--save", "ck", "--save-interval", "0"], 1, BASE, ["--save-interval must be >= 1"]),
     ("exit interval below 1", ["--exit-interval", "0"], 1, BASE, ["--exit-interval must be >= 1"]),
     ("checkpoint args without load", ["--use-checkpoint-args"], 1, BASE, ["--use-checkpoint-args needs --load"]),
+    # mixture of experts
+    ("experts vs EP", MOE + ["--num-experts", "6", "--expert-model-parallel-size", "4"], 4, BASE,
+     ["--num-experts 6 is not divisible by --expert-model-parallel-size 4"]),
+    ("topk above experts", MOE + ["--moe-router-topk", "5"], 1, BASE,
+     ["--moe-router-topk 5 must be between 1 and --num-experts 4"]),
+    ("EP x expert-TP vs the ranks of a stage", MOE + ["--expert-model-parallel-size", "4",
+                                                     "--pipeline-model-parallel-size", "2"], 4, BASE,
+     ["--expert-model-parallel-size 4", "2 ranks of a pipeline stage"]),
+    ("EP x TP x PP vs world size", MOE + ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                                          "--pipeline-model-parallel-size", "2", "--sequence-parallel"], 6, BASE,
+     ["--tensor-model-parallel-size 2", "world size 6"]),
+    ("alltoall with context parallelism", MOE + ["--moe-token-dispatcher-type", "alltoall",
+                                                 "--context-parallel-size", "2"], 2, BASE,
+     ["--num-experts with --context-parallel-size 2 is not available yet"]),
+    ("capacity factor zero", MOE + ["--moe-expert-capacity-factor", "0"], 1, BASE,
+     ["--moe-expert-capacity-factor must be > 0"]),
+    ("capacity factor negative", MOE + ["--moe-expert-capacity-factor", "-1"], 1, BASE,
+     ["--moe-expert-capacity-factor must be > 0"]),
+    ("EP without experts", ["--expert-model-parallel-size", "2"], 2, BASE,
+     ["--expert-model-parallel-size 2 need --num-experts"]),
+    ("MoE with TP needs SP", MOE + ["--tensor-model-parallel-size", "2"], 2, BASE,
+     ["--num-experts with --tensor-model-parallel-size 2 needs --sequence-parallel"]),
+    ("expert bias needs sigmoid", MOE + ["--moe-router-enable-expert-bias"], 1, BASE,
+     ["--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid"]),
+    ("MoE with biases", ["--num-experts", "4"], 1, BASE, ["pass --disable-bias-linear"]),
+    ("moe ffn vs expert-TP", MOE + ["--moe-ffn-hidden-size", "30", "--tensor-model-parallel-size", "4",
+                                    "--sequence-parallel"], 4, BASE,
+     ["--moe-ffn-hidden-size 30 is not divisible by the expert tensor-parallel size 4"]),
+    ("moe layer pattern length", MOE + ["--moe-layer-freq", "([1]*3)"], 1, BASE,
+     ["--moe-layer-freq pattern must hold one 0 or 1 per layer (4)"]),
+    ("sinkhorn", MOE + ["--moe-router-load-balancing-type", "sinkhorn"], 1, BASE, ["Sinkhorn"]),
+    ("group topk without groups", MOE + ["--moe-router-group-topk", "2"], 1, BASE,
+     ["--moe-router-group-topk needs --moe-router-num-groups"]),
 ]
 
 

@@ -6,7 +6,8 @@ after the gradients are reduced, and :func:`step_metrics` at the end (its reduct
 Metrics follow Megatron's ``track_moe_metrics``: each loss is logged as ``loss / coeff``, summed over the step's
 micro-batches and divided by their number, summed over pipeline stages (each holds its layers) and over the
 ranks that split one sequence (TP x CP; the global loss over TP x DP x CP), averaged over data parallelism, and
-averaged over the MoE layers (``--moe-per-layer-logging`` adds every layer's value). Added here: tokens per
+averaged over the MoE layers. The z-loss, a mean over each rank's tokens, is averaged over all ranks (Megatron
+logs one rank's value), so the logged numbers do not depend on the layout (``--moe-per-layer-logging`` adds every layer's value). Added here: tokens per
 expert over the whole step (min, max, and the worst layer's max/mean imbalance) and the fraction of token-expert
 assignments dropped by the capacity limit.
 """
@@ -91,11 +92,13 @@ def step_metrics(chunks, parallel, config, num_microbatches: int) -> dict:
         row = losses[j]
         if name == LOSS_NAMES["global_aux_loss"]:
             _all_reduce(row, everything)
-        elif name != "z_loss":  # z-loss: this rank's value, as Megatron logs it
-            _all_reduce(row, sequence)
-            if group_size(parallel.dp_group) > 1:
-                _all_reduce(row, parallel.dp_group)
-                row /= group_size(parallel.dp_group)
+            continue
+        _all_reduce(row, sequence)
+        if name == "z_loss":  # each rank's mean over its tokens: averaged (Megatron logs one rank's value)
+            row /= group_size(sequence)
+        if group_size(parallel.dp_group) > 1:
+            _all_reduce(row, parallel.dp_group)
+            row /= group_size(parallel.dp_group)
     _all_reduce(tokens, everything)
     _all_reduce(counts, everything)
     moe = [i for i in range(nl) if is_moe_layer(config, i)]
