@@ -74,3 +74,29 @@ def test_torchrun_interleaved_pipeline_with_timeline(tmp_path):
                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
     assert plot.returncode == 0, plot.stderr
     assert png.stat().st_size > 1000 and "bubble" in plot.stdout
+
+
+def test_torchrun_mixture_of_experts_logs_its_metrics(tmp_path):
+    """EP 2 x TP 2 (sequence parallel) with the all-to-all dispatcher: the MoE losses (mean and per layer) in the
+    log line and the metrics file, tokens per expert and dropped tokens every log interval."""
+    metrics = tmp_path / "metrics.jsonl"
+    moe = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--disable-bias-linear",
+           "--swiglu", "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3", "--expert-model-parallel-size",
+           "2", "--moe-token-dispatcher-type", "alltoall", "--moe-expert-capacity-factor", "1.5",
+           "--moe-per-layer-logging", "--train-iters", "10", "--eval-iters", "0"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           os.path.join(ROOT, "pretrain_gpt.py"), *FLAGS, *moe, "--metrics-file", str(metrics)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if "iteration " in line and "lm loss:" in line]
+    assert len(lines) == 2
+    for needle in ("load_balancing_loss: ", "z_loss: ", "load_balancing_loss layer 1: ", "tokens per expert max: ",
+                   "dropped tokens: "):
+        assert needle in lines[-1], lines[-1]
+    train = [json.loads(line) for line in metrics.read_text().splitlines()]
+    for r in train:
+        # a Switch loss of a near-uniform router is about 1 (its minimum), z-loss about log(E)^2
+        assert 0.9 < r["moe/load_balancing_loss"] < 1.5, r
+        assert r["moe/load_balancing_loss_layer_0"] > 0 and r["moe/z_loss_layer_1"] > 0
+        assert r["moe/tokens_per_expert_min"] <= r["moe/tokens_per_expert_max"]
+        assert 0 <= r["moe/dropped_token_fraction"] < 0.5 and r["moe/expert_imbalance"] >= 1

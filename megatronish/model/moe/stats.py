@@ -7,9 +7,9 @@ Metrics follow Megatron's ``track_moe_metrics``: each loss is logged as ``loss /
 micro-batches and divided by their number, summed over pipeline stages (each holds its layers) and over the
 ranks that split one sequence (TP x CP; the global loss over TP x DP x CP), averaged over data parallelism, and
 averaged over the MoE layers. The z-loss, a mean over each rank's tokens, is averaged over all ranks (Megatron
-logs one rank's value), so the logged numbers do not depend on the layout (``--moe-per-layer-logging`` adds every layer's value). Added here: tokens per
-expert over the whole step (min, max, and the worst layer's max/mean imbalance) and the fraction of token-expert
-assignments dropped by the capacity limit.
+logs one rank's value), so the logged numbers do not depend on the layout. ``--moe-per-layer-logging`` adds
+every layer's value. Added here: tokens per expert over the whole step (min, max, and the worst layer's max/mean
+imbalance) and the fraction of token-expert assignments dropped by the capacity limit.
 """
 from __future__ import annotations
 
