@@ -92,6 +92,8 @@ CASES = {  # name: (world, layout flags, model variant)
     "ep2-alltoall-capacity": (2, EP2 + A2A, "capacity-probs"),
     "ep2-allgather-capacity-pad": (2, EP2 + AG, "capacity-position-pad"),
     "ep2-alltoall-grouped": (2, EP2 + A2A, "grouped-pre-softmax"),
+    "ep2-alltoall-recompute": (2, EP2 + A2A + ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                               "--recompute-num-layers", "1"], "sigmoid-bias"),
     "tp2-etp1-ep2-alltoall": (2, TP2 + EP2 + ["--expert-tensor-parallel-size", "1"] + A2A, "top2-softmax"),
     "tp2-etp1-ep2-allgather": (2, TP2 + EP2 + ["--expert-tensor-parallel-size", "1"] + AG, "shared-gate"),
     "ep4-alltoall": (4, ["--expert-model-parallel-size", "4"] + A2A, "top2-softmax"),

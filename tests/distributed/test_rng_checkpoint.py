@@ -7,7 +7,7 @@ from megatronish.model import GPTModel
 from megatronish.parallel import groups
 from megatronish.parallel.context import ParallelContext
 from megatronish.parallel.dims import ParallelDims
-from megatronish.parallel.random import checkpoint, get_rng_tracker, set_random_seed
+from megatronish.parallel.random import EXPERT_PARALLEL_RNG, checkpoint, get_rng_tracker, set_random_seed
 from megatronish.testing import run_distributed
 
 SEED, B, S, V = 77, 2, 16, 100
@@ -69,6 +69,12 @@ def test_streams_follow_megatron_seeds():
         b = torch.rand(4)
     torch.manual_seed(1200 + 2718 + 1)
     assert torch.equal(b, torch.rand(4)), "model-parallel stream must be seed + 2718 + tp_rank"
+    # the expert-parallel stream: seed + 1024 + 100 * ep_rank + expert-TP rank
+    set_random_seed(1000, pp_rank=2, tp_rank=1, ep_rank=3, etp_rank=0)
+    with tracker.fork(EXPERT_PARALLEL_RNG):
+        c = torch.rand(4)
+    torch.manual_seed(1200 + 1024 + 300 + 0)
+    assert torch.equal(c, torch.rand(4)), "expert-parallel stream must be seed + 1024 + 100 * ep_rank + etp_rank"
     # forking does not disturb the default stream
     set_random_seed(1000, pp_rank=2, tp_rank=1)
     with tracker.fork():
