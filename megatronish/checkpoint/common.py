@@ -39,6 +39,11 @@ SHAPE_FIELDS = {
     "position_embedding_type": "--position-embedding-type", "normalization": "--normalization",
     "swiglu": "--swiglu", "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
     "add_bias_linear": "--disable-bias-linear", "add_qkv_bias": "--add-qkv-bias",
+    "num_experts": "--num-experts", "moe_ffn_hidden_size": "--moe-ffn-hidden-size",
+    "moe_layer_freq": "--moe-layer-freq",
+    "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
+    "moe_shared_expert_gate": "--moe-shared-expert-gate",
+    "moe_router_enable_expert_bias": "--moe-router-enable-expert-bias",
 }
 
 

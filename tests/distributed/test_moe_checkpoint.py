@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatronish.arguments import configs_from_args, parse_args
-from megatronish.checkpoint import dcp_io
+from megatronish.checkpoint import CheckpointError, dcp_io
 from megatronish.checkpoint.offline import iter_model_tensors, read_checkpoint_meta
 from megatronish.parallel import groups
 from megatronish.testing import run_distributed
@@ -58,6 +58,11 @@ def _worker(rank, world, root, stage):
         for name in SOURCES:
             for target, flags in targets.items():
                 got[(name, target)] = _losses(flags + argv + ["--load", _src(root, name)], world)
+        if world == 1:  # a different expert count: one error naming the flag
+            try:
+                _losses(argv + ["--load", _src(root, "ep2_pp2"), "--num-experts", "8"], world)
+            except CheckpointError as e:
+                refs["error"] = str(e)
     return refs, got
 
 
@@ -66,8 +71,15 @@ def results(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("moe_ckpt"))
     refs, got = run_distributed(_worker, 4, root, "save", timeout=600)[0]
     for world in (2, 1):
-        got.update(run_distributed(_worker, world, root, "load", timeout=600)[0][1])
+        more, loaded = run_distributed(_worker, world, root, "load", timeout=600)[0]
+        got.update(loaded)
+        refs.update(more)
     return root, refs, got
+
+
+def test_expert_count_mismatch_is_one_error(results):
+    error = results[1].get("error")
+    assert error is not None and error.startswith("--num-experts: checkpoint") and "num_experts=4" in error, error
 
 
 @pytest.mark.parametrize("source", sorted(SOURCES))
