@@ -16,7 +16,18 @@ _FORCED = {"position_embedding_type": "position_embedding_type", "rotary_percent
            "swiglu": "swiglu", "openai_gelu": "openai_gelu",
            "untie_embeddings_and_output_weights": "untie_embeddings_and_output_weights",
            "add_bias_linear": "add_bias_linear", "add_qkv_bias": "add_qkv_bias",
-           "make_vocab_size_divisible_by": "make_vocab_size_divisible_by"}
+           "make_vocab_size_divisible_by": "make_vocab_size_divisible_by",
+           # mixture of experts (Megatron's load_args_from_checkpoint forces these too)
+           "num_experts": "num_experts", "moe_layer_freq": "moe_layer_freq",
+           "moe_ffn_hidden_size": "moe_ffn_hidden_size", "moe_router_topk": "moe_router_topk",
+           "moe_router_pre_softmax": "moe_router_pre_softmax", "moe_grouped_gemm": "moe_grouped_gemm",
+           "moe_shared_expert_intermediate_size": "moe_shared_expert_intermediate_size",
+           "moe_shared_expert_gate": "moe_shared_expert_gate",
+           "moe_router_score_function": "moe_router_score_function",
+           "moe_router_enable_expert_bias": "moe_router_enable_expert_bias",
+           "moe_router_topk_scaling_factor": "moe_router_topk_scaling_factor",
+           "moe_router_num_groups": "moe_router_num_groups", "moe_router_group_topk": "moe_router_group_topk"}
+# Not taken: the token dispatcher is the run's choice (it changes no weight; Megatron keeps the command line's).
 
 
 def apply_checkpoint_args(args) -> None:

@@ -42,3 +42,20 @@ def test_command_line_keeps_what_megatron_keeps(ckpt):
 def test_missing_checkpoint_is_one_error(tmp_path):
     with pytest.raises(ConfigError, match="^--use-checkpoint-args: no checkpoint at"):
         configs_from_args(parse_args(RUN + ["--load", str(tmp_path), "--use-checkpoint-args"]), 1)
+
+
+def test_mixture_of_experts_flags_come_from_the_checkpoint(tmp_path):
+    model = llama(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=97, seq_length=16,
+                  num_experts=8, moe_layer_freq=[1, 0, 1, 1], moe_ffn_hidden_size=32, moe_router_topk=1,
+                  moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                  moe_shared_expert_intermediate_size=64, moe_shared_expert_gate=True,
+                  moe_token_dispatcher_type="alltoall")
+    cfg = {"model": dataclasses.asdict(model), "data": {"tokenizer_type": "NullTokenizer", "vocab_size_flag": 96}}
+    write_checkpoint(str(tmp_path), 4, {"decoder.final_layernorm.weight": torch.ones(64)}, cfg)
+    got = configs_from_args(parse_args(RUN + ["--load", str(tmp_path), "--use-checkpoint-args"]), 1).model
+    for field in ("num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk",
+                  "moe_router_score_function", "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size",
+                  "moe_shared_expert_gate"):
+        assert getattr(got, field) == getattr(model, field), field
+    # the dispatcher is the run's choice (it changes no weight): the command line's, as in Megatron
+    assert got.moe_token_dispatcher_type == "allgather"
