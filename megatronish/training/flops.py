@@ -1,18 +1,28 @@
 """Model FLOPs per iteration (Megatron's formula, GQA and SwiGLU aware) and dense device peaks."""
 from __future__ import annotations
 
+from ..model.moe.layer import is_moe_layer
+
 
 def num_floating_point_operations(cfg, batch_size: int) -> float:
-    """Forward + backward FLOPs for ``batch_size`` sequences, without recomputation:
-    ``12 B s L h^2 [ (1 + g/a + s/h) * (q/h) + (ffn/h) * (3/2 if SwiGLU) + V / (2 L h) ]`` where ``q`` is the
-    query projection size ``a * kv_channels`` and ``g`` the number of query groups."""
+    """Forward + backward FLOPs for ``batch_size`` sequences, without recomputation (Megatron-LM's
+    ``num_floating_point_operations``):
+    ``12 B s h^2 [ L (1 + g/a + s/h) (q/h) + (L_dense ffn + L_moe (k F + F_shared)) / h * (3/2 if SwiGLU)
+    + V / (2h) ]`` where ``q`` is the query projection size ``a * kv_channels``, ``g`` the number of query groups,
+    ``L_moe`` the MoE layers (``--moe-layer-freq``), ``k`` ``--moe-router-topk``, ``F`` the expert FFN size and
+    ``F_shared`` ``--moe-shared-expert-intermediate-size``: an MoE layer counts the ``k`` experts each token
+    runs, not all of them. As in Megatron-LM the router's ``[h, E]`` GEMM (``6 h E`` per token, small next to
+    the experts') is not counted."""
     h, s, L = cfg.hidden_size, cfg.seq_length, cfg.num_layers
     a, g = cfg.num_attention_heads, cfg.num_query_groups
     q = a * cfg.kv_channels
     gated = 1.5 if cfg.swiglu else 1.0
     V = cfg.padded_vocab_size(1)
-    return 12.0 * batch_size * s * L * h * h * ((1 + g / a + s / h) * (q / h) + (cfg.ffn_hidden_size / h) * gated
-                                                 + V / (2.0 * L * h))
+    n_moe = sum(is_moe_layer(cfg, i) for i in range(L))
+    mlp = (L - n_moe) * cfg.ffn_hidden_size
+    if n_moe:
+        mlp += n_moe * (cfg.moe_router_topk * cfg.moe_ffn_hidden_size + (cfg.moe_shared_expert_intermediate_size or 0))
+    return 12.0 * batch_size * s * h * h * (L * (1 + g / a + s / h) * (q / h) + mlp / h * gated + V / (2.0 * h))
 
 
 # Dense (no sparsity) peak TFLOP/s by device-name substring, for MFU: bf16/fp16 tensor cores.

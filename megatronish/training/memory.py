@@ -43,6 +43,7 @@ import torch
 
 from .. import device
 from ..config import default_ffn_hidden_size
+from ..optim.clip_grads import is_expert
 from ..parallel.dims import effective_sequence_parallel
 
 _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
@@ -150,16 +151,27 @@ def activation_bytes(model_cfg, *, micro_batch_size: int, tp: int = 1, pp: int =
     return total
 
 
-def theoretical_memory(cfg, num_params: int) -> dict:
-    """This rank's estimate: ``weights_and_optimizer`` and ``activations`` bytes, and the inputs used."""
+def theoretical_memory(cfg, num_params: int, num_expert_params: int = 0) -> dict:
+    """This rank's estimate: ``weights_and_optimizer`` and ``activations`` bytes, and the inputs used.
+
+    ``num_params`` counts every parameter this rank holds, ``num_expert_params`` the expert weights among them
+    (each rank holds ``E/EP`` experts of every MoE layer of its stage, split over expert-TP). Under the
+    distributed optimizer the expert weights' optimizer state is sharded over their own replicas, the
+    expert-data-parallel group (``TP*CP*DP / (ETP*EP)`` ranks), the rest over data parallelism (as Megatron-LM's
+    ``compute_weight_and_optimizer_memory``). Activations use the dense formula for every layer."""
     o, par = cfg.optim, cfg.parallel
-    bpp = bytes_per_parameter(o.params_dtype, o.grad_dtype, optimizer=o.optimizer, sgd_momentum=o.sgd_momentum,
-                              distributed=o.use_distributed_optimizer, dp=par.dp)
+
+    def per_param(dp: int) -> float:
+        return bytes_per_parameter(o.params_dtype, o.grad_dtype, optimizer=o.optimizer,
+                                   sgd_momentum=o.sgd_momentum, distributed=o.use_distributed_optimizer, dp=dp)
+
+    bpp, expert_bpp = per_param(par.dp), per_param(par.expert_dp)
     act = activation_bytes(cfg.model, micro_batch_size=cfg.train.micro_batch_size, tp=par.tp, pp=par.pp,
                            vp=par.vp, cp=par.cp, sequence_parallel=cfg.sequence_parallel,
                            num_microbatches=cfg.num_microbatches)
-    return {"num_params": num_params, "bytes_per_param": bpp, "weights_and_optimizer": bpp * num_params,
-            "activations": act}
+    weights = bpp * (num_params - num_expert_params) + expert_bpp * num_expert_params
+    return {"num_params": num_params, "num_expert_params": num_expert_params, "bytes_per_param": bpp,
+            "bytes_per_expert_param": expert_bpp, "weights_and_optimizer": weights, "activations": act}
 
 
 def _mb(x: float) -> str:
@@ -168,12 +180,19 @@ def _mb(x: float) -> str:
 
 def report_theoretical_memory(cfg, optimizer, models, print_fn=print) -> dict:
     """Print the start-up estimate for this rank (weights + grads + optimizer, activations)."""
-    n = sum(p.numel() for m in models for p in m.parameters())
-    est = theoretical_memory(cfg, n)
+    params = [p for m in models for p in m.parameters()]
+    n = sum(p.numel() for p in params)
+    n_expert = sum(p.numel() for p in params if is_expert(p))
+    est = theoretical_memory(cfg, n, n_expert)
     o = cfg.optim
     kind = ("distributed " if o.use_distributed_optimizer else "") + o.optimizer
+    experts = ""
+    if n_expert:
+        experts = (f"; {n_expert} of them expert params x {est['bytes_per_expert_param']:.2f} B/param, "
+                   f"optimizer state over expert-DP {cfg.parallel.expert_dp}")
     print_fn(f"theoretical memory per rank: weights+grads+optimizer {_mb(est['weights_and_optimizer'])} "
-             f"({n} params x {est['bytes_per_param']:.2f} B/param; {str(o.params_dtype).replace('torch.', '')} "
+             f"({n} params x {est['bytes_per_param']:.2f} B/param{experts}; "
+             f"{str(o.params_dtype).replace('torch.', '')} "
              f"params, {str(o.grad_dtype).replace('torch.', '')} grads, {kind}); activations (first stage, "
              f"Korthikanti et al.) {_mb(est['activations'])}; "
              f"total {_mb(est['weights_and_optimizer'] + est['activations'])}")
