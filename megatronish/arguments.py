@@ -106,7 +106,6 @@ NOT_YET_SUPPORTED: dict[str, NotYet] = {
         # model features
         (None, NotYet("--position-embedding-type", ("learned_absolute", "rope", "none"),
                       "this position embedding type", "use learned_absolute, rope or none")),
-        (None, NotYet("--qk-layernorm", (False,), "query/key layer norm", _DROP)),
         (None, NotYet("--squared-relu", (False,), "squared ReLU", _DROP)),
         (None, NotYet("--apply-layernorm-1p", (False,), "zero-centered (1p) layer norm", _DROP)),
         (None, NotYet("--use-flash-attn", (False,), "flash attention", _DROP)),
@@ -158,7 +157,7 @@ def build_parser(prog: str = "pretrain_gpt.py", description: str = "Pretrain a G
     flag(g, "--openai-gelu", **on, help="tanh-approximated GELU")
     flag(g, "--squared-relu", **on)
     flag(g, "--apply-layernorm-1p", **on)
-    flag(g, "--qk-layernorm", **on)
+    flag(g, "--qk-layernorm", **on, help="norm (--normalization) of each query and key head before RoPE")
     flag(g, "--untie-embeddings-and-output-weights", **on)
     flag(g, "--disable-bias-linear", action="store_false", dest="add_bias_linear", help="no biases in linears")
     flag(g, "--add-qkv-bias", **on, help="bias in the QKV projection even with --disable-bias-linear")

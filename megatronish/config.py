@@ -43,6 +43,7 @@ class ModelConfig:
     untie_embeddings_and_output_weights: bool = False
     add_bias_linear: bool = True
     add_qkv_bias: bool = False
+    qk_layernorm: bool = False  # --qk-layernorm: norm of each query/key head before RoPE (Qwen3)
     attention_dropout: float = 0.1
     hidden_dropout: float = 0.1
     init_method_std: float = 0.02

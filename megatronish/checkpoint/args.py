@@ -15,7 +15,7 @@ _FORCED = {"position_embedding_type": "position_embedding_type", "rotary_percent
            "rotary_base": "rotary_base", "normalization": "normalization", "norm_epsilon": "norm_epsilon",
            "swiglu": "swiglu", "openai_gelu": "openai_gelu",
            "untie_embeddings_and_output_weights": "untie_embeddings_and_output_weights",
-           "add_bias_linear": "add_bias_linear", "add_qkv_bias": "add_qkv_bias",
+           "add_bias_linear": "add_bias_linear", "add_qkv_bias": "add_qkv_bias", "qk_layernorm": "qk_layernorm",
            "make_vocab_size_divisible_by": "make_vocab_size_divisible_by",
            # mixture of experts (Megatron's load_args_from_checkpoint forces these too)
            "num_experts": "num_experts", "moe_layer_freq": "moe_layer_freq",

@@ -44,6 +44,7 @@ SHAPE_FIELDS = {
     "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
     "moe_shared_expert_gate": "--moe-shared-expert-gate",
     "moe_router_enable_expert_bias": "--moe-router-enable-expert-bias",
+    "qk_layernorm": "--qk-layernorm",
 }
 
 

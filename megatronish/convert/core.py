@@ -9,7 +9,16 @@ import torch
 from ..config import ModelConfig
 from ..parallel.init import split_global
 from .hf_config import ConvertError
-from .name_map import VOCAB_TENSORS, Entry, build_entries, expected_global_shapes, hf_shapes, pad_vocab
+from .name_map import (
+    PER_EXPERT,
+    VOCAB_TENSORS,
+    Entry,
+    build_entries,
+    expected_global_shapes,
+    expert_layout,
+    hf_shapes,
+    pad_vocab,
+)
 
 
 def _check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...], where: str, vocab_rows: bool) -> None:
@@ -22,10 +31,12 @@ def _check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...], where: str,
 
 
 def hf_to_ours(get: Callable[[str], torch.Tensor], cfg: ModelConfig, arch: str, padded_vocab: int, *,
-               prefix: str | None = None, where: str = "Hugging Face checkpoint") -> Iterator[tuple[str, torch.Tensor]]:
+               prefix: str | None = None, experts: str = PER_EXPERT,
+               where: str = "Hugging Face checkpoint") -> Iterator[tuple[str, torch.Tensor]]:
     """Yield our ``(global name, tensor)`` in file order, reading HF tensors through ``get(name)`` only when
-    needed (memory: one of our tensors and its sources). ``get`` raises ``KeyError`` for a missing tensor."""
-    entries = build_entries(cfg, arch, padded_vocab, prefix)
+    needed (memory: one of our tensors and its sources). ``get`` raises ``KeyError`` for a missing tensor.
+    ``experts``: the HF expert layout of MoE models (``name_map.PER_EXPERT`` or ``FUSED``)."""
+    entries = build_entries(cfg, arch, padded_vocab, prefix, experts)
     ours = expected_global_shapes(cfg)
     expect = hf_shapes(entries, ours)
     for e in entries:
@@ -43,10 +54,12 @@ def hf_to_ours(get: Callable[[str], torch.Tensor], cfg: ModelConfig, arch: str, 
 
 
 def ours_to_hf(items: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig, arch: str, *,
-               prefix: str | None = None, where: str = "checkpoint") -> Iterator[tuple[str, torch.Tensor]]:
+               prefix: str | None = None, experts: str = PER_EXPERT,
+               where: str = "checkpoint") -> Iterator[tuple[str, torch.Tensor]]:
     """Yield HF ``(name, tensor)`` for our global tensors (in the order given; vocabulary rows past
-    ``cfg.vocab_size`` dropped). Every tensor the map needs must come; others are an error."""
-    entries = {e.ours: e for e in build_entries(cfg, arch, cfg.padded_vocab_size(), prefix)}
+    ``cfg.vocab_size`` dropped). Every tensor the map needs must come; others are an error. MoE experts are
+    written in ``experts`` layout (default per expert, as ``save_pretrained`` and published checkpoints)."""
+    entries = {e.ours: e for e in build_entries(cfg, arch, cfg.padded_vocab_size(), prefix, experts)}
     shapes = expected_global_shapes(cfg)
     seen = set()
     for name, t in items:
@@ -71,13 +84,16 @@ def entry_order(cfg: ModelConfig, arch: str) -> list[Entry]:
 
 def hf_state_dict_to_ours(sd: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: str,
                           tp: int = 1) -> dict[str, torch.Tensor]:
-    """A HF state dict -> our global tensors (vocabulary padded for ``tp``)."""
+    """A HF state dict -> our global tensors (vocabulary padded for ``tp``); MoE experts in either layout
+    (transformers 5's in-memory ``state_dict()`` is fused, files are per expert)."""
     prefix = None if arch != "GPT2LMHeadModel" or "transformer.wte.weight" in sd else ""
-    return dict(hf_to_ours(sd.__getitem__, cfg, arch, cfg.padded_vocab_size(tp), prefix=prefix))
+    return dict(hf_to_ours(sd.__getitem__, cfg, arch, cfg.padded_vocab_size(tp), prefix=prefix,
+                           experts=expert_layout(sd)))
 
 
-def ours_to_hf_state_dict(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: str) -> dict[str, torch.Tensor]:
-    return dict(ours_to_hf(tensors.items(), cfg, arch))
+def ours_to_hf_state_dict(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: str,
+                          experts: str = PER_EXPERT) -> dict[str, torch.Tensor]:
+    return dict(ours_to_hf(tensors.items(), cfg, arch, experts=experts))
 
 
 def load_into_model(model, tensors: Mapping[str, torch.Tensor], tp_rank: int = 0, tp: int = 1) -> None:

@@ -1,8 +1,13 @@
-"""Hugging Face ``config.json`` <-> :class:`ModelConfig`, for ``GPT2LMHeadModel`` and ``LlamaForCausalLM``.
+"""Hugging Face ``config.json`` <-> :class:`ModelConfig`, for ``GPT2LMHeadModel``, ``LlamaForCausalLM`` and
+the mixture-of-experts ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM`` and ``Qwen3MoeForCausalLM``.
 
 A GPT-2 config becomes our GPT-2 flavor (LayerNorm, learned absolute positions, biases, GELU — the tanh
 approximation ``--openai-gelu`` for HF's ``gelu_new``); a Llama config our Llama flavor (RMSNorm, rotate-half
-RoPE, SwiGLU, grouped-query attention). Settings either side cannot express are a :class:`ConvertError`.
+RoPE, SwiGLU, grouped-query attention). The MoE families are the Llama flavor with MoE MLPs (docs/convert.md,
+"Mixture of experts"): Mixtral's router (softmax, top-k, renormalised) is ours without
+``--moe-router-pre-softmax``; Qwen's ``norm_topk_prob=false`` (softmax, top-k, not renormalised) is ours with it;
+Qwen2-MoE adds the sigmoid-gated shared expert and q/k/v biases (``--add-qkv-bias``), Qwen3-MoE the per-head
+query/key RMSNorm (``--qk-layernorm``). Settings either side cannot express are a :class:`ConvertError`.
 """
 from __future__ import annotations
 
@@ -10,10 +15,13 @@ import dataclasses
 
 from ..config import ModelConfig
 from ..errors import ConfigError
+from ..model.moe.layer import is_moe_layer
 
 GPT2, LLAMA = "GPT2LMHeadModel", "LlamaForCausalLM"
-ARCHITECTURES = (GPT2, LLAMA)
-_MODEL_TYPE = {GPT2: "gpt2", LLAMA: "llama"}
+MIXTRAL, QWEN2_MOE, QWEN3_MOE = "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"
+MOE_ARCHITECTURES = (MIXTRAL, QWEN2_MOE, QWEN3_MOE)
+ARCHITECTURES = (GPT2, LLAMA, *MOE_ARCHITECTURES)
+_MODEL_TYPE = {GPT2: "gpt2", LLAMA: "llama", MIXTRAL: "mixtral", QWEN2_MOE: "qwen2_moe", QWEN3_MOE: "qwen3_moe"}
 _ARCH_OF_TYPE = {v: k for k, v in _MODEL_TYPE.items()}
 _TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
 
@@ -23,7 +31,7 @@ class ConvertError(ConfigError):
 
 
 def architecture(hf: dict, where: str = "config.json") -> str:
-    """``GPT2LMHeadModel`` or ``LlamaForCausalLM`` from a config dict (``architectures`` or ``model_type``)."""
+    """One of :data:`ARCHITECTURES` from a config dict (``architectures`` or ``model_type``)."""
     archs = hf.get("architectures") or []
     for a in archs:
         if a in ARCHITECTURES:
@@ -86,22 +94,66 @@ def model_config_from_hf(hf: dict, *, true_vocab_size: int | None = None, make_v
     act = hf.get("hidden_act", "silu")
     _require(act == "silu", where, f"hidden_act {act!r} is not supported (SwiGLU uses silu)")
     _require(int(hf.get("pretraining_tp", 1)) == 1, where, "pretraining_tp > 1 is not supported")
-    attn_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
-    _require(attn_bias == mlp_bias, where,
-             f"attention_bias={attn_bias} with mlp_bias={mlp_bias} is not supported (--disable-bias-linear "
-             "switches all linear biases together)")
     h, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    layers = int(hf["num_hidden_layers"])
     n = int(hf.get("max_position_embeddings", 2048))
-    cfg = ModelConfig(num_layers=int(hf["num_hidden_layers"]), hidden_size=h, num_attention_heads=heads,
+    if arch == LLAMA:
+        attn_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
+        _require(attn_bias == mlp_bias, where,
+                 f"attention_bias={attn_bias} with mlp_bias={mlp_bias} is not supported (--disable-bias-linear "
+                 "switches all linear biases together)")
+        specific = dict(add_bias_linear=attn_bias, ffn_hidden_size=int(hf["intermediate_size"]))
+    else:
+        specific = _moe_from_hf(hf, arch, layers, where)
+    cfg = ModelConfig(num_layers=layers, hidden_size=h, num_attention_heads=heads,
                       num_query_groups=int(hf.get("num_key_value_heads") or heads),
-                      kv_channels=int(hf.get("head_dim") or h // heads), ffn_hidden_size=int(hf["intermediate_size"]),
+                      kv_channels=int(hf.get("head_dim") or h // heads),
                       seq_length=n, max_position_embeddings=n, position_embedding_type="rope",
                       rotary_base=_rope_theta(hf, where), normalization="RMSNorm",
                       norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)), swiglu=True,
                       untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
-                      add_bias_linear=attn_bias, attention_dropout=float(hf.get("attention_dropout", 0.0)),
-                      hidden_dropout=0.0, **common)
+                      attention_dropout=float(hf.get("attention_dropout", 0.0)),
+                      hidden_dropout=0.0, **specific, **common)
     return cfg, arch
+
+
+def _moe_from_hf(hf: dict, arch: str, layers: int, where: str) -> dict:
+    """Our MoE (and attention) settings of a Mixtral / Qwen2-MoE / Qwen3-MoE ``config.json``."""
+    if arch == MIXTRAL:
+        experts = hf.get("num_local_experts", hf.get("num_experts"))
+        window = hf.get("sliding_window")
+        _require(window is None, where, f"sliding_window {window} is not supported (full causal attention only); "
+                                        "convert a model with sliding_window null")
+        jitter = float(hf.get("router_jitter_noise") or 0.0)
+        _require(jitter == 0.0, where, f"router_jitter_noise {jitter} is not supported (our router adds no input "
+                                       "jitter); set it to 0")
+        ffn = moe_ffn = int(hf["intermediate_size"])
+        renormalise, moe_layers = True, [1] * layers
+    else:
+        experts = hf.get("num_experts", hf.get("num_local_experts"))
+        _require(not hf.get("use_sliding_window", False), where,
+                 "use_sliding_window=true is not supported (full causal attention only)")
+        ffn, moe_ffn = int(hf["intermediate_size"]), int(hf["moe_intermediate_size"])
+        renormalise = bool(hf.get("norm_topk_prob", False))
+        step, dense = int(hf.get("decoder_sparse_step", 1) or 1), set(hf.get("mlp_only_layers") or [])
+        moe_layers = [int((i + 1) % step == 0 and i not in dense) for i in range(layers)]  # HF's rule
+    _require(experts is not None and int(experts) >= 1, where, f"num_experts {experts!r}: an MoE model needs >= 1")
+    _require(any(moe_layers), where, "no layer is a mixture of experts (decoder_sparse_step / mlp_only_layers); "
+                                     "convert it as a dense model")
+    out = dict(num_experts=int(experts), moe_router_topk=int(hf.get("num_experts_per_tok", 2)),
+               moe_router_score_function="softmax", moe_router_pre_softmax=not renormalise,
+               moe_layer_freq=1 if all(moe_layers) else moe_layers, ffn_hidden_size=ffn, moe_ffn_hidden_size=moe_ffn,
+               moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)), add_bias_linear=False)
+    if arch == QWEN2_MOE:
+        shared = int(hf.get("shared_expert_intermediate_size") or 0)
+        _require(shared >= 1, where, f"shared_expert_intermediate_size {shared}: Qwen2-MoE needs a shared expert")
+        out.update(moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True,
+                   add_qkv_bias=bool(hf.get("qkv_bias", True)))  # transformers 4 has no key: always biased
+    if arch == QWEN3_MOE:
+        _require(not hf.get("attention_bias", False), where,
+                 "attention_bias=true is not supported for Qwen3-MoE (expert models here have no o_proj bias)")
+        out.update(qk_layernorm=True)
+    return out
 
 
 def architecture_of(cfg: ModelConfig, where: str = "checkpoint") -> str:
@@ -110,6 +162,8 @@ def architecture_of(cfg: ModelConfig, where: str = "checkpoint") -> str:
                  and not cfg.swiglu)
     llama_like = cfg.normalization == "RMSNorm" and cfg.position_embedding_type == "rope" and cfg.swiglu
     if gpt2_like:
+        _require(not cfg.num_experts, where, "a GPT-2-flavored mixture of experts has no Hugging Face equivalent here")
+        _require(not cfg.qk_layernorm, where, "GPT-2 has no query/key layer norm (--qk-layernorm)")
         _require(cfg.add_bias_linear, where, "GPT-2 needs linear biases (the checkpoint has --disable-bias-linear)")
         _require(cfg.num_query_groups == cfg.num_attention_heads, where,
                  "GPT-2 has no grouped-query attention (--num-query-groups must equal --num-attention-heads)")
@@ -118,12 +172,46 @@ def architecture_of(cfg: ModelConfig, where: str = "checkpoint") -> str:
         return GPT2
     if llama_like:
         _require(cfg.rotary_percent == 1.0, where, "Llama rotates whole heads (--rotary-percent must be 1.0)")
+        if cfg.num_experts:
+            return _moe_architecture(cfg, where)
+        _require(not cfg.qk_layernorm, where, "--qk-layernorm on a dense model has no Hugging Face equivalent here "
+                                              "(Llama has no query/key norm)")
         _require(not (cfg.add_qkv_bias and not cfg.add_bias_linear), where,
                  "--add-qkv-bias without the other linear biases has no Llama equivalent")
         return LLAMA
     raise ConvertError(f"{where}: unknown architecture: normalization={cfg.normalization}, "
                        f"position_embedding_type={cfg.position_embedding_type}, swiglu={cfg.swiglu} is neither "
                        f"GPT-2 (LayerNorm, learned_absolute, GELU) nor Llama (RMSNorm, rope, SwiGLU)")
+
+
+def _moe_architecture(cfg: ModelConfig, where: str) -> str:
+    """Qwen3-MoE (``--qk-layernorm``), Qwen2-MoE (a gated shared expert) or Mixtral (neither)."""
+    c = cfg
+    _require(c.moe_router_score_function == "softmax", where,
+             "Hugging Face's Mixtral/Qwen MoE routers use softmax scores (--moe-router-score-function softmax)")
+    for on, flag in ((c.moe_router_group_topk, "--moe-router-group-topk"),
+                     (c.moe_router_topk_scaling_factor, "--moe-router-topk-scaling-factor"),
+                     (c.moe_router_enable_expert_bias, "--moe-router-enable-expert-bias"),
+                     (c.moe_expert_capacity_factor is not None, "--moe-expert-capacity-factor")):
+        _require(not on, where, f"{flag} has no equivalent in Hugging Face's Mixtral/Qwen MoE models")
+    _require(isinstance(c.moe_aux_loss_coeff, (int, float)) or len(c.moe_aux_loss_coeff) == 1, where,
+             "one --moe-aux-loss-coeff (router_aux_loss_coef) only")
+    if c.qk_layernorm:
+        _require(not c.moe_shared_expert_intermediate_size, where,
+                 "Qwen3-MoE (--qk-layernorm) has no shared expert (--moe-shared-expert-intermediate-size)")
+        _require(not c.add_qkv_bias, where, "Qwen3-MoE (--qk-layernorm) has no q/k/v biases (--add-qkv-bias)")
+        return QWEN3_MOE
+    if c.moe_shared_expert_intermediate_size:
+        _require(c.moe_shared_expert_gate, where,
+                 "Qwen2-MoE's shared expert is gated: it needs --moe-shared-expert-gate")
+        return QWEN2_MOE
+    _require(not c.moe_router_pre_softmax, where,
+             "Mixtral renormalises the top-k probabilities: --moe-router-pre-softmax has no Mixtral equivalent "
+             "(a shared expert or --qk-layernorm would make it Qwen-MoE)")
+    _require(all(is_moe_layer(c, i) for i in range(c.num_layers)), where,
+             "Mixtral has experts in every layer (--moe-layer-freq must be 1)")
+    _require(not c.add_qkv_bias, where, "Mixtral has no q/k/v biases (--add-qkv-bias)")
+    return MIXTRAL
 
 
 def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32", *, base: dict | None = None) -> dict:
@@ -145,15 +233,38 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32", *, base: dict
         out.setdefault("bos_token_id", cfg.vocab_size - 1)
         out.setdefault("eos_token_id", cfg.vocab_size - 1)
     else:
-        out.pop("rope_scaling", None)
+        for key in ("rope_scaling", "num_experts", "num_local_experts"):
+            out.pop(key, None)
         out.update(num_hidden_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
                    num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_query_groups,
                    head_dim=cfg.kv_channels, intermediate_size=cfg.ffn_hidden_size,
                    max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.norm_epsilon,
                    rope_theta=float(cfg.rotary_base),
                    rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rotary_base)},
-                   hidden_act="silu", attention_bias=cfg.add_bias_linear, mlp_bias=cfg.add_bias_linear,
-                   attention_dropout=cfg.attention_dropout, pretraining_tp=1)
+                   hidden_act="silu", attention_dropout=cfg.attention_dropout)
+        if arch == LLAMA:
+            out.update(attention_bias=cfg.add_bias_linear, mlp_bias=cfg.add_bias_linear, pretraining_tp=1)
+        else:
+            out.update(_moe_to_hf(cfg, arch))
+    return out
+
+
+def _moe_to_hf(cfg: ModelConfig, arch: str) -> dict:
+    coeff = cfg.moe_aux_loss_coeff
+    coeff = float(coeff if isinstance(coeff, (int, float)) else coeff[0])
+    common = dict(num_experts_per_tok=cfg.moe_router_topk, router_aux_loss_coef=coeff, output_router_logits=False)
+    if arch == MIXTRAL:
+        return dict(common, num_local_experts=cfg.num_experts, intermediate_size=cfg.moe_ffn_hidden_size,
+                    sliding_window=None, router_jitter_noise=0.0)
+    dense = [i for i in range(cfg.num_layers) if not is_moe_layer(cfg, i)]
+    out = dict(common, num_experts=cfg.num_experts, moe_intermediate_size=cfg.moe_ffn_hidden_size,
+               norm_topk_prob=not cfg.moe_router_pre_softmax, decoder_sparse_step=1, mlp_only_layers=dense,
+               use_sliding_window=False)
+    if arch == QWEN2_MOE:
+        out.update(shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
+                   qkv_bias=cfg.add_qkv_bias)
+    else:
+        out.update(attention_bias=False)
     return out
 
 

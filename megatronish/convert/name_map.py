@@ -11,7 +11,13 @@ and every saver go through :func:`build_entries`; docs/convert.md documents the 
 * GPT-2's ``Conv1D`` stores ``[in, out]``: transposed to our ``[out, in]``;
 * vocabulary rows: HF has the true vocabulary; ours is padded with zero rows to a multiple of
   ``make_vocab_size_divisible_by * TP`` (added on import, dropped on export);
-* tied embeddings: no ``output_layer.weight`` and no ``lm_head.weight``.
+* tied embeddings: no ``output_layer.weight`` and no ``lm_head.weight``;
+* experts (Mixtral / Qwen-MoE): ours stacks all experts, ``experts.linear_fc1.weight`` ``[E, 2F, h]`` (each
+  expert's rows ``[gate; up]``) and ``experts.linear_fc2.weight`` ``[E, h, F]``. HF files hold them either per
+  expert (:data:`PER_EXPERT`, published checkpoints and what ``save_pretrained`` writes: Mixtral
+  ``block_sparse_moe.experts.{e}.w1/w3/w2``, Qwen ``mlp.experts.{e}.gate_proj/up_proj/down_proj``) or fused
+  (:data:`FUSED`, transformers 5's in-memory modules: ``mlp.experts.gate_up_proj`` ``[E, 2F, h]`` and
+  ``mlp.experts.down_proj`` ``[E, h, F]``, our layout exactly).
 """
 from __future__ import annotations
 
@@ -21,13 +27,22 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ModelConfig
-from .hf_config import GPT2, LLAMA, ConvertError
+from ..model.moe.layer import is_moe_layer
+from .hf_config import GPT2, LLAMA, MIXTRAL, MOE_ARCHITECTURES, QWEN2_MOE, ConvertError
 
 WORD = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"
 VOCAB_TENSORS = (WORD, OUTPUT)
 # HF tensors that are buffers, not weights (older GPT-2 files store the causal mask): skipped on import.
 IGNORED_HF_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+# How a HF MoE file stores its experts (see the module docstring).
+PER_EXPERT, FUSED = "per_expert", "fused"
+_FUSED_SUFFIX = ".experts.gate_up_proj"
+
+
+def expert_layout(names) -> str:
+    """:data:`FUSED` when HF tensor ``names`` hold transformers 5's fused expert tensors, else :data:`PER_EXPERT`."""
+    return FUSED if any(n.endswith(_FUSED_SUFFIX) for n in names) else PER_EXPERT
 
 
 @dataclass(frozen=True)
@@ -107,13 +122,58 @@ def _gpt2_qkv(ours: str, hf: str, kind: str, heads: int, groups: int, d: int) ->
     return Entry(ours, (hf,), to_ours, to_hf)
 
 
+def _gate_up(ours: str, gate: str, up: str, kind: str = "weight") -> Entry:
+    """SwiGLU ``linear_fc1`` = ``[gate_proj; up_proj]`` along rows."""
+    return Entry(ours, (f"{gate}.{kind}", f"{up}.{kind}"), lambda g, u: torch.cat((g, u), dim=0),
+                 lambda x: tuple(c.contiguous() for c in x.chunk(2, dim=0)))
+
+
+def _stacked_experts(ours: str, names: list[tuple[str, ...]]) -> Entry:
+    """Our ``[E, rows, cols]`` expert tensor from per-expert HF tensors: ``names[e]`` are expert ``e``'s pieces,
+    concatenated along rows (``(gate, up)`` for fc1, ``(down,)`` for fc2)."""
+    per = len(names[0])
+
+    def to_ours(*ts):
+        return torch.stack([torch.cat(ts[e * per:(e + 1) * per], dim=0) for e in range(len(names))])
+
+    def to_hf(x):
+        return tuple(c.contiguous() for expert in x.unbind(0) for c in expert.chunk(per, dim=0))
+
+    return Entry(ours, tuple(n for group in names for n in group), to_ours, to_hf)
+
+
+def _moe_entries(cfg: ModelConfig, arch: str, o: str, h: str, layout: str) -> list[Entry]:
+    """One MoE layer: router, experts (in ``layout``) and, for Qwen2-MoE, the gated shared expert."""
+    mixtral_files = arch == MIXTRAL and layout == PER_EXPERT
+    m = f"{h}block_sparse_moe." if mixtral_files else f"{h}mlp."
+    out = [_same(f"{o}mlp.router.weight", f"{m}gate.weight")]
+    if layout == FUSED:
+        out += [_same(f"{o}mlp.experts.linear_fc1.weight", f"{m}experts.gate_up_proj"),
+                _same(f"{o}mlp.experts.linear_fc2.weight", f"{m}experts.down_proj")]
+    else:
+        gate, up, down = ("w1", "w3", "w2") if arch == MIXTRAL else ("gate_proj", "up_proj", "down_proj")
+        experts = range(cfg.num_experts)
+        out += [_stacked_experts(f"{o}mlp.experts.linear_fc1.weight",
+                                 [(f"{m}experts.{e}.{gate}.weight", f"{m}experts.{e}.{up}.weight") for e in experts]),
+                _stacked_experts(f"{o}mlp.experts.linear_fc2.weight",
+                                 [(f"{m}experts.{e}.{down}.weight",) for e in experts])]
+    if arch == QWEN2_MOE:
+        s = f"{m}shared_expert."
+        out += [_gate_up(f"{o}mlp.shared_experts.linear_fc1.weight", f"{s}gate_proj", f"{s}up_proj"),
+                _same(f"{o}mlp.shared_experts.linear_fc2.weight", f"{s}down_proj.weight"),
+                _same(f"{o}mlp.shared_experts.gate_weight", f"{m}shared_expert_gate.weight")]
+    return out
+
+
 # ---- the map ------------------------------------------------------------------------------------------------
 
-def build_entries(cfg: ModelConfig, arch: str, padded_vocab: int, prefix: str | None = None) -> list[Entry]:
+def build_entries(cfg: ModelConfig, arch: str, padded_vocab: int, prefix: str | None = None,
+                  experts: str = PER_EXPERT) -> list[Entry]:
     """Every tensor of the model in file order (embedding, layers 0.., final norm, output layer).
 
     ``padded_vocab``: rows of our word embedding / output layer. ``prefix``: HF GPT-2 name prefix
-    (``"transformer."``, or ``""`` for old files without it); Llama names are fixed."""
+    (``"transformer."``, or ``""`` for old files without it); Llama-family names are fixed. ``experts``: the HF
+    expert layout of MoE models, :data:`PER_EXPERT` or :data:`FUSED`."""
     V, heads, groups, d = cfg.vocab_size, cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
     out: list[Entry] = []
     if arch == GPT2:
@@ -135,25 +195,29 @@ def build_entries(cfg: ModelConfig, arch: str, padded_vocab: int, prefix: str | 
                     _same(f"{o}mlp.linear_fc2.bias", f"{h}mlp.c_proj.bias")]
         out += [_same("decoder.final_layernorm.weight", f"{p}ln_f.weight"),
                 _same("decoder.final_layernorm.bias", f"{p}ln_f.bias")]
-    elif arch == LLAMA:
-        bias = cfg.add_bias_linear
-        kinds = ("weight", "bias") if bias else ("weight",)
+    elif arch == LLAMA or arch in MOE_ARCHITECTURES:
+        kinds = ("weight", "bias") if cfg.add_bias_linear else ("weight",)
+        qkv_kinds = ("weight", "bias") if cfg.qkv_bias else ("weight",)
         out.append(_vocab_entry(WORD, "model.embed_tokens.weight", V, padded_vocab))
         for i in range(cfg.num_layers):
             o, h = f"decoder.layers.{i}.", f"model.layers.{i}."
             out.append(_same(f"{o}input_layernorm.weight", f"{h}input_layernorm.weight"))
-            for kind in kinds:
+            for kind in qkv_kinds:
                 out.append(Entry(f"{o}self_attention.linear_qkv.{kind}",
                                  tuple(f"{h}self_attn.{x}_proj.{kind}" for x in "qkv"),
                                  lambda q, k, v: qkv_to_ours(q, k, v, groups),
                                  lambda x: qkv_from_ours(x, heads, groups, d)))
+            if cfg.qk_layernorm:  # Qwen3: per-head RMSNorm of queries and keys
+                out += [_same(f"{o}self_attention.{x}_layernorm.weight", f"{h}self_attn.{x}_norm.weight")
+                        for x in "qk"]
             for kind in kinds:
                 out.append(_same(f"{o}self_attention.linear_proj.{kind}", f"{h}self_attn.o_proj.{kind}"))
             out.append(_same(f"{o}pre_mlp_layernorm.weight", f"{h}post_attention_layernorm.weight"))
+            if is_moe_layer(cfg, i):
+                out += _moe_entries(cfg, arch, o, h, experts)
+                continue
             for kind in kinds:
-                out.append(Entry(f"{o}mlp.linear_fc1.{kind}", (f"{h}mlp.gate_proj.{kind}", f"{h}mlp.up_proj.{kind}"),
-                                 lambda g, u: torch.cat((g, u), dim=0),
-                                 lambda x: tuple(c.contiguous() for c in x.chunk(2, dim=0))))
+                out.append(_gate_up(f"{o}mlp.linear_fc1.{kind}", f"{h}mlp.gate_proj", f"{h}mlp.up_proj", kind))
             for kind in kinds:
                 out.append(_same(f"{o}mlp.linear_fc2.{kind}", f"{h}mlp.down_proj.{kind}"))
         out.append(_same("decoder.final_layernorm.weight", "model.norm.weight"))
@@ -184,11 +248,20 @@ def expected_global_shapes(cfg: ModelConfig, tp: int = 1) -> dict[str, tuple[int
         out[f"{o}self_attention.linear_qkv.weight"] = (qkv, h)
         if cfg.qkv_bias:
             out[f"{o}self_attention.linear_qkv.bias"] = (qkv,)
+        if cfg.qk_layernorm:
+            for x in "qk":
+                out[f"{o}self_attention.{x}_layernorm.weight"] = (cfg.kv_channels,)
+                if norm_bias:
+                    out[f"{o}self_attention.{x}_layernorm.bias"] = (cfg.kv_channels,)
         out[f"{o}self_attention.linear_proj.weight"] = (h, proj_in)
+        if cfg.add_bias_linear:
+            out[f"{o}self_attention.linear_proj.bias"] = (h,)
+        if is_moe_layer(cfg, i):
+            out.update(_moe_shapes(cfg, f"{o}mlp."))
+            continue
         out[f"{o}mlp.linear_fc1.weight"] = (fc1, h)
         out[f"{o}mlp.linear_fc2.weight"] = (h, ffn)
         if cfg.add_bias_linear:
-            out[f"{o}self_attention.linear_proj.bias"] = (h,)
             out[f"{o}mlp.linear_fc1.bias"] = (fc1,)
             out[f"{o}mlp.linear_fc2.bias"] = (h,)
     out["decoder.final_layernorm.weight"] = (h,)
@@ -196,6 +269,22 @@ def expected_global_shapes(cfg: ModelConfig, tp: int = 1) -> dict[str, tuple[int
         out["decoder.final_layernorm.bias"] = (h,)
     if cfg.untie_embeddings_and_output_weights:
         out[OUTPUT] = (cfg.padded_vocab_size(tp), h)
+    return out
+
+
+def _moe_shapes(cfg: ModelConfig, m: str) -> dict[str, tuple[int, ...]]:
+    """An MoE layer's parameters (under ``m`` = ``decoder.layers.{i}.mlp.``); expert linears have no biases."""
+    h, E, glu = cfg.hidden_size, cfg.num_experts, 2 if cfg.swiglu else 1
+    out = {f"{m}router.weight": (E, h), f"{m}experts.linear_fc1.weight": (E, glu * cfg.moe_ffn_hidden_size, h),
+           f"{m}experts.linear_fc2.weight": (E, h, cfg.moe_ffn_hidden_size)}
+    if cfg.moe_router_enable_expert_bias:
+        out[f"{m}router.expert_bias"] = (E,)
+    shared = cfg.moe_shared_expert_intermediate_size
+    if shared:
+        out[f"{m}shared_experts.linear_fc1.weight"] = (glu * shared, h)
+        out[f"{m}shared_experts.linear_fc2.weight"] = (h, shared)
+        if cfg.moe_shared_expert_gate:
+            out[f"{m}shared_experts.gate_weight"] = (1, h)
     return out
 
 

@@ -25,7 +25,7 @@ from .hf_config import (
     model_config_from_hf,
 )
 from .hf_io import HFReader, HFWriter, parse_size
-from .name_map import IGNORED_HF_SUFFIXES, VOCAB_TENSORS, build_entries, expected_global_shapes
+from .name_map import IGNORED_HF_SUFFIXES, VOCAB_TENSORS, build_entries, expected_global_shapes, expert_layout
 
 
 @dataclass
@@ -51,7 +51,8 @@ def load_hf(args) -> Source:
     if arch == GPT2 and "transformer.wte.weight" not in names and "wte.weight" in names:
         prefix = ""  # old GPT-2 files without the "transformer." prefix
     padded = cfg.padded_vocab_size(args.target_tensor_parallel_size)
-    entries = build_entries(cfg, arch, padded, prefix)
+    experts = expert_layout(names)  # MoE: per-expert tensors (published files) or transformers 5's fused ones
+    entries = build_entries(cfg, arch, padded, prefix, experts)
     known = {n for e in entries for n in e.hf}
     if not cfg.untie_embeddings_and_output_weights:
         known.add("lm_head.weight")  # a copy of the tied word embedding, when present
@@ -71,7 +72,7 @@ def load_hf(args) -> Source:
 
     def tensors():
         try:
-            yield from hf_to_ours(r.get, cfg, arch, padded, prefix=prefix, where=where)
+            yield from hf_to_ours(r.get, cfg, arch, padded, prefix=prefix, experts=experts, where=where)
         finally:
             r.close()
 

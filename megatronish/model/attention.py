@@ -3,6 +3,12 @@
 Fused QKV layout (Megatron's): the output dim is ``num_query_groups`` blocks, each holding that group's
 ``heads/groups`` query heads, then its key head, then its value head, ``kv_channels`` rows each. A
 contiguous TP split along that dim gives every rank whole groups.
+
+``--qk-layernorm`` (Megatron's): the model's norm (``--normalization``) over each query and key head
+(``kv_channels`` wide) after the QKV projection and before RoPE; weights ``q_layernorm.weight`` /
+``k_layernorm.weight`` ``[kv_channels]``, replicated over TP. Each TP rank normalizes only its own heads, so
+their gradients are partial sums over TP, summed after backward like the sequence-parallel norm weights (as
+Megatron's ``finalize_model_grads`` does for them).
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ from ..parallel.context import ParallelContext
 from ..parallel.context_parallel import context_parallel_attention
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..parallel.random import checkpoint, get_rng_tracker
+from .norms import build_norm
 from .rope import apply_rotary
 
 
@@ -45,6 +52,10 @@ class SelfAttention(nn.Module):
                                              bias=c.add_bias_linear, input_is_parallel=True, skip_bias_add=True,
                                              sequence_parallel=sequence_parallel, init_std=output_init_std,
                                              params_dtype=params_dtype, device=device, tp_group=tp_group)
+        self.q_layernorm = self.k_layernorm = None
+        if c.qk_layernorm:  # grads marked for the TP all-reduce (each rank sees its own heads): see above
+            self.q_layernorm = build_norm(c.normalization, c.kv_channels, c.norm_epsilon, True, params_dtype, device)
+            self.k_layernorm = build_norm(c.normalization, c.kv_channels, c.norm_epsilon, True, params_dtype, device)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
                 document_ids: torch.Tensor | None = None, kv_cache=None):
@@ -57,6 +68,8 @@ class SelfAttention(nn.Module):
         q = qkv[:, :, :, : self.heads_per_group].reshape(s, b, -1, self.kv_channels)  # [s, b, heads/t, d]
         k = qkv[:, :, :, self.heads_per_group]  # [s, b, groups/t, d]
         v = qkv[:, :, :, self.heads_per_group + 1]  # [s, b, groups/t, d]
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]

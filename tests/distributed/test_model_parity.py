@@ -21,6 +21,9 @@ FLAVORS = {
     "llama": lambda: llama(num_layers=4, hidden_size=64, num_attention_heads=8, num_query_groups=4,
                            ffn_hidden_size=96, vocab_size=V, seq_length=S, attention_dropout=0.0,
                            hidden_dropout=0.0),
+    "qk_layernorm": lambda: llama(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4,
+                                  kv_channels=16, ffn_hidden_size=96, vocab_size=V, seq_length=S,
+                                  attention_dropout=0.0, hidden_dropout=0.0, qk_layernorm=True),
 }
 
 
