@@ -5,7 +5,9 @@ Streams (Megatron's seeds, so runs compare with Megatron's):
   outside tensor-parallel regions;
 - ``model-parallel-rng``: ``seed + 2718 + tp_rank`` — different per TP rank, used for dropout inside
   tensor-parallel regions (attention probabilities of the local heads) and under sequence parallelism;
-- ``data-parallel-rng``: ``seed``.
+- ``data-parallel-rng``: ``seed``;
+- ``expert-parallel-rng``: ``seed + 1024 + 100 * ep_rank + etp_rank`` — different per expert-parallel and
+  expert-TP rank, for randomness inside the experts.
 
 The tracker keeps each named stream's generator state and :meth:`RNGStatesTracker.fork` swaps it in for the
 current device's default generator (CPU or CUDA, whichever the model runs on).
@@ -78,17 +80,18 @@ def get_rng_tracker() -> RNGStatesTracker:
     return _TRACKER
 
 
-def model_parallel_manual_seed(seed: int, tp_rank: int = 0, ep_rank: int = 0) -> None:
-    """Seed the device's default stream with ``seed`` and add the named streams (Megatron's offsets)."""
+def model_parallel_manual_seed(seed: int, tp_rank: int = 0, ep_rank: int = 0, etp_rank: int | None = None) -> None:
+    """Seed the device's default stream with ``seed`` and add the named streams (Megatron's offsets; the expert
+    stream uses the expert-TP rank, which is the TP rank unless ``--expert-tensor-parallel-size`` differs)."""
     device.manual_seed(seed)
     _TRACKER.reset()
     _TRACKER.add(DATA_PARALLEL_RNG, seed)
     _TRACKER.add(MODEL_PARALLEL_RNG, seed + 2718 + tp_rank)
-    _TRACKER.add(EXPERT_PARALLEL_RNG, seed + 1024 + 100 * ep_rank + tp_rank)
+    _TRACKER.add(EXPERT_PARALLEL_RNG, seed + 1024 + 100 * ep_rank + (tp_rank if etp_rank is None else etp_rank))
 
 
 def set_random_seed(seed: int, pp_rank: int = 0, tp_rank: int = 0, ep_rank: int = 0,
-                    dp_rank: int = 0, data_parallel_random_init: bool = False) -> int:
+                    dp_rank: int = 0, data_parallel_random_init: bool = False, etp_rank: int | None = None) -> int:
     """Megatron's ``_set_random_seed``: ``seed + 100*pp_rank`` (``+ 10*dp_rank`` with
     ``--data-parallel-random-init``) seeds python, numpy, torch and the tracker. Returns the seed used."""
     s = seed + 100 * pp_rank
@@ -97,7 +100,7 @@ def set_random_seed(seed: int, pp_rank: int = 0, tp_rank: int = 0, ep_rank: int 
     random.seed(s)
     np.random.seed(s % 2**32)
     torch.manual_seed(s)
-    model_parallel_manual_seed(s, tp_rank=tp_rank, ep_rank=ep_rank)
+    model_parallel_manual_seed(s, tp_rank=tp_rank, ep_rank=ep_rank, etp_rank=etp_rank)
     return s
 
 

@@ -230,7 +230,8 @@ def setup(cfg) -> tuple[TrainContext, TrainState]:
     parallel = groups.initialize_model_parallel(cfg.parallel, timeout_minutes=t.distributed_timeout_minutes,
                                                 hierarchical_cp_inner=hcp[0] if hcp else None)
     dev = device.current_device()
-    set_random_seed(t.seed, pp_rank=parallel.pp_rank, tp_rank=parallel.tp_rank)
+    set_random_seed(t.seed, pp_rank=parallel.pp_rank, tp_rank=parallel.tp_rank, ep_rank=parallel.ep_rank,
+                    etp_rank=parallel.etp_rank)
 
     models = build_model_chunks(cfg.model, parallel, sequence_parallel=cfg.sequence_parallel, device=dev,
                                 params_dtype=o.params_dtype)
