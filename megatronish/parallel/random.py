@@ -5,7 +5,9 @@ Streams (Megatron's seeds, so runs compare with Megatron's):
   outside tensor-parallel regions;
 - ``model-parallel-rng``: ``seed + 2718 + tp_rank`` — different per TP rank, used for dropout inside
   tensor-parallel regions (attention probabilities of the local heads) and under sequence parallelism;
-- ``data-parallel-rng``: ``seed``.
+- ``data-parallel-rng``: ``seed``;
+- ``expert-parallel-rng``: ``seed + 1024 + 100 * ep_rank + etp_rank`` — different per expert-parallel and
+  expert-TP rank, for randomness inside the experts.
 
 The tracker keeps each named stream's generator state and :meth:`RNGStatesTracker.fork` swaps it in for the
 current device's default generator (CPU or CUDA, whichever the model runs on).
