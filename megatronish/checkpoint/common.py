@@ -39,6 +39,7 @@ SHAPE_FIELDS = {
     "position_embedding_type": "--position-embedding-type", "normalization": "--normalization",
     "swiglu": "--swiglu", "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
     "add_bias_linear": "--disable-bias-linear", "add_qkv_bias": "--add-qkv-bias",
+    "apply_layernorm_1p": "--apply-layernorm-1p",
 }
 
 
