@@ -3,7 +3,6 @@
 batch sizes and consumed samples of every iteration (the checkpoint restores the consumed samples, which set the
 batch size, the data position and the LR schedule)."""
 import json
-import os
 
 from megatronish.arguments import configs_from_args, parse_args
 from megatronish.config import rampup_global_batch_size

@@ -101,7 +101,8 @@ def test_interleaving_checks_every_ramp_size():
     argv = BASE + ["--num-layers", "4", "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "5",
                    "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
     validate_args(parse_args(argv + ["--rampup-batch-size", "2", "2", "18"]), 2)
-    with pytest.raises(ConfigError, match=r"multiple of --pipeline-model-parallel-size 2, but it is 1 \(--global-batch-size 1 "):
+    with pytest.raises(ConfigError,
+                       match=r"multiple of --pipeline-model-parallel-size 2, but it is 1 \(--global-batch-size 1 "):
         validate_args(parse_args(argv + ["--rampup-batch-size", "1", "1", "18"]), 2)
 
 
