@@ -80,6 +80,9 @@ NOT_YET_SUPPORTED: dict[str, NotYet] = {
         (None, NotYet("--tp-comm-overlap", (False,), "tensor-parallel communication overlap", _DROP)),
         (None, NotYet("--use-torch-fsdp2", (False,), "FSDP2", _DROP)),
         (None, NotYet("--use-megatron-fsdp", (False,), "Megatron FSDP", _DROP)),
+        # batch
+        (None, NotYet("--step-batch-size-schedule", (None,), "the step batch-size schedule (Megatron-LM after "
+                      "core 0.17)", "use --rampup-batch-size START INCREMENT SAMPLES")),
         # precision
         (None, NotYet("--fp8-recipe", ("delayed", "tensorwise"), "this FP8 recipe",
                       "use --fp8-recipe delayed or tensorwise")),
@@ -315,6 +318,7 @@ def _add_compat_flags(p: argparse.ArgumentParser) -> None:
                    help="normalize loss and gradients by the loss tokens of the whole global batch")
     g.add_argument("--rampup-batch-size", nargs=3, type=int, default=None, metavar=("START", "INCREMENT", "SAMPLES"),
                    help="ramp the global batch size from START by INCREMENT over SAMPLES samples")
+    g.add_argument("--step-batch-size-schedule", default=None, help="not available yet (see docs/flags.md)")
     g.add_argument("--decoupled-lr", type=float, default=None,
                    help="own peak LR for the word embedding and the output layer")
     g.add_argument("--decoupled-min-lr", type=float, default=None,
@@ -393,6 +397,12 @@ def _notes(args) -> list[str]:
     if args.vocab_size is not None and args.tokenizer_type not in (None, "NullTokenizer", "TikTokenizer"):
         notes.append(f"--vocab-size {args.vocab_size}: not used by --tokenizer-type {args.tokenizer_type} (the "
                      "vocabulary is the tokenizer's, as in Megatron-LM)")
+    if args.tiktoken_pattern is not None and args.tokenizer_type != "TikTokenizer":
+        notes.append(f"--tiktoken-pattern {args.tiktoken_pattern}: used by TikTokenizer only (this run's tokenizer "
+                     f"is {args.tokenizer_type or 'the default'}), as in Megatron-LM")
+    if args.mock_data and args.split is not None:
+        notes.append(f"--split {args.split}: --mock-data draws its own synthetic samples for training and "
+                     "validation; there is no corpus to split")
     return notes
 
 

@@ -274,6 +274,7 @@ def test_run_config_fields():
 # ------------------------------------------------------------------ not-yet-supported flags
 NOT_YET = [
     (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2"),
+    (["--step-batch-size-schedule", "0:16 1B:32"], "--step-batch-size-schedule 0:16 1B:32"),
     (["--fp8-recipe", "mxfp8"], "--fp8-recipe mxfp8"),
     (["--fp8-interval", "2"], "--fp8-interval 2"),
     (["--ckpt-format", "torch"], "--ckpt-format torch"),

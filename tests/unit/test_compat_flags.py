@@ -181,7 +181,8 @@ def test_accepted_with_a_note():
     cfg = configs_from_args(parse_args(argv + ["--fp8-param-gather", "--use-mcore-models",
                                                "--no-create-attention-mask-in-dataloader", "--tiktoken-pattern",
                                                "v2"]), 1)
-    assert [n.split(":")[0] for n in cfg.train.notes] == ["--fp8-param-gather", "--use-mcore-models"]
+    assert [n.split(":")[0] for n in cfg.train.notes] == ["--fp8-param-gather", "--use-mcore-models",
+                                                          "--tiktoken-pattern v2"]
     assert cfg.data.tiktoken_pattern == "v2" and cfg.data.mmap_bin_files
     assert not configs_from_args(parse_args(argv + ["--no-mmap-bin-files"]), 1).data.mmap_bin_files
     with pytest.raises(ConfigError, match="--profile --use-pytorch-profiler writes its trace to --tensorboard-dir"):
