@@ -16,7 +16,8 @@ _FORCED = {"position_embedding_type": "position_embedding_type", "rotary_percent
            "swiglu": "swiglu", "openai_gelu": "openai_gelu",
            "untie_embeddings_and_output_weights": "untie_embeddings_and_output_weights",
            "add_bias_linear": "add_bias_linear", "add_qkv_bias": "add_qkv_bias",
-           "make_vocab_size_divisible_by": "make_vocab_size_divisible_by"}
+           "make_vocab_size_divisible_by": "make_vocab_size_divisible_by",
+           "apply_layernorm_1p": "apply_layernorm_1p"}
 
 
 def apply_checkpoint_args(args) -> None:
