@@ -166,3 +166,27 @@ def test_llama3_8b_fp8_script_trains_shrunk(tmp_path):
                  "--profile without --use-pytorch-profiler"):
         assert f"note: {note}" in out, out[:3000]
     assert os.path.isdir(tmp_path / "ckpt" / "iter_0000008")
+
+
+def test_main_branch_versions_of_the_scripts(tmp_path):
+    """Megatron-LM's main branch changed the two scripts after core 0.16.1: the Llama script adds
+    ``--normalization RMSNorm`` (with ``--apply-layernorm-1p``: zero-centered RMSNorm), which validates; the GPT-3
+    script replaces the ramp by ``--step-batch-size-schedule``, which is one line naming the flag and the fix."""
+    from megatronish.arguments import configs_from_args, parse_args, validate_args
+    from megatronish.errors import ConfigError
+
+    paths = {"$CHECKPOINT_PATH": str(tmp_path / "ckpt"), "$TENSORBOARD_LOGS_PATH": str(tmp_path / "tb"),
+             "$DATA_CACHE_PATH": str(tmp_path / "cache")}
+    at = LLAMA.index("--swiglu") + 1
+    llama_main = shrink(LLAMA[:at] + ["--normalization", "RMSNorm"] + LLAMA[at:], LLAMA_SIZES, paths)
+    cfg = configs_from_args(parse_args(llama_main), 8)
+    assert cfg.model.normalization == "RMSNorm" and cfg.model.apply_layernorm_1p
+    at = GPT3.index("--rampup-batch-size")
+    gpt3_main = GPT3[:at] + ["--step-batch-size-schedule", "0:16 2.4B:320 4.8B:624 7.2B:928 9.6B:1232 12B:1536"] + \
+        GPT3[at + 4:]
+    paths = {"$DATA_PATH": str(tmp_path / "data"), "$VOCAB_FILE": "v.json", "$MERGE_FILE": "m.txt",
+             "$CHECKPOINT_PATH": str(tmp_path / "ckpt"), "$TENSORBOARD_LOGS_PATH": str(tmp_path / "tb")}
+    with pytest.raises(ConfigError) as e:
+        validate_args(parse_args([paths.get(a, a) for a in gpt3_main]), 128)
+    lines = [line for line in str(e.value).splitlines() if "--step-batch-size-schedule" in line]
+    assert len(lines) == 1 and lines[0].endswith("use --rampup-batch-size START INCREMENT SAMPLES"), str(e.value)
