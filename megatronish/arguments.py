@@ -19,7 +19,18 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
-from .config import CheckpointConfig, DataConfig, LoggingConfig, ModelConfig, OptimizerConfig, RunConfig, TrainingConfig
+from .config import (
+    ATTENTION_BACKENDS,
+    CheckpointConfig,
+    DataConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimizerConfig,
+    RunConfig,
+    TrainingConfig,
+    rampup_problems,
+    rampup_steps,
+)
 from .errors import ConfigError, UserError
 from .parallel.dims import ParallelDims, virtual_stages_from_layers
 from .parallel.pipeline.schedules import check_interleaving
@@ -92,13 +103,12 @@ NOT_YET_SUPPORTED: dict[str, NotYet] = {
                       "use --expert-tensor-parallel-size")),
         (None, NotYet("--multi-latent-attention", (False,), "multi-latent attention (MLA)", _DROP)),
         # batch
-        (None, NotYet("--rampup-batch-size", (None,), "batch-size ramp-up", "drop the flag (constant "
-                      "--global-batch-size)")),
+        (None, NotYet("--step-batch-size-schedule", (None,), "the step batch-size schedule (Megatron-LM after "
+                      "core 0.17)", "use --rampup-batch-size START INCREMENT SAMPLES")),
         # precision
         (None, NotYet("--fp8-recipe", ("delayed", "tensorwise"), "this FP8 recipe",
                       "use --fp8-recipe delayed or tensorwise")),
         (None, NotYet("--fp8-interval", (1,), "an FP8 amax update interval other than every step", _DROP)),
-        (None, NotYet("--fp8-param-gather", (False,), "FP8 parameter all-gather", _DROP)),
         # checkpoints
         (None, NotYet("--ckpt-format", ("torch_dist",), "this checkpoint format",
                       "use --ckpt-format torch_dist (the default: torch.distributed.checkpoint, loads into any "
@@ -107,9 +117,7 @@ NOT_YET_SUPPORTED: dict[str, NotYet] = {
         (None, NotYet("--position-embedding-type", ("learned_absolute", "rope", "none"),
                       "this position embedding type", "use learned_absolute, rope or none")),
         (None, NotYet("--squared-relu", (False,), "squared ReLU", _DROP)),
-        (None, NotYet("--apply-layernorm-1p", (False,), "zero-centered (1p) layer norm", _DROP)),
         (None, NotYet("--use-flash-attn", (False,), "flash attention", _DROP)),
-        (None, NotYet("--decoupled-lr", (None,), "a decoupled LR for the embedding and output layers", _DROP)),
         # data
         (None, NotYet("--tokenizer-type", (None,) + SUPPORTED_TOKENIZER_TYPES, "this tokenizer",
                       "choose one of " + ", ".join(SUPPORTED_TOKENIZER_TYPES))),
@@ -156,7 +164,6 @@ def build_parser(prog: str = "pretrain_gpt.py", description: str = "Pretrain a G
     flag(g, "--swiglu", **on, help="gated SiLU MLP")
     flag(g, "--openai-gelu", **on, help="tanh-approximated GELU")
     flag(g, "--squared-relu", **on)
-    flag(g, "--apply-layernorm-1p", **on)
     flag(g, "--qk-layernorm", **on, help="norm (--normalization) of each query and key head before RoPE")
     flag(g, "--untie-embeddings-and-output-weights", **on)
     flag(g, "--disable-bias-linear", action="store_false", dest="add_bias_linear", help="no biases in linears")
@@ -172,9 +179,7 @@ def build_parser(prog: str = "pretrain_gpt.py", description: str = "Pretrain a G
     flag(g, "--use-triton-kernels", **on,
          help="fused Triton RMSNorm/LayerNorm, RoPE and SwiGLU (CUDA, or TRITON_INTERPRET=1 on CPU)")
     flag(g, "--cross-entropy-loss-fusion", **on,
-         help="fused vocab-parallel cross entropy (a Triton kernel: CUDA, or TRITON_INTERPRET=1 on CPU)")
-    flag(g, "--cross-entropy-fusion-impl", default="native", choices=["native", "te"],
-         help="native: this package's Triton kernel")
+         help="fused vocab-parallel cross entropy (--cross-entropy-fusion-impl picks which)")
     flag(g, "--recompute-granularity", default=None, choices=["full", "selective"])
     flag(g, "--recompute-method", default=None, choices=["uniform", "block"])
     flag(g, "--recompute-num-layers", type=int, default=None)
@@ -255,7 +260,6 @@ def build_parser(prog: str = "pretrain_gpt.py", description: str = "Pretrain a G
     g = p.add_argument_group("batch and iterations")
     flag(g, "--micro-batch-size", type=int, default=None, help="samples per microbatch per rank (required)")
     flag(g, "--global-batch-size", type=int, default=None, help="samples per iteration (default micro x DP)")
-    flag(g, "--rampup-batch-size", nargs="*", default=None)
     flag(g, "--train-iters", type=int, default=None)
     flag(g, "--train-samples", type=int, default=None)
     flag(g, "--eval-iters", type=int, default=100)
@@ -267,7 +271,6 @@ def build_parser(prog: str = "pretrain_gpt.py", description: str = "Pretrain a G
     flag(g, "--optimizer", default="adam", choices=["adam", "sgd"])
     flag(g, "--lr", type=float, default=None, help="peak learning rate (required)")
     flag(g, "--min-lr", type=float, default=0.0)
-    flag(g, "--decoupled-lr", type=float, default=None)
     flag(g, "--lr-decay-style", default="linear", choices=["constant", "linear", "cosine", "inverse-square-root",
                                                              "WSD"])
     flag(g, "--lr-decay-iters", type=int, default=None)
@@ -309,7 +312,6 @@ def build_parser(prog: str = "pretrain_gpt.py", description: str = "Pretrain a G
     flag(g, "--fp8-interval", type=int, default=1)
     flag(g, "--fp8-amax-history-len", type=int, default=1)
     flag(g, "--fp8-amax-compute-algo", default="most_recent", choices=["most_recent", "max"])
-    flag(g, "--fp8-param-gather", **on)
 
     g = p.add_argument_group("checkpointing and exit")
     flag(g, "--save", default=None, help="directory to save checkpoints to")
@@ -364,7 +366,57 @@ def build_parser(prog: str = "pretrain_gpt.py", description: str = "Pretrain a G
     flag(g, "--metrics-file", default=None, help="JSON lines: one object per logged iteration and per evaluation")
     flag(g, "--pipeline-timeline", default=None,
          help="write a Chrome trace (Perfetto) of the last training iteration's pipeline events to this path")
+    _add_compat_flags(p)
     return p
+
+
+def _add_compat_flags(p: argparse.ArgumentParser) -> None:
+    """Flags of Megatron-LM's example scripts (attention backend, loss normalization, batch ramp-up, decoupled LR,
+    memory and profiling controls), with Megatron's names and defaults (docs/flags.md)."""
+    on = dict(action="store_true")
+    g = p.add_argument_group("megatron-lm run-time options")
+    g.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
+                   help="core attention: auto (PyTorch picks), flash, fused (CUDA kernels of SDPA; on CPU as auto), "
+                        "unfused (SDPA's math path), local (explicit softmax(QK^T)V)")
+    g.add_argument("--cross-entropy-fusion-impl", default="native", choices=["native", "te"],
+                   help="with --cross-entropy-loss-fusion: native = fused PyTorch loss (any device); te = the Triton "
+                        "kernel (CUDA, or TRITON_INTERPRET=1)")
+    g.add_argument("--apply-layernorm-1p", **on, help="zero-centered norm weights: the norm scales by (1 + weight)")
+    g.add_argument("--calculate-per-token-loss", **on,
+                   help="normalize loss and gradients by the loss tokens of the whole global batch")
+    g.add_argument("--rampup-batch-size", nargs=3, type=int, default=None, metavar=("START", "INCREMENT", "SAMPLES"),
+                   help="ramp the global batch size from START by INCREMENT over SAMPLES samples")
+    g.add_argument("--step-batch-size-schedule", default=None, help="not available yet (see docs/flags.md)")
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="own peak LR for the word embedding and the output layer")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="own final LR for the word embedding and the output layer (default --min-lr)")
+    g.add_argument("--manual-gc", **on, help="disable Python's automatic garbage collection; collect at fixed points")
+    g.add_argument("--manual-gc-interval", type=int, default=0,
+                   help="with --manual-gc: collect every N training iterations (0: never during training)")
+    g.add_argument("--manual-gc-eval", dest="manual_gc_eval", action="store_true", default=True,
+                   help="with --manual-gc: collect before and after each evaluation (the default)")
+    g.add_argument("--no-manual-gc-eval", "--disable-manual-gc-eval", dest="manual_gc_eval", action="store_false")
+    g.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2],
+                   help="free the allocator's cached blocks: 1 after backward (and each evaluation step), "
+                        "2 also after the optimizer step")
+    g.add_argument("--fp8-param-gather", **on,
+                   help="accepted; parameters are all-gathered in their own dtype (noted in the log)")
+    g.add_argument("--profile", **on, help="profile iterations [--profile-step-start, --profile-step-end)")
+    g.add_argument("--use-pytorch-profiler", **on,
+                   help="with --profile: torch.profiler, trace written to --tensorboard-dir (else the CUDA "
+                        "profiler for nsys)")
+    g.add_argument("--profile-step-start", type=int, default=10)
+    g.add_argument("--profile-step-end", type=int, default=12)
+    g.add_argument("--profile-ranks", nargs="+", type=int, default=[0])
+    g.add_argument("--use-mcore-models", **on, help="accepted (deprecated in Megatron-LM; the only model here)")
+    g.add_argument("--no-create-attention-mask-in-dataloader", dest="create_attention_mask_in_dataloader",
+                   action="store_false",
+                   help="accepted: the data pipeline never builds attention masks (the model makes them)")
+    g.add_argument("--no-mmap-bin-files", dest="mmap_bin_files", action="store_false",
+                   help="read .bin files with plain file reads instead of a memory map")
+    g.add_argument("--tiktoken-pattern", default=None, choices=["v1", "v2"],
+                   help="TikTokenizer's split pattern (default v2)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -435,10 +487,32 @@ def _rules(args) -> dict[type, dict]:
             accumulate_allreduce_grads_in_fp32=(not args.grad_reduce_in_bf16) if args.bf16
             else args.accumulate_allreduce_grads_in_fp32,
         ),
+        TrainingConfig: dict(notes=_notes(args)),
         DataConfig: dict(data_path=list(args.data_path or []),
                          split=args.split if args.split is not None else DataConfig.split,
                          vocab_size_flag=args.vocab_size),
     }
+
+
+def _notes(args) -> list[str]:
+    """One log line per flag that is accepted but does something different here (printed once at set-up)."""
+    notes = []
+    if args.fp8_param_gather:
+        notes.append("--fp8-param-gather: parameters are kept and all-gathered in their own dtype; the FP8 linears "
+                     "cast them on use (same training, twice the all-gather bytes of FP8 parameters)")
+    if args.use_mcore_models:
+        notes.append("--use-mcore-models: accepted; it is the only model here (the flag is deprecated in "
+                     "Megatron-LM)")
+    if args.vocab_size is not None and args.tokenizer_type not in (None, "NullTokenizer", "TikTokenizer"):
+        notes.append(f"--vocab-size {args.vocab_size}: not used by --tokenizer-type {args.tokenizer_type} (the "
+                     "vocabulary is the tokenizer's, as in Megatron-LM)")
+    if args.tiktoken_pattern is not None and args.tokenizer_type != "TikTokenizer":
+        notes.append(f"--tiktoken-pattern {args.tiktoken_pattern}: used by TikTokenizer only (this run's tokenizer "
+                     f"is {args.tokenizer_type or 'the default'}), as in Megatron-LM")
+    if args.mock_data and args.split is not None:
+        notes.append(f"--split {args.split}: --mock-data draws its own synthetic samples for training and "
+                     "validation; there is no corpus to split")
+    return notes
 
 
 def _from_flags(cls, args, rules: dict, **init_only):
@@ -517,7 +591,7 @@ def _draft(args, world_size: int, errors: list[str]) -> _Draft:
     model = None
     if not _missing_required(args):
         model = _from_flags(ModelConfig, args, {**rules[ModelConfig], "vocab_size": 1}, check=False)
-    return _Draft(model=model, parallel=parallel, train=_from_flags(TrainingConfig, args, {}),
+    return _Draft(model=model, parallel=parallel, train=_from_flags(TrainingConfig, args, rules[TrainingConfig]),
                   optim=_from_flags(OptimizerConfig, args, rules[OptimizerConfig]),
                   logging=_from_flags(LoggingConfig, args, {}), data=_from_flags(DataConfig, args, rules[DataConfig]),
                   checkpoint=_from_flags(CheckpointConfig, args, {}), sequence_parallel_flag=args.sequence_parallel)
@@ -567,12 +641,27 @@ def _flag_problems(args, for_training: bool = True) -> list[str]:
                       "--start-weight-decay and --end-weight-decay")
     if not args.loss_scale_window >= 1 or not float(args.loss_scale_window).is_integer():
         errors.append(f"--loss-scale-window must be a whole number >= 1, got {args.loss_scale_window}")
-    if args.cross_entropy_loss_fusion and args.cross_entropy_fusion_impl != "native":
-        errors.append(f"--cross-entropy-fusion-impl {args.cross_entropy_fusion_impl}: Transformer Engine's fused "
-                      "cross entropy is not available in this version; use --cross-entropy-fusion-impl native "
-                      "(the Triton kernel)")
+    _check_compat_flags(args, errors)
     _check_tokenizer_flags(args, errors)
     return errors
+
+
+def _check_compat_flags(args, errors: list[str]) -> None:
+    """Flag-level rules of the Megatron-LM compatibility flags."""
+    if args.manual_gc_interval < 0:
+        errors.append(f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
+    if args.profile and not 0 <= args.profile_step_start < args.profile_step_end:
+        errors.append(f"--profile-step-start {args.profile_step_start} must be >= 0 and below --profile-step-end "
+                      f"{args.profile_step_end}")
+    if args.profile and args.use_pytorch_profiler and not args.tensorboard_dir:
+        errors.append("--profile --use-pytorch-profiler writes its trace to --tensorboard-dir; pass it")
+    if args.decoupled_min_lr is not None and args.decoupled_lr is None:
+        errors.append("--decoupled-min-lr needs --decoupled-lr (the peak LR of the embedding and output layer)")
+    elif args.decoupled_lr is not None:
+        floor = args.min_lr if args.decoupled_min_lr is None else args.decoupled_min_lr
+        if not 0 <= floor <= args.decoupled_lr or args.lr_warmup_init > args.decoupled_lr:
+            errors.append(f"--decoupled-lr {args.decoupled_lr} must be >= --decoupled-min-lr (default --min-lr) "
+                          f"{floor} >= 0 and >= --lr-warmup-init {args.lr_warmup_init}")
 
 
 def _check_tokenizer_flags(args, errors: list[str]) -> None:
@@ -643,6 +732,15 @@ def _check_batch(t: TrainingConfig, run: RunConfig | None, errors: list[str]) ->
     elif dims.vp > 1:
         _collect(errors, lambda: check_interleaving(dims.pp, dims.vp, run.num_microbatches, micro_batch_size=mbs,
                                                     global_batch_size=gbs, data_parallel_size=dims.dp))
+    if t.rampup_batch_size is not None and not gbs % per_step:
+        problems = rampup_problems(t.rampup_batch_size, gbs, per_step)
+        errors += problems
+        if not problems and dims.vp > 1:  # every ramp size must suit the interleaved schedule too
+            for b in sorted({b for _, b in rampup_steps(t.rampup_batch_size, gbs)}):
+                if not _collect(errors, lambda b=b: check_interleaving(
+                        dims.pp, dims.vp, b // per_step, micro_batch_size=mbs, global_batch_size=b,
+                        data_parallel_size=dims.dp)):
+                    break
 
 
 def _check_schedule(o: OptimizerConfig, errors: list[str]) -> None:
@@ -750,7 +848,8 @@ def _check_model(m: ModelConfig | None, errors: list[str]) -> None:
         errors.append("--swiglu and --openai-gelu are mutually exclusive; pass one")
     # The fused Triton kernels need triton and CUDA, or TRITON_INTERPRET=1 (kernels on CPU).
     asked = [f for f, on in (("--use-triton-kernels", m.use_triton_kernels),
-                             ("--cross-entropy-loss-fusion", m.cross_entropy_loss_fusion)) if on]
+                             ("--cross-entropy-loss-fusion --cross-entropy-fusion-impl te",
+                              m.cross_entropy_loss_fusion and m.cross_entropy_fusion_impl == "te")) if on]
     if asked:
         from .kernels import check_kernels_available  # only when asked for
 

@@ -8,6 +8,9 @@ from dataclasses import InitVar, dataclass, field
 from .errors import ConfigError
 from .parallel.dims import ParallelDims, effective_sequence_parallel
 
+# --attention-backend choices (Megatron's AttnBackend)
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+
 
 def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128, tp: int = 1) -> int:
     """Megatron's padding: round up to a multiple of ``make_vocab_size_divisible_by * TP``."""
@@ -87,6 +90,10 @@ class ModelConfig:
     moe_grouped_gemm: bool = False
     moe_shared_expert_intermediate_size: int | None = None
     moe_shared_expert_gate: bool = False
+    # Megatron-LM compatibility flags (docs/flags.md)
+    attention_backend: str = "auto"  # --attention-backend: auto | flash | fused | unfused | local
+    cross_entropy_fusion_impl: str = "native"  # with --cross-entropy-loss-fusion: native (PyTorch) | te (Triton)
+    apply_layernorm_1p: bool = False  # zero-centered norm weights: the norm multiplies by (1 + weight)
 
     # False: fill the defaults only, and leave every problem to problems() (argument validation lists them all)
     check: InitVar[bool] = True
@@ -128,6 +135,10 @@ class ModelConfig:
         if self.recompute_granularity == "selective" and self.recompute_method is not None:
             out.append("--recompute-method is not supported with --recompute-granularity selective "
                        "(it recomputes core attention in every layer); drop --recompute-method")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            out.append(f"--attention-backend {self.attention_backend!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
+        if self.cross_entropy_fusion_impl not in ("native", "te"):
+            out.append(f"--cross-entropy-fusion-impl {self.cross_entropy_fusion_impl!r}: choose native or te")
         if self.recompute_granularity == "full":
             if self.recompute_method not in ("uniform", "block"):
                 out.append("--recompute-granularity full needs --recompute-method uniform or block")
@@ -234,6 +245,65 @@ def llama(**kw) -> ModelConfig:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# --rampup-batch-size: Megatron's RampupBatchsizeNumMicroBatchesCalculator, as pure functions of consumed samples
+# ---------------------------------------------------------------------------------------------------------------
+def rampup_global_batch_size(consumed_samples: int, start: int, increment: int, rampup_samples: int,
+                             global_batch_size: int) -> int:
+    """The global batch size after ``consumed_samples`` under ``--rampup-batch-size start increment samples``:
+    ``global_batch_size`` past ``rampup_samples``, else ``start + increment * int(consumed / per_increment)`` with
+    ``per_increment = rampup_samples / ((global_batch_size - start) / increment)`` (a float, as Megatron's)."""
+    if consumed_samples > rampup_samples:
+        return global_batch_size
+    per_increment = rampup_samples / ((global_batch_size - start) // increment)
+    return start + int(consumed_samples / per_increment) * increment
+
+
+def rampup_problems(rampup, global_batch_size: int, per_step: int, flag: str = "--rampup-batch-size") -> list[str]:
+    """What is wrong with ``--rampup-batch-size`` for this ``--global-batch-size`` and micro batch x DP
+    (``per_step``); every batch size the ramp reaches must divide by ``per_step`` (Megatron asserts it when the
+    ramp gets there; this checks it up front)."""
+    if len(rampup) != 3:
+        return [f"{flag} takes three numbers: <start batch size> <batch size increment> <ramp-up samples>, got "
+                f"{len(rampup)}"]
+    start, inc, samples = rampup
+    shown = f"{flag} {start} {inc} {samples}"
+    if start < 1 or inc < 1 or samples < 1:
+        return [f"{shown}: the start batch size, the increment and the ramp-up samples must be >= 1"]
+    if start >= global_batch_size or (global_batch_size - start) % inc:
+        return [f"{shown}: --global-batch-size {global_batch_size} minus the start batch size must be a positive "
+                f"multiple of the increment {inc}"]
+    bad = sorted({b for _, b in rampup_steps(rampup, global_batch_size) if b % per_step})
+    if bad:
+        return [f"{shown}: the ramp reaches global batch size(s) {', '.join(map(str, bad[:5]))} not divisible by "
+                f"--micro-batch-size x data-parallel size = {per_step}; pick a start and increment that are "
+                f"multiples of {per_step}"]
+    return []
+
+
+def rampup_steps(rampup, global_batch_size: int, until_samples: int | None = None) -> list[tuple[int, int]]:
+    """``(consumed samples, global batch size)`` of every iteration of the ramp, in order: the iterations that
+    start at or before the ramp-up samples (and, if given, at or before ``until_samples``)."""
+    start, inc, samples = (int(v) for v in rampup)
+    out, consumed = [], 0
+    while consumed <= samples and (until_samples is None or consumed <= until_samples):
+        b = rampup_global_batch_size(consumed, start, inc, samples, global_batch_size)
+        out.append((consumed, b))
+        consumed += b
+    return out
+
+
+def rampup_train_iters(train_samples: int, rampup, global_batch_size: int) -> int:
+    """Megatron's ``update_train_iters`` with a ramp: the ramp's iterations, then whole global batches of the
+    remaining samples (a partial last batch is dropped)."""
+    steps = rampup_steps(rampup, global_batch_size, until_samples=train_samples)
+    consumed = sum(b for _, b in steps)
+    iters = len(steps)
+    if train_samples > consumed:
+        iters += (train_samples - consumed) // global_batch_size
+    return iters
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Run configuration built from the command line (``megatronish.arguments.configs_from_args``).
 # ---------------------------------------------------------------------------------------------------------------
 @dataclass
@@ -252,6 +322,19 @@ class TrainingConfig:
     distributed_backend: str | None = None  # None: nccl on CUDA, gloo on CPU
     distributed_timeout_minutes: int = 10
     use_cpu_initialization: bool = False
+    # Megatron-LM compatibility flags (docs/flags.md)
+    rampup_batch_size: list | None = None  # [start, increment, ramp-up samples]: see RunConfig.global_batch_size_at
+    calculate_per_token_loss: bool = False  # normalize by the global batch's loss tokens, not per microbatch
+    manual_gc: bool = False  # Python's garbage collector off; collections at fixed points
+    manual_gc_interval: int = 0  # with --manual-gc: collect every N iterations (0: never during training)
+    manual_gc_eval: bool = True  # with --manual-gc: collect before and after each evaluation
+    empty_unused_memory_level: int = 0  # 1: free the allocator cache after backward, 2: also after the step
+    profile: bool = False  # --profile: profile iterations [profile_step_start, profile_step_end)
+    use_pytorch_profiler: bool = False  # torch.profiler (TensorBoard trace); else the CUDA profiler (nsys)
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    profile_ranks: list = field(default_factory=lambda: [0])
+    notes: list = field(default_factory=list)  # one log line each for flags accepted with a note (docs/flags.md)
 
 
 @dataclass
@@ -297,6 +380,9 @@ class OptimizerConfig:
     # distributed optimizer (ZeRO-1 over DP)
     use_distributed_optimizer: bool = False
     overlap_param_gather: bool = False
+    # Megatron-LM compatibility flags (docs/flags.md)
+    decoupled_lr: float | None = None  # own peak LR for the word embedding and output layer
+    decoupled_min_lr: float | None = None  # and their own final LR (default --min-lr)
 
     @property
     def params_dtype(self):
@@ -352,6 +438,9 @@ class DataConfig:
     eod_mask_loss: bool = False
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
+    # Megatron-LM compatibility flags (docs/flags.md)
+    mmap_bin_files: bool = True  # --no-mmap-bin-files: read .bin files with file reads instead of a memmap
+    tiktoken_pattern: str | None = None  # TikTokenizer's split pattern (v1 | v2; None: v2)
 
     def __post_init__(self):
         if self.tokenizer_type is None:
@@ -366,7 +455,7 @@ class DataConfig:
         try:
             return build_tokenizer(self.tokenizer_type, vocab_file=self.vocab_file, merge_file=self.merge_file,
                                    tokenizer_model=self.tokenizer_model, vocab_size=self.vocab_size_flag,
-                                   vocab_extra_ids=self.vocab_extra_ids)
+                                   vocab_extra_ids=self.vocab_extra_ids, tiktoken_pattern=self.tiktoken_pattern or "v2")
         except (ValueError, OSError) as e:
             raise ConfigError(str(e).splitlines()[0] if str(e) else f"--tokenizer-type {self.tokenizer_type}: "
                               f"{e!r}") from e
@@ -419,7 +508,10 @@ class RunConfig:
         if t.global_batch_size is None and t.micro_batch_size is not None:
             t.global_batch_size = self.data_parallel_batch_size
         if t.train_iters is None and t.train_samples is not None and t.global_batch_size:
-            t.train_iters = t.train_samples // t.global_batch_size  # as Megatron-LM
+            if t.rampup_batch_size is not None and not rampup_problems(t.rampup_batch_size, t.global_batch_size, 1):
+                t.train_iters = rampup_train_iters(t.train_samples, t.rampup_batch_size, t.global_batch_size)
+            else:
+                t.train_iters = t.train_samples // t.global_batch_size  # as Megatron-LM
 
     @property
     def sequence_parallel(self) -> bool:
@@ -433,8 +525,22 @@ class RunConfig:
 
     @property
     def num_microbatches(self) -> int:
-        """Microbatches per iteration on each rank: ``global_batch_size // (micro_batch_size x DP)``."""
+        """Microbatches per iteration on each rank: ``global_batch_size // (micro_batch_size x DP)`` (under
+        ``--rampup-batch-size`` the final one; :meth:`num_microbatches_at` gives each iteration's)."""
         return self.train.global_batch_size // self.data_parallel_batch_size
+
+    def global_batch_size_at(self, consumed_samples: int) -> int:
+        """Samples of the iteration that starts after ``consumed_samples``: ``--global-batch-size``, or under
+        ``--rampup-batch-size`` the ramp's size (Megatron's num-microbatches calculator)."""
+        t = self.train
+        if t.rampup_batch_size is None:
+            return t.global_batch_size
+        start, inc, samples = t.rampup_batch_size
+        return rampup_global_batch_size(consumed_samples, start, inc, samples, t.global_batch_size)
+
+    def num_microbatches_at(self, consumed_samples: int) -> int:
+        """Microbatches per rank of the iteration that starts after ``consumed_samples``."""
+        return self.global_batch_size_at(consumed_samples) // self.data_parallel_batch_size
 
     @property
     def parallel_backend(self) -> str | None:

@@ -69,3 +69,26 @@ def device_name() -> str | None:
     if device_type() == "cuda":
         return torch.cuda.get_device_name()
     return None
+
+
+def empty_cache() -> None:
+    """Return the allocator's cached, unused blocks to the device (``--empty-unused-memory-level``); CPU: none."""
+    if device_type() == "cuda":
+        torch.cuda.empty_cache()
+
+
+def cuda_profiler(start: bool) -> None:
+    """Start or stop the CUDA profiler's capture range (``--profile`` under nsys), with NVTX ranges."""
+    global _nvtx
+    if start:
+        torch.cuda.check_error(torch.cuda.cudart().cudaProfilerStart())
+        _nvtx = torch.autograd.profiler.emit_nvtx(record_shapes=True)
+        _nvtx.__enter__()
+    else:
+        torch.cuda.check_error(torch.cuda.cudart().cudaProfilerStop())
+        if _nvtx is not None:
+            _nvtx.__exit__(None, None, None)
+            _nvtx = None
+
+
+_nvtx = None

@@ -17,6 +17,7 @@ _FORCED = {"position_embedding_type": "position_embedding_type", "rotary_percent
            "untie_embeddings_and_output_weights": "untie_embeddings_and_output_weights",
            "add_bias_linear": "add_bias_linear", "add_qkv_bias": "add_qkv_bias", "qk_layernorm": "qk_layernorm",
            "make_vocab_size_divisible_by": "make_vocab_size_divisible_by",
+           "apply_layernorm_1p": "apply_layernorm_1p",
            # mixture of experts (Megatron's load_args_from_checkpoint forces these too)
            "num_experts": "num_experts", "moe_layer_freq": "moe_layer_freq",
            "moe_ffn_hidden_size": "moe_ffn_hidden_size", "moe_router_topk": "moe_router_topk",

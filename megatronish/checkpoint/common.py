@@ -45,6 +45,7 @@ SHAPE_FIELDS = {
     "moe_shared_expert_gate": "--moe-shared-expert-gate",
     "moe_router_enable_expert_bias": "--moe-router-enable-expert-bias",
     "qk_layernorm": "--qk-layernorm",
+    "apply_layernorm_1p": "--apply-layernorm-1p",
 }
 
 

@@ -158,6 +158,8 @@ def _moe_from_hf(hf: dict, arch: str, layers: int, where: str) -> dict:
 
 def architecture_of(cfg: ModelConfig, where: str = "checkpoint") -> str:
     """Which HF architecture expresses our model config (or a :class:`ConvertError` naming the setting)."""
+    _require(not getattr(cfg, "apply_layernorm_1p", False), where,
+             "--apply-layernorm-1p (zero-centered norm weights) has no HF equivalent in this converter")
     gpt2_like = (cfg.normalization == "LayerNorm" and cfg.position_embedding_type == "learned_absolute"
                  and not cfg.swiglu)
     llama_like = cfg.normalization == "RMSNorm" and cfg.position_embedding_type == "rope" and cfg.swiglu

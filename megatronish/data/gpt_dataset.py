@@ -562,6 +562,7 @@ def build_gpt_datasets(
     eod_mask_loss: bool = False,
     create_attention_mask: bool = False,
     mid_level_dataset_surplus: float = 0.005,
+    mmap_bin_files: bool = True,
 ):
     """(train, valid, test) datasets, each None where its split is empty.
 
@@ -604,6 +605,7 @@ def build_gpt_datasets(
         eod_mask_loss=eod_mask_loss,
         create_attention_mask=create_attention_mask,
         mid_level_dataset_surplus=mid_level_dataset_surplus,
+        mmap_bin_files=mmap_bin_files,
     )
     datasets = _Builder(num_samples, config).build()
     return tuple(datasets)

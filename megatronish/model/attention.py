@@ -9,6 +9,12 @@ contiguous TP split along that dim gives every rank whole groups.
 ``k_layernorm.weight`` ``[kv_channels]``, replicated over TP. Each TP rank normalizes only its own heads, so
 their gradients are partial sums over TP, summed after backward like the sequence-parallel norm weights (as
 Megatron's ``finalize_model_grads`` does for them).
+
+The core attention follows ``--attention-backend`` (Megatron's names, :func:`resolve_attention_backend`):
+``auto`` lets PyTorch's ``scaled_dot_product_attention`` pick its kernel; ``flash`` and ``fused`` put SDPA's flash
+kernel, respectively its cuDNN / memory-efficient kernels, first (CUDA; PyTorch falls back to its next kernel for
+a call they cannot take, e.g. a document mask); ``unfused`` is SDPA's math path; ``local`` is the explicit
+``softmax(q k^T / sqrt(d) + mask) v`` with the softmax in fp32. Context-parallel attention has its own kernels.
 """
 from __future__ import annotations
 
@@ -27,6 +33,46 @@ from ..parallel.random import checkpoint, get_rng_tracker
 from .norms import build_norm
 from .rope import apply_rotary
 
+_SDPA_PRIORITY = {"flash": ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"),
+                  "fused": ("CUDNN_ATTENTION", "EFFICIENT_ATTENTION", "FLASH_ATTENTION", "MATH"),
+                  "unfused": ("MATH",)}
+
+
+def resolve_attention_backend(backend: str, device_type: str) -> tuple[str, str]:
+    """``(backend used, why it differs)`` for ``--attention-backend backend`` on ``device_type``: ``flash`` and
+    ``fused`` are CUDA kernels, elsewhere they run as ``auto`` does."""
+    if backend in ("flash", "fused") and device_type != "cuda":
+        return "auto", f"SDPA's {backend} kernels need CUDA (this is {device_type})"
+    return backend, ""
+
+
+def _sdpa_backends(backend: str):
+    """The SDPA kernel-priority context of ``backend`` (a no-op context for ``auto``)."""
+    names = _SDPA_PRIORITY.get(backend)
+    if names is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, n) for n in names], set_priority=len(names) > 1)
+
+
+def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                    dropout: float = 0.0) -> torch.Tensor:
+    """``--attention-backend local``: ``softmax(q k^T * scale + mask) -> dropout -> @ v`` written out, the scores
+    and softmax in fp32; ``mask`` (True = attend) broadcasts to ``[b, heads, s, s]``, None = causal. ``q``
+    ``[b, heads, s, d]``, ``k``/``v`` ``[b, groups, s, d]`` (grouped-query heads share their group's k/v)."""
+    rep = q.size(1) // k.size(1)
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale  # [b, heads, s, s]
+    if mask is None:
+        s = q.size(2)
+        mask = torch.ones(s, k.size(2), dtype=torch.bool, device=q.device).tril()
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    if dropout > 0:
+        probs = F.dropout(probs, p=dropout)
+    return torch.matmul(probs.to(v.dtype), v)
+
 
 class SelfAttention(nn.Module):
     def __init__(self, config: ModelConfig, sequence_parallel: bool, output_init_std: float,
@@ -41,6 +87,7 @@ class SelfAttention(nn.Module):
         self.local_groups = c.num_query_groups // tp
         self.kv_channels = c.kv_channels
         self.dropout = c.attention_dropout
+        self.attention_backend = c.attention_backend  # resolved per call on the tensors' device
         # --recompute-granularity selective: keep no activations of the core attention (scores, softmax,
         # dropout mask); recompute it in backward with the RNG replayed.
         self.recompute_core_attention = c.recompute_granularity == "selective"
@@ -103,10 +150,15 @@ class SelfAttention(nn.Module):
             mask = ((document_ids[:, :, None] == document_ids[:, None, :]) & causal).unsqueeze(1)
         # Dropout of the local heads' probabilities is inside the TP region: model-parallel RNG stream.
         rng = get_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext()
+        backend = resolve_attention_backend(self.attention_backend, q.device.type)[0]
+        scale = 1.0 / math.sqrt(self.kv_channels)
         with rng:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
-                                                  scale=1.0 / math.sqrt(self.kv_channels),
-                                                  enable_gqa=self.heads_per_group > 1)
+            if backend == "local":
+                return local_attention(q, k, v, mask, scale, dropout)
+            with _sdpa_backends(backend):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                                      is_causal=mask is None, scale=scale,
+                                                      enable_gqa=self.heads_per_group > 1)
 
     def _cached_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> torch.Tensor:
         """Queries at positions ``offset ...`` over keys ``0 ... offset + s - 1`` (no dropout):

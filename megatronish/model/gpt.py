@@ -20,7 +20,7 @@ from .. import kernels
 from ..config import ModelConfig
 from ..parallel.context import ParallelContext, Shared
 from ..parallel.context_parallel import cp_chunk_index
-from ..parallel.cross_entropy import vocab_parallel_cross_entropy
+from ..parallel.cross_entropy import fused_vocab_parallel_cross_entropy, vocab_parallel_cross_entropy
 from ..parallel.dims import effective_sequence_parallel
 from ..parallel.init import TensorDesc, initialize_slice, set_desc, split_ranks
 from ..parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
@@ -95,10 +95,15 @@ class GPTModel(nn.Module):
             if c.position_embedding_type == "rope" else None
         self.decoder = TransformerBlock(c, first_layer, num_local_layers, post_process, self.sequence_parallel,
                                         params_dtype, device, parallel)
-        self.cross_entropy_loss_fusion = c.cross_entropy_loss_fusion
-        if c.use_triton_kernels or c.cross_entropy_loss_fusion:
-            kernels.check_kernels_available([f for f, on in (("--use-triton-kernels", c.use_triton_kernels),
-                                             ("--cross-entropy-loss-fusion", c.cross_entropy_loss_fusion)) if on])
+        # --cross-entropy-loss-fusion: native = the fused PyTorch loss (any device), te = the Triton kernel
+        self.loss_fn = vocab_parallel_cross_entropy
+        triton_loss = c.cross_entropy_loss_fusion and c.cross_entropy_fusion_impl == "te"
+        if c.cross_entropy_loss_fusion:
+            self.loss_fn = kernels.vocab_parallel_cross_entropy if triton_loss else fused_vocab_parallel_cross_entropy
+        if c.use_triton_kernels or triton_loss:
+            kernels.check_kernels_available([f for f, on in (
+                ("--use-triton-kernels", c.use_triton_kernels),
+                ("--cross-entropy-loss-fusion --cross-entropy-fusion-impl te", triton_loss)) if on])
         if c.use_triton_kernels:  # norms and RoPE switch to the fused kernels (the MLP reads the config)
             for m in self.modules():
                 if isinstance(m, (LayerNorm, RMSNorm, RotaryEmbedding)):
@@ -116,6 +121,12 @@ class GPTModel(nn.Module):
                 d = self.output_layer.weight.desc
                 set_desc(self.output_layer.weight, TensorDesc(d.global_shape, 0, 1, "normal", d.std,
                                                               valid_rows=c.vocab_size))
+        # The input embedding and output layer weights (Megatron's attribute; --decoupled-lr gives them their
+        # own LR schedule).
+        if pre_process:
+            self.embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
+        if post_process and self.output_layer.weight is not None:
+            self.output_layer.weight.is_embedding_or_output_parameter = True
         # Copies of the tied word embedding on the first and last stage: their grads are summed over the
         # embedding group so they stay equal.
         if self.tied:
@@ -188,7 +199,5 @@ class GPTModel(nn.Module):
         logits, _ = self.output_layer(x, weight)  # [s, b, V/t]
         if labels is None:
             return logits.transpose(0, 1).contiguous()
-        loss_fn = kernels.vocab_parallel_cross_entropy if self.cross_entropy_loss_fusion \
-            else vocab_parallel_cross_entropy
-        loss = loss_fn(logits, labels.t(), self.label_smoothing, self.config.vocab_size, self.parallel.tp_group)
+        loss = self.loss_fn(logits, labels.t(), self.label_smoothing, self.config.vocab_size, self.parallel.tp_group)
         return loss.t().contiguous()  # [b, s]

@@ -35,7 +35,8 @@ class TransformerLayer(nn.Module):
         # Megatron's scaled init for the two output projections: std / sqrt(2 * num_layers).
         out_std = c.init_method_std / math.sqrt(2.0 * c.num_layers)
         def norm():
-            return build_norm(c.normalization, c.hidden_size, c.norm_epsilon, sequence_parallel, params_dtype, device)
+            return build_norm(c.normalization, c.hidden_size, c.norm_epsilon, sequence_parallel, params_dtype, device,
+                              c.apply_layernorm_1p)
         self.input_layernorm = norm()
         parallel = parallel or ParallelContext.single()
         self.self_attention = SelfAttention(c, sequence_parallel, out_std, params_dtype, device, parallel,
@@ -70,7 +71,8 @@ class TransformerBlock(nn.Module):
         self.layers = nn.ModuleList(TransformerLayer(config, first_layer + i, sequence_parallel, params_dtype,
                                                      device, parallel) for i in range(num_layers))
         self.final_layernorm = build_norm(config.normalization, config.hidden_size, config.norm_epsilon,
-                                          sequence_parallel, params_dtype, device) if post_process else None
+                                          sequence_parallel, params_dtype, device,
+                                          config.apply_layernorm_1p) if post_process else None
 
     def _run(self, start, end, x, rotary, docs, inference_params=None):
         for layer in self.layers[start:end]:

@@ -23,7 +23,10 @@ copy main params to the model (and all-gather). :meth:`MegatronOptimizer.step` r
 ``(update_successful, grad_norm)``.
 
 As in Megatron, biases and 1-D parameters (norm weights) get no weight decay (``wd_mult = 0``); the LR/WD
-scheduler sets each group's ``lr`` and ``weight_decay`` every step. AdamW is torch's: fused on CUDA, foreach
+scheduler sets each group's ``lr`` and ``weight_decay`` every step. With ``--decoupled-lr`` the word embedding and
+the output layer (parameters marked ``is_embedding_or_output_parameter``) form groups of their own whose
+``max_lr`` / ``min_lr`` are ``--decoupled-lr`` / ``--decoupled-min-lr`` (default ``--min-lr``): the same schedule
+shape between other end points (Megatron's param-group overrides). AdamW is torch's: fused on CUDA, foreach
 elsewhere (apex is never needed). The checkpoint interface (``sharded_param_state`` & co.) is documented on the
 methods; every state tensor it returns is fp32 and shaped like the model parameter (this rank's TP shard).
 """
@@ -101,7 +104,7 @@ class _Slot:
 
 
 _REPLICA_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel",
-                  "shared_embedding")
+                  "shared_embedding", "is_embedding_or_output_parameter")
 
 
 class MegatronOptimizer:
@@ -110,7 +113,8 @@ class MegatronOptimizer:
     def __init__(self, chunks, *, optimizer: str = "adam", lr: float = 1e-4, weight_decay: float = 0.01,
                  adam_beta1: float = 0.9, adam_beta2: float = 0.999, adam_eps: float = 1e-8,
                  sgd_momentum: float = 0.9, clip_grad: float = 1.0, grad_scaler=None,
-                 use_distributed_optimizer: bool = False, parallel: ParallelContext | None = None):
+                 use_distributed_optimizer: bool = False, parallel: ParallelContext | None = None,
+                 decoupled_lr: float | None = None, decoupled_min_lr: float | None = None, min_lr: float = 0.0):
         self.chunks = list(chunks)
         self.parallel = parallel or ParallelContext.single()
         self.clip_grad = clip_grad
@@ -133,7 +137,7 @@ class MegatronOptimizer:
 
         self.slots: list[_Slot] = []
         self.slot_of: dict[int, _Slot] = {}
-        decay, no_decay = [], []
+        decay, no_decay, decoupled_decay, decoupled_no_decay = [], [], [], []
         for ci, chunk in enumerate(self.chunks):
             for name, p in _module(chunk).named_parameters():
                 if not p.requires_grad:
@@ -143,9 +147,18 @@ class MegatronOptimizer:
                     continue
                 self.slots.append(slot)
                 self.slot_of[id(p)] = slot
-                (no_decay if no_weight_decay(name, p) else decay).append(slot.main)
+                own = decoupled_lr is not None and getattr(p, "is_embedding_or_output_parameter", False)
+                if no_weight_decay(name, p):
+                    (decoupled_no_decay if own else no_decay).append(slot.main)
+                else:
+                    (decoupled_decay if own else decay).append(slot.main)
+        decoupled = {"max_lr": decoupled_lr, "min_lr": min_lr if decoupled_min_lr is None else decoupled_min_lr,
+                     "is_decoupled_lr": True}
         pgs = [g for g in ({"params": decay, "wd_mult": 1.0, "lr_mult": 1.0},
-                           {"params": no_decay, "wd_mult": 0.0, "lr_mult": 1.0}) if g["params"]]
+                           {"params": no_decay, "wd_mult": 0.0, "lr_mult": 1.0},
+                           {"params": decoupled_decay, "wd_mult": 1.0, "lr_mult": 1.0, **decoupled},
+                           {"params": decoupled_no_decay, "wd_mult": 0.0, "lr_mult": 1.0, **decoupled})
+               if g["params"]]
         if not pgs:  # a rank that owns no piece of anything (tiny model, large DP): keep the groups' shape
             pgs = [{"params": [], "wd_mult": 1.0, "lr_mult": 1.0}]
         self.optimizer = _torch_optimizer(pgs, optimizer, lr, weight_decay, adam_beta1, adam_beta2, adam_eps,
@@ -422,7 +435,8 @@ def get_megatron_optimizer(chunks, optim_cfg, *, grad_scaler=None, use_distribut
     return MegatronOptimizer(chunks, optimizer=o.optimizer, lr=o.lr, weight_decay=o.weight_decay,
                              adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
                              sgd_momentum=o.sgd_momentum, clip_grad=o.clip_grad, grad_scaler=grad_scaler,
-                             use_distributed_optimizer=use_distributed_optimizer, parallel=parallel)
+                             use_distributed_optimizer=use_distributed_optimizer, parallel=parallel,
+                             decoupled_lr=o.decoupled_lr, decoupled_min_lr=o.decoupled_min_lr, min_lr=o.min_lr)
 
 
 __all__ = ["MegatronOptimizer", "get_megatron_optimizer", "build_optimizer", "clip_grad_norm", "no_weight_decay",

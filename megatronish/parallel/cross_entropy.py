@@ -96,3 +96,93 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
     """
     loss = _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing, vocab_size, group)
     return loss
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --cross-entropy-loss-fusion --cross-entropy-fusion-impl native: the same loss, fused in PyTorch (any device)
+# ---------------------------------------------------------------------------------------------------------------
+_CHUNK_ELEMENTS = 1 << 22  # fp32 temporaries per step: at most this many logits (16 MiB)
+
+
+def _row_chunks(rows: int, part: int):
+    step = max(1, _CHUNK_ELEMENTS // max(part, 1))
+    for lo in range(0, rows, step):
+        yield lo, min(rows, lo + step)
+
+
+class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
+    """Forward walks the tokens in chunks (fp32 temporaries of one chunk at a time) and keeps, per token, only the
+    global max and sum of exponentials; backward recomputes the softmax chunk by chunk and writes the gradient
+    over the logits' own memory (they are not needed after this backward). Same all-reduces as the unfused
+    function (the max, then one for the per-token statistics)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, label_smoothing, vocab_size, group):
+        world = 1 if group is None else dist.get_world_size(group)
+        rank = 0 if group is None else dist.get_rank(group)
+        part = logits.size(-1)
+        start = rank * part
+        total_vocab = part * world if vocab_size is None else vocab_size
+        if label_smoothing > 0 and not 0.0 < label_smoothing < 1.0:
+            raise ValueError(f"--label-smoothing must be in (0, 1), got {label_smoothing}")
+        flat = logits.view(-1, part)
+        rows = flat.size(0)
+        valid = None
+        if total_vocab < part * world:
+            valid = torch.arange(start, start + part, device=logits.device) < total_vocab
+        tgt = target.reshape(-1)
+        outside = (tgt < start) | (tgt >= start + part)
+        local_target = (tgt - start).masked_fill(outside, 0)
+
+        logits_max = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        for lo, hi in _row_chunks(rows, part):
+            x = flat[lo:hi].to(torch.float32, copy=True)
+            if valid is not None:
+                x = x.masked_fill_(~valid, float("-inf"))
+            logits_max[lo:hi] = x.max(dim=-1).values
+        if world > 1:
+            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+        predicted = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        sum_exp = torch.empty_like(predicted)
+        sum_logits = torch.empty_like(predicted) if label_smoothing > 0 else None
+        for lo, hi in _row_chunks(rows, part):
+            x = flat[lo:hi].to(torch.float32, copy=True).sub_(logits_max[lo:hi, None])
+            if valid is not None:
+                x = x.masked_fill_(~valid, float("-inf"))
+            predicted[lo:hi] = x.gather(-1, local_target[lo:hi, None]).squeeze(-1).masked_fill_(outside[lo:hi], 0.0)
+            if sum_logits is not None:
+                sum_logits[lo:hi] = (x if valid is None else x.masked_fill(~valid, 0.0)).sum(dim=-1)
+            sum_exp[lo:hi] = x.exp_().sum(dim=-1)
+        stats = [predicted, sum_exp] + ([sum_logits] if sum_logits is not None else [])
+        loss, sum_exp, smoothing = loss_from_local_stats(stats, group, world, label_smoothing, total_vocab)
+        ctx.save_for_backward(logits, local_target, outside, logits_max, sum_exp, valid)
+        ctx.smoothing, ctx.total_vocab = smoothing, total_vocab
+        return loss.view(target.shape)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits, local_target, outside, logits_max, sum_exp, valid = ctx.saved_tensors
+        part = logits.size(-1)
+        grad = logits.view(-1, part)  # overwritten in place, chunk by chunk
+        g = grad_loss.reshape(-1).float()
+        hit = (~outside).float() * (1.0 - ctx.smoothing)
+        delta = ctx.smoothing / ctx.total_vocab
+        for lo, hi in _row_chunks(grad.size(0), part):
+            x = grad[lo:hi].float().sub_(logits_max[lo:hi, None])
+            if valid is not None:
+                x = x.masked_fill_(~valid, float("-inf"))
+            p = x.exp_().div_(sum_exp[lo:hi, None])
+            p.scatter_add_(-1, local_target[lo:hi, None], -hit[lo:hi, None])
+            if delta:
+                p -= delta if valid is None else delta * valid.float()
+            grad[lo:hi] = p.mul_(g[lo:hi, None])
+        return logits, None, None, None, None
+
+
+def fused_vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
+                                       label_smoothing: float = 0.0, vocab_size: int | None = None,
+                                       group=None) -> torch.Tensor:
+    """:func:`vocab_parallel_cross_entropy`'s loss and gradient without holding the fp32 softmax between forward
+    and backward (``--cross-entropy-loss-fusion --cross-entropy-fusion-impl native``): plain PyTorch, any device.
+    The logits' memory receives their gradient in backward."""
+    return _FusedVocabParallelCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing, vocab_size, group)

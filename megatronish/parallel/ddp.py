@@ -5,7 +5,9 @@ their gradients) in one gradient buffer; ``param.main_grad`` is that parameter's
 accumulation adds ``param.grad`` into ``main_grad`` (and frees ``param.grad``). With ``overlap_grad_reduce``
 a bucket's reduction starts as soon as all of its parameters have their gradient for the last microbatch;
 otherwise everything is reduced in :meth:`finish_grad_sync`. During accumulation microbatches (inside
-:meth:`no_sync`) nothing is reduced. Gradients are pre-divided by the DP size and summed (an average).
+:meth:`no_sync`) nothing is reduced. Gradients are pre-divided by the DP size and summed (an average), or only
+summed with ``average=False`` (``--calculate-per-token-loss``: :func:`finalize_model_grads` then divides by the
+global batch's token count).
 
 The buffer's dtype is the gradient dtype: fp32 for fp32 models, and for 16-bit models with
 ``--accumulate-allreduce-grads-in-fp32`` (the default under ``--bf16``), else the parameters' dtype
@@ -71,9 +73,10 @@ class DistributedDataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, *, dp_group=None, overlap_grad_reduce: bool = False,
                  bucket_size: int | None = None, grad_dtype=torch.float32, use_distributed_optimizer: bool = False,
-                 overlap_param_gather: bool = False, expert_dp_group=None):
+                 overlap_param_gather: bool = False, expert_dp_group=None, average: bool = True):
         super().__init__()
         self.module = module
+        self.average = average  # False: sum over DP (per-token loss normalization)
         self.dp_group = dp_group  # the data x context parallel group (ParallelContext.dp_cp_group); None: no DP
         self.dp_size = group_size(dp_group)
         self.dp_rank = group_rank(dp_group)
@@ -164,7 +167,8 @@ class DistributedDataParallel(nn.Module):
     def _launch(self, bucket: _Bucket) -> None:
         if bucket.work is not None or self.dp_size == 1 and bucket.world == 1:
             return
-        bucket.buffer.div_(self.dp_size)
+        if self.average:
+            bucket.buffer.div_(self.dp_size)
         if bucket.world == 1:
             return
         if self.use_distributed_optimizer:
@@ -193,6 +197,10 @@ class DistributedDataParallel(nn.Module):
                 bucket.work.wait()
             bucket.work = None
             bucket.ready.clear()
+
+    def scale_gradients(self, factor: float) -> None:
+        """Multiply every gradient (the whole buffer) by ``factor``."""
+        self.grad_buffer.mul_(factor)
 
     def zero_grad_buffer(self) -> None:
         self.grad_buffer.zero_()
@@ -246,10 +254,14 @@ def _is_expert(p) -> bool:
     return bool(desc is not None and desc.expert)
 
 
-def finalize_model_grads(chunks: list[DistributedDataParallel], parallel: ParallelContext) -> None:
+def finalize_model_grads(chunks: list[DistributedDataParallel], parallel: ParallelContext,
+                         num_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
     """After the last backward of an iteration: (1) DP reduction of every chunk; (2) TP all-reduce of the
     gradients of TP-replicated parameters that saw sequence-sharded activations; (3) all-reduce of the tied
-    word-embedding gradient over the embedding group (first and last pipeline stage)."""
+    word-embedding gradient over the embedding group (first and last pipeline stage); (4) with ``num_tokens``
+    (``--calculate-per-token-loss``: this rank's loss tokens of the iteration, known on the last pipeline stage):
+    the count is sent to the whole pipeline group, summed over DP x CP, and every gradient divided by it
+    (Megatron's order). Returns the global token count (or None)."""
     from .layers import allreduce_sequence_parallel_grads
 
     for chunk in chunks:
@@ -261,3 +273,13 @@ def finalize_model_grads(chunks: list[DistributedDataParallel], parallel: Parall
         shared = [p for c in chunks for p in c.module.parameters() if getattr(p, "shared_embedding", False)]
         for p in shared:
             dist.all_reduce(p.main_grad, group=emb_group)
+    if num_tokens is None:
+        return None
+    if parallel.pp_size > 1:
+        dist.broadcast(num_tokens, src=parallel.ranks("pp")[-1], group=parallel.pp_group)
+    if parallel.dp_cp_size > 1:
+        dist.all_reduce(num_tokens, group=parallel.dp_cp_group)
+    if num_tokens.item() > 0:
+        for chunk in chunks:
+            chunk.scale_gradients(1.0 / num_tokens.item())
+    return num_tokens

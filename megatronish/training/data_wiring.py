@@ -18,5 +18,5 @@ def build_file_datasets(cfg):
         eod_id=tokenizer.eod, pad_id=tokenizer.pad, train_data_path=d.train_data_path,
         valid_data_path=d.valid_data_path, test_data_path=d.test_data_path,
         reset_position_ids=d.reset_position_ids, reset_attention_mask=d.reset_attention_mask,
-        eod_mask_loss=d.eod_mask_loss)
+        eod_mask_loss=d.eod_mask_loss, mmap_bin_files=d.mmap_bin_files)
     return train, valid

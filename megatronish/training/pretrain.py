@@ -13,6 +13,7 @@ When to save and when to stop is :class:`megatronish.training.exit.ExitPolicy`'s
 from __future__ import annotations
 
 import functools
+import gc
 import math
 import os
 import socket
@@ -100,19 +101,24 @@ def _is_logging_rank(parallel: ParallelContext) -> bool:
     return parallel.is_last_stage and parallel.tp_rank == 0 and parallel.dp_cp_rank == 0
 
 
-def _reported_loss(stats: list[dict], parallel: ParallelContext) -> float:
-    """The iteration's loss: mean over microbatches on the last stage, averaged over DP, then sent to every
-    pipeline rank (so every rank can report it)."""
-    loss = torch.zeros((), dtype=torch.float32, device=device.current_device())
+def _loss_sums(stats: list[dict], parallel: ParallelContext) -> torch.Tensor:
+    """``[sum of token losses, loss tokens]`` of the whole global batch (Megatron's reporting: each microbatch
+    reports both, summed over microbatches and DP x CP), on every rank (sent from the last pipeline stage)."""
+    sums = torch.zeros(2, dtype=torch.float32, device=device.current_device())
     if parallel.is_last_stage:
-        loss = torch.stack([s["lm loss"].float() for s in stats]).mean()
+        sums = torch.stack([s["lm loss"].float() for s in stats]).sum(0)
         group = parallel.dp_cp_group
         if group is not None and group.size() > 1:
-            dist.all_reduce(loss, group=group)
-            loss /= group.size()
+            dist.all_reduce(sums, group=group)
     if parallel.pp_size > 1:
-        dist.broadcast(loss, src=parallel.ranks("pp")[-1], group=parallel.pp_group)
-    return loss.item()
+        dist.broadcast(sums, src=parallel.ranks("pp")[-1], group=parallel.pp_group)
+    return sums
+
+
+def _reported_loss(stats: list[dict], parallel: ParallelContext) -> float:
+    """The iteration's loss: the token-weighted mean over the global batch (Megatron's), on every rank."""
+    total, tokens = _loss_sums(stats, parallel).tolist()
+    return total / max(tokens, 1.0)
 
 
 def _microbatches(dataset, consumed: int, mbs: int, num_mb: int, dev, parallel: ParallelContext):
@@ -127,7 +133,11 @@ def _microbatches(dataset, consumed: int, mbs: int, num_mb: int, dev, parallel: 
         yield {k: v.to(dev) for k, v in batch.items()}
 
 
-def _forward_step(reset_position_ids: bool, parallel: ParallelContext):
+def _forward_step(reset_position_ids: bool, parallel: ParallelContext, per_token_loss: bool = False):
+    """Megatron's ``forward_step``/``loss_func``. Each microbatch reports ``[token-loss sum, loss tokens]`` of
+    this rank's tokens. The loss back-propagated is the microbatch's token mean (the schedule divides it by the
+    number of microbatches), or under ``per_token_loss`` the token sum (the gradients are divided by the global
+    batch's token count after the backward)."""
     cp, cp_rank, cp_group = parallel.cp_size, parallel.cp_rank, parallel.cp_group
 
     def forward_step(data_iterator, model):
@@ -140,18 +150,18 @@ def _forward_step(reset_position_ids: bool, parallel: ParallelContext):
                        document_ids=docs)
         mask = batch["loss_mask"].float()
 
-        def loss_func(losses):  # per-token losses [b, s] -> masked token mean
+        def loss_func(losses):  # per-token losses [b, s] -> masked token mean (or sum)
             total = (losses.float() * mask).sum()
+            report = {"lm loss": torch.stack([total.detach(), mask.sum()])}
+            if per_token_loss:
+                return total, report
             if cp == 1:
-                num_tokens = mask.sum().clamp(min=1)
-                loss = total / num_tokens
-                return loss, {"lm loss": loss.detach()}
-            # The token-loss sum and the token count of the whole sequence: summed over CP. Gradients flow through
-            # this rank's sum only and are averaged over DP x CP, hence the factor CP (as Megatron does).
-            stats = torch.stack([total.detach(), mask.sum()])
-            dist.all_reduce(stats, group=cp_group)
-            num_tokens = stats[1].clamp(min=1)
-            return total * cp / num_tokens, {"lm loss": stats[0] / num_tokens}
+                return total / mask.sum().clamp(min=1), report
+            # The token count of the whole sequence: summed over CP. Gradients flow through this rank's sum only
+            # and are averaged over DP x CP, hence the factor CP.
+            num_tokens = mask.sum()
+            dist.all_reduce(num_tokens, group=cp_group)
+            return total * cp / num_tokens.clamp(min=1), report
 
         return output, loss_func
 
@@ -169,10 +179,11 @@ def build_datasets(cfg):
     return build_file_datasets(cfg)
 
 
-def _data_iterators(run: TrainContext, dataset, consumed: int):
+def _data_iterators(run: TrainContext, dataset, consumed: int, num_microbatches: int | None = None):
     """One iterator over this iteration's microbatches per model chunk (each chunk reads them in order)."""
     cfg = run.cfg
-    its = [_microbatches(dataset, consumed, cfg.train.micro_batch_size, cfg.num_microbatches, run.device,
+    num_mb = cfg.num_microbatches if num_microbatches is None else num_microbatches
+    its = [_microbatches(dataset, consumed, cfg.train.micro_batch_size, num_mb, run.device,
                          run.parallel) for _ in run.chunks]
     return its[0] if len(its) == 1 else its
 
@@ -182,23 +193,34 @@ def _model_arg(run: TrainContext):
 
 
 def evaluate(run: TrainContext, state: TrainState, dataset=None) -> float:
-    """Mean validation loss over ``--eval-iters`` global batches (DP-averaged); evaluations continue
-    through the validation set."""
+    """Validation loss over ``--eval-iters`` global batches: token losses summed over all of them divided by
+    their loss tokens (Megatron's); evaluations continue through the validation set."""
     t = run.cfg.train
     dataset = run.valid_ds if dataset is None else dataset
+    gc_around = t.manual_gc and t.manual_gc_eval
+    if gc_around:
+        gc.collect()
     for c in run.chunks:
         c.eval()
-    losses = []
+    sums = None
     with torch.no_grad():
         for _ in range(t.eval_iters):
             it = _data_iterators(run, dataset, state.valid_consumed_samples)
             state.valid_consumed_samples += t.global_batch_size
             stats = run.schedule(run.forward_step, it, _model_arg(run), run.cfg.num_microbatches,
                                  forward_only=True)
-            losses.append(_reported_loss(stats, run.parallel))
+            batch = _loss_sums(stats, run.parallel)
+            sums = batch if sums is None else sums + batch
+            if t.empty_unused_memory_level >= 1:
+                device.empty_cache()
     for c in run.chunks:
         c.train()
-    return sum(losses) / len(losses) if losses else float("nan")
+    if gc_around:
+        gc.collect()
+    if sums is None:
+        return float("nan")
+    total, tokens = sums.tolist()
+    return total / max(tokens, 1.0)
 
 
 def _enable_fp8(models, model_cfg):
@@ -242,7 +264,8 @@ def setup(cfg) -> tuple[TrainContext, TrainState]:
                                       bucket_size=o.ddp_bucket_size, grad_dtype=o.grad_dtype,
                                       use_distributed_optimizer=o.use_distributed_optimizer,
                                       overlap_param_gather=o.overlap_param_gather,
-                                      expert_dp_group=parallel.expert_dp_group)
+                                      expert_dp_group=parallel.expert_dp_group,
+                                      average=not t.calculate_per_token_loss)
               for m in models]
     grad_scaler = build_grad_scaler(o.fp16, o.loss_scale, o.initial_loss_scale, o.min_loss_scale,
                                     o.loss_scale_window, o.hysteresis)
@@ -250,17 +273,21 @@ def setup(cfg) -> tuple[TrainContext, TrainState]:
                                        use_distributed_optimizer=o.use_distributed_optimizer, parallel=parallel)
     schedule = functools.partial(get_forward_backward_func(cfg.parallel.pp, cfg.parallel.vp),
                                  dtype=o.params_dtype, grad_scale_func=optimizer.scale_loss if grad_scaler else None,
-                                 tensor_shape=_tensor_shape(cfg), parallel=parallel)
+                                 tensor_shape=_tensor_shape(cfg), parallel=parallel,
+                                 per_token_loss=t.calculate_per_token_loss)
     scheduler = OptimizerParamScheduler(optimizer, **scheduler_steps_from_config(cfg))
     train_ds, valid_ds = build_datasets(cfg)
     run = TrainContext(models, chunks, optimizer, scheduler, fp8, parallel=parallel, cfg=cfg, schedule=schedule,
-                       forward_step=_forward_step(cfg.data.reset_position_ids, parallel), train_ds=train_ds,
+                       forward_step=_forward_step(cfg.data.reset_position_ids, parallel, t.calculate_per_token_loss),
+                       train_ds=train_ds,
                        valid_ds=valid_ds, device=dev)
     state = TrainState(context=run)
     run.checkpointer = setup_checkpointing(cfg, models, optimizer, scheduler, state, parallel=parallel,
                                            fp8=fp8)  # --load
     optimizer.reload_model_params()  # fp32 master copies from the (loaded) 16-bit model, unless loaded themselves
     print_rank0 = _print_rank0()
+    for line in run_notes(cfg):
+        print_rank0(f"note: {line}")
     estimate = report_theoretical_memory(cfg, optimizer, models, print_fn=print_rank0)
     run.memory = ActivationMeter([p for m in models for p in m.parameters()], estimate=estimate["activations"])
     return run, state
@@ -276,35 +303,65 @@ class StepResult:
     loss: float
     update_successful: bool
     grad_norm: float | None
+    global_batch_size: int = 0  # samples of this iteration (ramping under --rampup-batch-size)
     moe: dict | None = None  # mixture of experts: moe_stats.step_metrics
 
 
-def train_step(run: TrainContext, state: TrainState, timeline: PipelineTimeline | None = None) -> StepResult:
-    """One iteration on the global batch at ``state.consumed_samples``; advances ``state``."""
+def compute_gradients(run: TrainContext, state: TrainState, timeline: PipelineTimeline | None = None) -> float:
+    """Forward and backward of the global batch at ``state.consumed_samples`` (its size from the ramp under
+    ``--rampup-batch-size``) and the gradient finalization; returns the iteration's loss. The gradients are then
+    in the DDP buffers (``param.main_grad``)."""
     cfg = run.cfg
+    num_mb = cfg.num_microbatches_at(state.consumed_samples)
     for c in run.chunks:
         c.zero_grad_buffer()
-    it = _data_iterators(run, run.train_ds, state.consumed_samples)
-    moe = cfg.model.num_experts is not None
-    if moe:  # the routers' losses take the main loss's backward scale
-        moe_stats.start_step(run.models, run.optimizer.loss_scale / cfg.num_microbatches)
+    it = _data_iterators(run, run.train_ds, state.consumed_samples, num_mb)
+    if cfg.model.num_experts is not None:  # the routers' losses take the main loss's backward scale
+        per_token = cfg.train.calculate_per_token_loss
+        moe_stats.start_step(run.models, run.optimizer.loss_scale / (1 if per_token else num_mb), per_token)
     with run.memory.measure():  # saved-activation bytes (CPU) / allocator peak (CUDA), first iteration
-        stats = run.schedule(run.forward_step, it, _model_arg(run), cfg.num_microbatches, timeline=timeline)
+        stats = run.schedule(run.forward_step, it, _model_arg(run), num_mb, timeline=timeline)
     run.memory.report(print_fn=_print_rank0())
-    finalize_model_grads(run.chunks, run.parallel)
-    if moe:
+    num_tokens = None
+    if cfg.train.calculate_per_token_loss:  # this rank's loss tokens (last stage; finalize sends them on)
+        num_tokens = torch.zeros((), dtype=torch.float32, device=device.current_device())
+        if stats:
+            num_tokens = torch.stack([s["lm loss"][1].float() for s in stats]).sum()
+    finalize_model_grads(run.chunks, run.parallel, num_tokens)
+    if cfg.model.num_experts is not None:
         moe_stats.update_expert_biases(run.models, run.parallel)
-    loss = _reported_loss(stats, run.parallel)
+    if cfg.train.empty_unused_memory_level >= 1:
+        device.empty_cache()
+    return _reported_loss(stats, run.parallel)
+
+
+def apply_update(run: TrainContext, state: TrainState, loss: float) -> StepResult:
+    """The optimizer step on the finalized gradients, FP8 scales, the LR/WD schedule; advances ``state``."""
+    batch = run.cfg.global_batch_size_at(state.consumed_samples)
     update_successful, grad_norm = run.optimizer.step()  # unscale/overflow check, clip, step, copy back
     if run.fp8 is not None:
         run.fp8.update()  # amax histories and next scales, once per optimizer step
     if update_successful:  # Megatron: the LR/WD schedule advances only with an applied update
-        run.scheduler.step(increment=cfg.train.global_batch_size)
+        run.scheduler.step(increment=batch)
+    if run.cfg.train.empty_unused_memory_level >= 2:
+        device.empty_cache()
     state.iteration += 1
-    state.consumed_samples += cfg.train.global_batch_size
+    state.consumed_samples += batch
     state.history.append((state.iteration, loss))
-    moe_metrics = moe_stats.step_metrics(run.models, run.parallel, cfg.model, cfg.num_microbatches) if moe else None
-    return StepResult(loss, update_successful, grad_norm, moe_metrics)
+    return StepResult(loss, update_successful, grad_norm, batch)
+
+
+def train_step(run: TrainContext, state: TrainState, timeline: PipelineTimeline | None = None) -> StepResult:
+    """One iteration on the global batch at ``state.consumed_samples``; advances ``state``."""
+    loss = compute_gradients(run, state, timeline)
+    cfg = run.cfg
+    moe = None
+    if cfg.model.num_experts is not None:  # collective: every rank, before the update advances the state
+        moe = moe_stats.step_metrics(run.models, run.parallel, cfg.model,
+                                     cfg.num_microbatches_at(state.consumed_samples))
+    result = apply_update(run, state, loss)
+    result.moe = moe
+    return result
 
 
 # ============================================================================================== logging
@@ -318,14 +375,12 @@ class TrainLogger:
         self.logging_rank = _is_logging_rank(run.parallel)
         self.writer = MetricsWriter(self.logging_rank, lg.metrics_file, lg.tensorboard_dir, lg.wandb_project or None,
                                     lg.wandb_entity or None, lg.wandb_exp_name or None, lg.wandb_save_dir or None)
-        self.flops_per_iter = num_floating_point_operations(cfg.model, cfg.train.global_batch_size)
         self.peak = device_peak_tflops(device.device_name())
-        self.tokens_per_iter = cfg.train.global_batch_size * cfg.model.seq_length
         self.skipped = self.nan_iters = 0
         self.restart_window()
 
     def restart_window(self) -> None:
-        self.window_losses, self.window_start = [], time.perf_counter()
+        self.window_losses, self.window_batches, self.window_start = [], [], time.perf_counter()
         self.window_moe: list[dict] = []
 
     def after_step(self, state: TrainState, step: StepResult) -> None:
@@ -334,6 +389,7 @@ class TrainLogger:
             self.nan_iters += int(not math.isfinite(step.loss)
                                   or (step.grad_norm is not None and not math.isfinite(step.grad_norm)))
         self.window_losses.append(step.loss)
+        self.window_batches.append(step.global_batch_size or self.cfg.train.global_batch_size)
         if step.moe is not None:
             self.window_moe.append(step.moe)
         if state.iteration % self.cfg.logging.log_interval == 0 or state.iteration == self.train_iters:
@@ -343,7 +399,8 @@ class TrainLogger:
         run, lg = self.run, self.cfg.logging
         device.synchronize()
         elapsed = (time.perf_counter() - self.window_start) / len(self.window_losses)
-        tflops = self.flops_per_iter / elapsed / run.parallel.world_size / 1e12
+        batch = sum(self.window_batches) / len(self.window_batches)  # mean samples per iteration of the window
+        tflops = num_floating_point_operations(self.cfg.model, batch) / elapsed / run.parallel.world_size / 1e12
         params_norm = None
         if lg.log_params_norm:
             run.optimizer.finish_param_sync()
@@ -351,9 +408,9 @@ class TrainLogger:
                                       parallel=run.parallel, experts=self.cfg.model.num_experts is not None)
         record = {"iteration": state.iteration, "consumed_samples": state.consumed_samples,
                   "lm_loss": sum(self.window_losses) / len(self.window_losses),
-                  "lr": run.optimizer.param_groups[0]["lr"], "grad_norm": grad_norm,
+                  "lr": run.scheduler.lr, "grad_norm": grad_norm,
                   "loss_scale": run.optimizer.loss_scale, "elapsed_ms": elapsed * 1e3,
-                  "tokens_per_sec": self.tokens_per_iter / elapsed, "tflops": tflops,
+                  "tokens_per_sec": batch * self.cfg.model.seq_length / elapsed, "tflops": tflops,
                   "skipped_iterations": self.skipped, "nan_iterations": self.nan_iters}
         if params_norm is not None:
             record["params_norm"] = params_norm
@@ -363,7 +420,7 @@ class TrainLogger:
         print_rank_last(self.logging_rank, train_log_line(
             iteration=r["iteration"], train_iters=self.train_iters, consumed_samples=r["consumed_samples"],
             elapsed_ms=r["elapsed_ms"], tflops=r["tflops"], tokens_per_sec=r["tokens_per_sec"], lr=r["lr"],
-            global_batch_size=self.cfg.train.global_batch_size, loss=r["lm_loss"], grad_norm=r["grad_norm"],
+            global_batch_size=self.window_batches[-1], loss=r["lm_loss"], grad_norm=r["grad_norm"],
             loss_scale=r["loss_scale"], skipped=r["skipped_iterations"], nan=r["nan_iterations"],
             params_norm=params_norm, mfu=(tflops / self.peak) if self.peak else None, extra=moe_line))
         self.restart_window()
@@ -418,6 +475,60 @@ def _write_timeline(run: TrainContext, timeline: PipelineTimeline) -> None:
                            metadata={"p": cfg.parallel.pp, "v": cfg.parallel.vp, "m": cfg.num_microbatches})
 
 
+def run_notes(cfg) -> list[str]:
+    """The set-up's log lines for flags accepted with a note: those of the flags themselves
+    (``TrainingConfig.notes``) and what depends on this device (attention backend, profiler, allocator cache)."""
+    from ..model.attention import resolve_attention_backend
+
+    t, notes = cfg.train, list(cfg.train.notes)
+    asked = cfg.model.attention_backend
+    used, why = resolve_attention_backend(asked, device.device_type())
+    if used != asked:
+        notes.append(f"--attention-backend {asked}: {why}; running as {used}")
+    if t.profile and not t.use_pytorch_profiler and device.device_type() != "cuda":
+        notes.append("--profile without --use-pytorch-profiler drives the CUDA profiler (nsys); there is no CUDA "
+                     "device, so nothing is recorded (add --use-pytorch-profiler for a torch.profiler trace)")
+    if t.empty_unused_memory_level and device.device_type() != "cuda":
+        notes.append(f"--empty-unused-memory-level {t.empty_unused_memory_level}: the CPU allocator keeps no cache; "
+                     "nothing to free")
+    return notes
+
+
+class _Profiler:
+    """``--profile``: iterations ``[--profile-step-start, --profile-step-end)`` of the ranks in ``--profile-ranks``,
+    with torch.profiler (``--use-pytorch-profiler``: a TensorBoard trace in ``--tensorboard-dir``) or the CUDA
+    profiler (``nsys ... --capture-range=cudaProfilerApi``), as Megatron-LM does."""
+
+    def __init__(self, cfg):
+        t = cfg.train
+        self.on = t.profile and dist.get_rank() in t.profile_ranks
+        self.start_step, self.end_step, self.torch_profiler = t.profile_step_start, t.profile_step_end, None
+        self.cuda = self.on and not t.use_pytorch_profiler and device.device_type() == "cuda"
+        if self.on and t.use_pytorch_profiler:
+            self.torch_profiler = torch.profiler.profile(
+                schedule=torch.profiler.schedule(wait=max(self.start_step - 1, 0),
+                                                 warmup=1 if self.start_step > 0 else 0,
+                                                 active=self.end_step - self.start_step, repeat=1),
+                on_trace_ready=torch.profiler.tensorboard_trace_handler(cfg.logging.tensorboard_dir),
+                record_shapes=True, with_stack=True)
+            self.torch_profiler.start()
+
+    def before_iteration(self, iteration: int) -> None:
+        if self.torch_profiler is not None:
+            self.torch_profiler.step()
+        elif self.cuda and iteration == self.start_step:
+            device.cuda_profiler(True)
+
+    def after_iteration(self, iteration: int) -> None:
+        if iteration != self.end_step:
+            return
+        if self.torch_profiler is not None:
+            self.torch_profiler.stop()
+            self.torch_profiler = None
+        elif self.cuda:
+            device.cuda_profiler(False)
+
+
 # ============================================================================================== the loop
 def pretrain(cfg) -> TrainState:
     """Train (and evaluate) as configured by a :class:`megatronish.config.RunConfig`."""
@@ -426,8 +537,17 @@ def pretrain(cfg) -> TrainState:
     train_iters = 0 if t.skip_train else t.train_iters
     logger = TrainLogger(run, train_iters)
     exit_policy = ExitPolicy(cfg.checkpoint)
+    profiler = _Profiler(cfg)
+    if t.manual_gc:  # Megatron: collections only at fixed points, aligned across ranks
+        gc.disable()
+        gc.collect()
+    num_mb = cfg.num_microbatches_at(state.consumed_samples)
     try:
         while state.iteration < train_iters:
+            profiler.before_iteration(state.iteration)
+            if cfg.num_microbatches_at(state.consumed_samples) != num_mb and state.iteration and cfg.checkpoint.save:
+                run.checkpointer.save(state)  # Megatron saves when the ramp changes the number of microbatches
+            num_mb = cfg.num_microbatches_at(state.consumed_samples)
             last = state.iteration == train_iters - 1
             timeline = PipelineTimeline() if cfg.logging.pipeline_timeline and last else None
             step = train_step(run, state, timeline)
@@ -439,6 +559,9 @@ def pretrain(cfg) -> TrainState:
                 logger.evaluate(state)
                 logger.window_start = time.perf_counter()  # evaluation time is not training time
             state.exit_reason = exit_policy.after_iteration(state, run.checkpointer)
+            profiler.after_iteration(state.iteration)
+            if t.manual_gc and t.manual_gc_interval and state.iteration % t.manual_gc_interval == 0:
+                gc.collect()
             if state.exit_reason:
                 break
 
@@ -448,5 +571,7 @@ def pretrain(cfg) -> TrainState:
         run.checkpointer.finish(state)  # final save; waits for background writes
     finally:
         exit_policy.release()
+        if t.manual_gc:
+            gc.enable()
     logger.close()
     return state

@@ -47,7 +47,8 @@ EXPECTED_CALLS = {"rms_norm": 5 + 9 + 5, "apply_rotary_": 4 + 8 + 4, "swiglu": 2
 def _config(overrides, fused):
     return llama(num_layers=2, hidden_size=48, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=40,
                  vocab_size=V, seq_length=S, attention_dropout=0.0, hidden_dropout=0.0,
-                 use_triton_kernels=fused, cross_entropy_loss_fusion=fused, **overrides)
+                 use_triton_kernels=fused, cross_entropy_loss_fusion=fused, cross_entropy_fusion_impl="te",
+                 **overrides)
 
 
 def _batch():

@@ -76,6 +76,8 @@ MODEL = {
     "capacity-probs": ["--moe-expert-capacity-factor", "1.0"],
     "capacity-position-pad": ["--moe-expert-capacity-factor", "1.0", "--moe-token-drop-policy", "position",
                               "--moe-pad-expert-input-to-capacity"],
+    "per-token": ["--calculate-per-token-loss", "--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss",
+                  "--moe-aux-loss-coeff", "1e-2", "1e-2"],
     "grouped-pre-softmax": ["--moe-grouped-gemm", "--moe-router-pre-softmax", "--moe-router-topk-scaling-factor",
                             "2.0"],
 }
@@ -96,6 +98,8 @@ CASES = {  # name: (world, layout flags, model variant)
                                                "--recompute-num-layers", "1"], "sigmoid-bias"),
     "tp2-etp1-ep2-alltoall": (2, TP2 + EP2 + ["--expert-tensor-parallel-size", "1"] + A2A, "top2-softmax"),
     "tp2-etp1-ep2-allgather": (2, TP2 + EP2 + ["--expert-tensor-parallel-size", "1"] + AG, "shared-gate"),
+    "ep2-alltoall-per-token": (2, EP2 + A2A, "per-token"),
+    "ep2-tp2-sp-allgather-per-token": (4, EP2 + TP2 + AG, "per-token"),
     "ep4-alltoall": (4, ["--expert-model-parallel-size", "4"] + A2A, "top2-softmax"),
     "ep4-allgather": (4, ["--expert-model-parallel-size", "4"] + AG, "sigmoid-bias"),
     "ep2-tp2-sp-alltoall": (4, EP2 + TP2 + A2A, "top2-softmax"),

@@ -9,6 +9,7 @@ from megatronish.config import llama
 from megatronish.model import GPTModel
 from megatronish.model.mlp import MLP
 from megatronish.model.norms import LayerNorm, RMSNorm
+from megatronish.parallel.cross_entropy import fused_vocab_parallel_cross_entropy
 from megatronish.parallel.dims import ConfigError
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -55,34 +56,40 @@ def test_one_clear_error_where_kernels_cannot_run(where):
         kernels.check_kernels_available(["--use-triton-kernels", "--cross-entropy-loss-fusion"])
 
 
+TRITON_LOSS = ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te"]
+
+
 def test_flags_checked_at_argument_validation(where, capsys):
     where(triton=True, interpret=False)
-    for flag in ("--use-triton-kernels", "--cross-entropy-loss-fusion"):
-        args = parse_args(BASE + [flag])
+    for flags in (["--use-triton-kernels"], TRITON_LOSS):
+        args = parse_args(BASE + flags)
         with pytest.raises(SystemExit) as e:
             exit_on_config_error(lambda: validate_args(args, 1))
         assert e.value.code == 2
         err = capsys.readouterr().err
-        assert err.startswith(f"error: {flag}: the fused Triton kernels need") and "Traceback" not in err
-    with pytest.raises(ConfigError, match="--cross-entropy-fusion-impl te: Transformer Engine's fused cross "
-                                          "entropy is not available"):
-        where(triton=True, interpret=True)
-        validate_args(parse_args(BASE + ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te"]), 1)
+        assert err.startswith(f"error: {flags[0]}") and "the fused Triton kernels need" in err
+        assert "Traceback" not in err
+    # the native fused loss is PyTorch: valid anywhere, triton or not
+    where(triton=False, interpret=False)
+    validate_args(parse_args(BASE + ["--cross-entropy-loss-fusion"]), 1)
+    validate_args(parse_args(BASE + ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "native"]), 1)
 
 
 def test_flags_reach_the_model_config(where):
     where(triton=True, interpret=True)
     cfg = configs_from_args(parse_args(BASE + ["--use-triton-kernels"]), 1)
     assert cfg.model.use_triton_kernels and not cfg.model.cross_entropy_loss_fusion
-    cfg = configs_from_args(parse_args(BASE + ["--cross-entropy-loss-fusion"]), 1)
-    assert cfg.model.cross_entropy_loss_fusion and not cfg.model.use_triton_kernels
+    cfg = configs_from_args(parse_args(BASE + TRITON_LOSS), 1)
+    assert cfg.model.cross_entropy_loss_fusion and cfg.model.cross_entropy_fusion_impl == "te"
+    assert not cfg.model.use_triton_kernels
     cfg = configs_from_args(parse_args(BASE), 1)
     assert not cfg.model.use_triton_kernels and not cfg.model.cross_entropy_loss_fusion
+    assert cfg.model.cross_entropy_fusion_impl == "native"
 
 
 def _hooks(model):
     return [m.use_triton_kernels for m in model.modules() if isinstance(m, (LayerNorm, RMSNorm, MLP))] + \
-        [model.rotary.use_triton_kernels, model.cross_entropy_loss_fusion]
+        [model.rotary.use_triton_kernels, model.loss_fn is kernels.vocab_parallel_cross_entropy]
 
 
 def test_model_hooks(where):
@@ -94,6 +101,10 @@ def test_model_hooks(where):
     with pytest.raises(ConfigError, match="--use-triton-kernels: "):
         GPTModel(llama(**kw, use_triton_kernels=True))
     where(triton=True, interpret=True)
-    on = GPTModel(llama(**kw, use_triton_kernels=True, cross_entropy_loss_fusion=True))
+    on = GPTModel(llama(**kw, use_triton_kernels=True, cross_entropy_loss_fusion=True,
+                        cross_entropy_fusion_impl="te"))
     assert all(_hooks(on))
+    where(triton=False, interpret=False)
+    native = GPTModel(llama(**kw, cross_entropy_loss_fusion=True))  # no triton needed
+    assert native.loss_fn is fused_vocab_parallel_cross_entropy and not any(_hooks(native))
     assert len(on.rotary(4)) == 3

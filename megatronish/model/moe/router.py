@@ -181,6 +181,7 @@ class TopKRouter(nn.Module):
                                             requires_grad=False)
             set_desc(self.expert_bias, TensorDesc((c.num_experts,), None, 1, "zeros"))
         self.aux_loss_scale = 1.0
+        self.per_token = False  # --calculate-per-token-loss: each loss's gradient weighted by the token count
         self.loss_types = self._loss_types()
         self._global_tokens = None  # global_aux_loss: running sum over the step's micro-batches
         self._global_steps = 0
@@ -213,6 +214,8 @@ class TopKRouter(nn.Module):
 
     def _attach(self, x: torch.Tensor, loss: torch.Tensor, name: str, coeff: float) -> torch.Tensor:
         self.stats[name] += (loss / coeff).detach().float()
+        if self.per_token:  # Megatron: the loss times this micro-batch's tokens (x's rows)
+            loss = loss * x.shape[0]
         return AuxLossScaler.apply(x, loss, self.aux_loss_scale)
 
     def forward(self, x: torch.Tensor):

@@ -27,12 +27,15 @@ def moe_layers(chunks) -> list:
     return [m for c in chunks for m in c.modules() if isinstance(m, MoELayer)]
 
 
-def start_step(chunks, aux_loss_scale: float) -> None:
+def start_step(chunks, aux_loss_scale: float, per_token: bool = False) -> None:
     """Reset every router's step statistics and set the backward scale of its losses (the main loss's:
-    ``loss_scale / num_microbatches``)."""
+    ``loss_scale / num_microbatches``, or ``loss_scale`` under ``--calculate-per-token-loss``, where each loss
+    is also weighted by the micro-batch's token count, as Megatron does: the gradients are divided by the global
+    batch's token count afterwards)."""
     for layer in moe_layers(chunks):
         layer.router.reset_stats()
         layer.router.aux_loss_scale = aux_loss_scale
+        layer.router.per_token = per_token
 
 
 def _all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:

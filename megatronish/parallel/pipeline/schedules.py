@@ -50,7 +50,7 @@ __all__ = [
 # ============================================================================ no pipelining
 def forward_backward_no_pipelining(forward_step, data_iterator, model, num_microbatches: int,
                                    forward_only: bool = False, *, timeline=None, grad_scale_func=None,
-                                   **_pipeline_kwargs) -> list[dict]:
+                                   per_token_loss: bool = False, **_pipeline_kwargs) -> list[dict]:
     """All microbatches on this rank, one after the other. The data-parallel gradient reduction is
     disabled (``model.no_sync()``) for all but the last microbatch, whose backward launches it.
 
@@ -58,7 +58,9 @@ def forward_backward_no_pipelining(forward_step, data_iterator, model, num_micro
     schedules' keywords (``tensor_shape``, ``dtype``) are accepted and ignored, so
     :func:`get_forward_backward_func`'s result is called the same way for every layout.
     ``grad_scale_func(loss) -> loss`` (every schedule): applied to the loss before its backward (the fp16
-    loss scale; Megatron's ``config.grad_scale_func``).
+    loss scale; Megatron's ``config.grad_scale_func``). ``per_token_loss`` (every schedule;
+    ``--calculate-per-token-loss``): the microbatch losses are token sums, back-propagated as they are (not divided
+    by the number of microbatches); the caller divides the gradients by the global batch's token count.
     """
     if isinstance(model, (list, tuple)):
         model = _single(model, "model")
@@ -73,7 +75,7 @@ def forward_backward_no_pipelining(forward_step, data_iterator, model, num_micro
             loss, s = loss_func(output)
         if not forward_only:
             with span(timeline, "B", microbatch=mb, chunk=0):
-                _scaled(grad_scale_func, loss / num_microbatches).backward()
+                _scaled(grad_scale_func, loss if per_token_loss else loss / num_microbatches).backward()
         stats.append(s)
 
     with no_sync():  # accumulation microbatches: gradients stay local
@@ -315,9 +317,10 @@ class _Runner:
     """Forward / backward of one microbatch on one chunk, with what must live until its backward."""
 
     def __init__(self, forward_step, data_iterators, chunks, num_microbatches, forward_only, last_rank, timeline,
-                 grad_scale_func=None):
+                 grad_scale_func=None, per_token_loss=False):
         self.forward_step, self.data, self.chunks = forward_step, data_iterators, chunks
         self.grad_scale_func = grad_scale_func
+        self.loss_divisor = 1 if per_token_loss else num_microbatches
         self.M, self.forward_only, self.timeline = num_microbatches, forward_only, timeline
         self.v = len(chunks)
         self.last_rank = last_rank
@@ -340,7 +343,7 @@ class _Runner:
             if self.last_rank and c == self.v - 1:  # the last global stage: the loss, nothing to send
                 loss, stats = loss_func(y)
                 self.stats.append(stats)
-                y, to_send = loss / self.M, None
+                y, to_send = loss / self.loss_divisor, None
         if not self.forward_only:
             self.in_flight[c].append((mb, x, y))
         return to_send
@@ -405,7 +408,7 @@ def _communicator(p2p, tensor_shape, dtype, chunks, timeline, parallel):
 def forward_backward_pipelining_without_interleaving(
         forward_step, data_iterator, model, num_microbatches: int, forward_only: bool = False, *,
         tensor_shape=None, dtype=torch.float32, timeline=None, p2p=None, grad_scale_func=None,
-        parallel=None) -> list[dict]:
+        parallel=None, per_token_loss: bool = False) -> list[dict]:
     """1F1B over this rank's one chunk (``model``: a module or a one-element list).
 
     ``tensor_shape``: ``(s [/t under SP], b, h)`` of the tensors between stages; ``dtype`` their dtype;
@@ -417,7 +420,7 @@ def forward_backward_pipelining_without_interleaving(
     data = _as_list(data_iterator, 1, "data_iterator")
     comm = _communicator(p2p, tensor_shape, dtype, chunks, timeline, parallel)
     run = _Runner(forward_step, data, chunks, num_microbatches, forward_only, comm.is_last_stage, timeline,
-                  grad_scale_func)
+                  grad_scale_func, per_token_loss)
     try:
         _one_f_one_b(run, comm, num_microbatches, forward_only)
     finally:
@@ -428,7 +431,7 @@ def forward_backward_pipelining_without_interleaving(
 def forward_backward_pipelining_with_interleaving(
         forward_step, data_iterator, model, num_microbatches: int, forward_only: bool = False, *,
         tensor_shape=None, dtype=torch.float32, timeline=None, p2p=None, grad_scale_func=None,
-        parallel=None) -> list[dict]:
+        parallel=None, per_token_loss: bool = False) -> list[dict]:
     """Interleaved 1F1B over this rank's ``v`` chunks (``model``: list of chunks, ``data_iterator``: list of one
     iterator per chunk; each chunk reads microbatches 0..M-1 in order). ``num_microbatches`` must be a
     multiple of the pipeline size. Other arguments as the non-interleaved schedule."""
@@ -437,7 +440,7 @@ def forward_backward_pipelining_with_interleaving(
     comm = _communicator(p2p, tensor_shape, dtype, chunks, timeline, parallel)
     check_interleaving(comm.pp_size, len(chunks), num_microbatches)
     run = _Runner(forward_step, data, chunks, num_microbatches, forward_only, comm.is_last_stage, timeline,
-                  grad_scale_func)
+                  grad_scale_func, per_token_loss)
     try:
         _interleaved_1f1b(run, comm, num_microbatches, len(chunks), forward_only)
     finally:
