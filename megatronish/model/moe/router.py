@@ -214,8 +214,9 @@ class TopKRouter(nn.Module):
 
     def _attach(self, x: torch.Tensor, loss: torch.Tensor, name: str, coeff: float) -> torch.Tensor:
         self.stats[name] += (loss / coeff).detach().float()
-        if self.per_token:  # Megatron: the loss times this micro-batch's tokens (x's rows)
-            loss = loss * x.shape[0]
+        if self.per_token:  # the loss times the micro-batch's tokens: x's rows on every rank of the sequence
+            # (Megatron multiplies by this rank's rows only, which under TP/CP shrinks the loss by TP x CP)
+            loss = loss * (x.shape[0] * group_size(self.tp_cp_group))
         return AuxLossScaler.apply(x, loss, self.aux_loss_scale)
 
     def forward(self, x: torch.Tensor):

@@ -31,7 +31,8 @@ def start_step(chunks, aux_loss_scale: float, per_token: bool = False) -> None:
     """Reset every router's step statistics and set the backward scale of its losses (the main loss's:
     ``loss_scale / num_microbatches``, or ``loss_scale`` under ``--calculate-per-token-loss``, where each loss
     is also weighted by the micro-batch's token count, as Megatron does: the gradients are divided by the global
-    batch's token count afterwards)."""
+    batch's token count afterwards). The count is the whole micro-batch's, also when TP x CP split its sequences
+    (Megatron takes one rank's share there, so its aux losses shrink by TP x CP in that mode)."""
     for layer in moe_layers(chunks):
         layer.router.reset_stats()
         layer.router.aux_loss_scale = aux_loss_scale
