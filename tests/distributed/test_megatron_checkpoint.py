@@ -27,17 +27,17 @@ pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 TP, PP, ITER = 2, 2, 7
 
 
-def _ours(flavor, load, extra=()):
+def _ours(flavor, load, extra=(), tp=TP, pp=PP):
     from megatronish.arguments import configs_from_args, parse_args
     from megatronish.parallel import groups
     from megatronish.training.pretrain import setup
 
     groups.destroy_model_parallel()
-    argv = mcs.our_flags(flavor) + ["--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "10",
+    argv = mcs.our_flags(flavor) + ["--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "5",
                                     "--lr", "1e-2", "--min-lr", "1e-3", "--lr-decay-style", "cosine",
                                     "--mock-data", "--eval-iters", "0", "--attention-dropout", "0",
-                                    "--hidden-dropout", "0", "--tensor-model-parallel-size", str(TP),
-                                    "--pipeline-model-parallel-size", str(PP), "--load", load, *extra]
+                                    "--hidden-dropout", "0", "--tensor-model-parallel-size", str(tp),
+                                    "--pipeline-model-parallel-size", str(pp), "--load", load, *extra]
     cfg = configs_from_args(parse_args(argv), dist.get_world_size())
     run, state = setup(cfg)
     tensors = {}
@@ -107,6 +107,12 @@ def _worker(rank, world, root):
             res["ours_step"] = run_.optimizer.scalar_state_dict()["step"]
             res["lr"] = run_.scheduler.num_steps
         _, _, res["ours_legacy"] = _ours(flavor, legacy_dir, ("--no-load-optim",))
+        # ours at TP 1 (4 data-parallel ranks, distributed optimizer): every rank holds the global tensors
+        run_, _, res["ours_tp1"] = _ours(flavor, dist_dir, ("--use-distributed-optimizer",) + extra, tp=1, pp=1)
+        if opt is not None:
+            params = {id(p): n for m in run_.models for n, p in m.named_global_parameters()}
+            res["ours_tp1_exp_avg"] = {params[id(p)]: st["exp_avg"].clone()
+                                       for p, st in run_.optimizer.sharded_param_state()}
         # our --saver megatron, from both sources, back into megatron-core's own model
         for src in ("torch_dist", "legacy"):
             target = os.path.join(root, flavor, f"to_megatron_{src}")
@@ -166,14 +172,14 @@ def test_loads_at_tp2_pp2_and_saves_back(results, flavor):
             _compare(res["ref_exp_avg"], res["ours_exp_avg"], "Adam exp_avg")
 
 
-def _global_reference(per_rank, flavor):
+def _global_reference(per_rank, flavor, what="ref"):
     """megatron-core's TP pieces put together (the fused [gate; up] of each rank split and re-stacked)."""
     from megatronish.checkpoint.megatron_format import tp_split
 
     pieces = {}
     for r in per_rank:
         tp_rank, _ = r["coords"]
-        for name, t in r[flavor]["ref"].items():
+        for name, t in r[flavor][what].items():
             pieces.setdefault(name, {})[tp_rank] = t
     out = {}
     for name, by_rank in pieces.items():
@@ -200,6 +206,13 @@ def test_tp1_and_hf_loss(results, flavor, tmp_path):
     root, per_rank = results
     ref = _global_reference(per_rank, flavor)
     f = mcs.FLAVORS[flavor]
+    for r in per_rank:  # --load at TP 1 (DP 4, distributed optimizer): the global tensors on every rank
+        got = r[flavor]["ours_tp1"]
+        assert set(got) == set(ref), sorted(set(got) ^ set(ref))
+        _compare(ref, got, "torch_dist at TP1")
+        if flavor == "llama":
+            _compare(_global_reference(per_rank, flavor, "ref_exp_avg"), r[flavor]["ours_tp1_exp_avg"],
+                     "Adam exp_avg at TP1 with the distributed optimizer")
     for src in ("torch_dist", "legacy"):
         mine = tmp_path / f"mine_{src}"
         _cli(["--model-type", "GPT", "--loader", "megatron", "--saver", "megatronish", "--load-dir",
@@ -285,3 +298,21 @@ def test_shape_flags_contradict(results):
 
     msgs = run_distributed(worker, TP * PP)
     assert all(m and m.startswith("--hidden-size: checkpoint") and "\n" not in m for m in msgs), msgs
+
+
+@pytest.mark.parametrize("source", ["torch_dist", "legacy"])
+def test_use_checkpoint_args(results, source):
+    """--use-checkpoint-args takes the model shape (and the NullTokenizer vocabulary) from Megatron's stored args."""
+    from megatronish.arguments import configs_from_args, parse_args
+
+    root, _ = results
+    argv = ["--use-checkpoint-args", "--load", os.path.join(root, "llama", source), "--micro-batch-size", "1",
+            "--mock-data", "--train-iters", "1", "--lr", "1e-3", "--no-load-optim"]
+    model = configs_from_args(parse_args(argv), 1).model
+    f = mcs.FLAVORS["llama"]
+    assert (model.num_layers, model.hidden_size, model.num_attention_heads, model.num_query_groups,
+            model.ffn_hidden_size, model.swiglu, model.normalization, model.position_embedding_type,
+            model.add_bias_linear, model.untie_embeddings_and_output_weights, model.vocab_size,
+            model.max_position_embeddings) == (
+        f["num_layers"], f["hidden_size"], f["num_attention_heads"], f["num_query_groups"], f["ffn_hidden_size"],
+        True, "RMSNorm", "rope", False, True, mcs.VOCAB + 1, mcs.MAX_POS)
