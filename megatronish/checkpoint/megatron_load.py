@@ -22,8 +22,9 @@ from .dcp_io import CheckpointError, Piece, Sharded
 from .megatron_format import Legacy, TorchDist, model_fields
 from .state import Entries, tp_pieces
 
-_OPT_KEYS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "momentum_buffer": "momentum_buffer",
-             "main_param": "fp32_param"}
+# our optimizer state key -> Megatron's names for it (fp32_param: Float16Optimizer; param: distributed optimizer
+# saved fully_reshardable)
+_OPT_KEYS = {"main_param": ("fp32_param", "param")}
 
 
 def _log(msg: str) -> None:
@@ -32,12 +33,17 @@ def _log(msg: str) -> None:
 
 
 def _find_step(common: dict) -> int:
+    """The optimizer step: ``state.common_step`` (megatron-core's optimizers) or a param group's ``step``
+    (the distributed optimizer), possibly one ``optimizer`` level down (Float16Optimizer)."""
     opt = common.get("optimizer") or {}
     for holder in (opt, opt.get("optimizer") if isinstance(opt, dict) else None):
         if isinstance(holder, dict):
             st = holder.get("state")
             if isinstance(st, dict) and st.get("common_step") is not None:
                 return int(st["common_step"])
+            for group in holder.get("param_groups") or []:
+                if isinstance(group, dict) and group.get("step") is not None:
+                    return int(group["step"])
     return 0
 
 
@@ -54,10 +60,10 @@ def load_megatron(ckpt, state, iter_dir: str, kind: str) -> bool:
     release = bool(str(iter_dir).rstrip("/").endswith("release"))
     fresh = ck.finetune or release
     if kind == "legacy":
-        _load_legacy(ckpt, src)
         if not fresh and not ck.no_load_optim and ckpt.opt is not None:
             raise CheckpointError(f"{iter_dir}: optimizer state of a legacy (--ckpt-format torch) Megatron checkpoint "
                                   "is not read; pass --no-load-optim (or --finetune)")
+        _load_legacy(ckpt, src)
     else:
         load_optim = not fresh and not ck.no_load_optim and ckpt.opt is not None
         _load_torch_dist(ckpt, src, load_optim)
@@ -84,11 +90,13 @@ def _load_torch_dist(ckpt, src: TorchDist, load_optim: bool) -> None:
         tensors = {"": p.data}
         if param_state is not None:
             for k, t in got[id(p)].items():
-                prefix = f"optimizer.state.{_OPT_KEYS.get(k, k)}."
-                if prefix + key not in src.tensor_keys:
+                prefix = next((f"optimizer.state.{m}." for m in _OPT_KEYS.get(k, (k,))
+                               if f"optimizer.state.{m}.{key}" in src.tensor_keys), None)
+                if prefix is None:
                     if k == "main_param":  # an fp32 run: the master copy is the model weight
                         prefix = ""
                     else:
+                        prefix = f"optimizer.state.{k}."
                         raise CheckpointError(
                             f"Megatron checkpoint {src.iter_dir} has no optimizer state {prefix + key!r} (its "
                             "optimizer state is not stored per parameter: a distributed-optimizer checkpoint saved "
@@ -106,7 +114,12 @@ def _load_torch_dist(ckpt, src: TorchDist, load_optim: bool) -> None:
                     entries.add(prefix + key, Sharded((stored[0], *desc.global_shape),
                                                       [Piece(pc.tensor.unsqueeze(0), (layer, *pc.offsets))]))
     for key, entry in entries.items():
-        dcp_io.check_shape(key, tuple(src.tensor_keys[key].size), entry)
+        stored = tuple(src.tensor_keys[key].size)
+        if key.startswith("optimizer.") and stored != tuple(entry.global_shape) and not entry.resizable_rows:
+            raise CheckpointError(f"Megatron checkpoint {src.iter_dir} stores {key!r} as {list(stored)}, not in the "
+                                  f"parameter's shape {list(entry.global_shape)} (an optimizer layout tied to the "
+                                  "saving run); pass --no-load-optim")
+        dcp_io.check_shape(key, stored, entry)
     dcp_io.load(entries, src.iter_dir, process_group=ckpt._group)
     if param_state is not None:
         ckpt.opt.load_sharded_param_state(lambda p: got[id(p)])

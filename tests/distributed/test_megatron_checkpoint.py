@@ -288,16 +288,22 @@ def test_shape_flags_contradict(results):
     """--load of a Megatron checkpoint whose stored args differ from the run's flags: one line naming the flag."""
     root, _ = results
 
-    def worker(rank, world):
+    def attempt(*args):
         try:
-            _ours("llama", os.path.join(root, "llama", "torch_dist"), ("--no-load-optim", "--hidden-size", "64",
-                                                                      "--num-attention-heads", "8"))
+            _ours(*args)
         except CheckpointError as e:
             return str(e)
         return None
 
-    msgs = run_distributed(worker, TP * PP)
-    assert all(m and m.startswith("--hidden-size: checkpoint") and "\n" not in m for m in msgs), msgs
+    def worker(rank, world):
+        return (attempt("llama", os.path.join(root, "llama", "torch_dist"), ("--no-load-optim", "--hidden-size", "64",
+                                                                            "--num-attention-heads", "8")),
+                attempt("gpt2", os.path.join(root, "gpt2", "torch_dist")))  # no optimizer state stored
+
+    for shape, optim in run_distributed(worker, TP * PP):
+        assert shape and shape.startswith("--hidden-size: checkpoint") and "\n" not in shape, shape
+        assert optim and "has no optimizer state 'optimizer.state.exp_avg." in optim and optim.endswith(
+            "pass --no-load-optim"), optim
 
 
 @pytest.mark.parametrize("source", ["torch_dist", "legacy"])
