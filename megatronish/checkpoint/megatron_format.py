@@ -486,14 +486,20 @@ class Legacy:
 
     def shape(self, name: str) -> tuple[int, ...] | None:
         try:
-            return tuple(self.read(name).shape)
+            parts = self._parts(name)
         except CheckpointError:
             return None
+        shape = list(parts[0].shape)
+        split = tp_split(name, self.swiglu)
+        if split is not None:
+            shape[split[0]] *= self.tp
+        return tuple(shape)
 
     def dtype(self, name: str) -> torch.dtype:
-        return self.read(name).dtype
+        return self._parts(name)[0].dtype
 
-    def read(self, name: str) -> torch.Tensor:
+    def _parts(self, name: str) -> list[torch.Tensor]:
+        """The TP ranks' local tensors of our global ``name`` (memory-mapped)."""
         stage, cands = self._local(name)
         sds = self._stage_sds(stage)
         key = next((c for c in cands if c in sds[0]), None)
@@ -501,9 +507,13 @@ class Legacy:
             raise CheckpointError(f"{self.files[(0, stage)]}: no tensor {cands[0]!r} (needed for {name})")
         parts = []
         for t, sd in enumerate(sds):
-            if key not in sd:
+            if not isinstance(sd.get(key), torch.Tensor):
                 raise CheckpointError(f"{self.files[(t, stage)]}: no tensor {key!r} (needed for {name})")
             parts.append(sd[key])
+        return parts
+
+    def read(self, name: str) -> torch.Tensor:
+        parts = self._parts(name)
         split = tp_split(name, self.swiglu)
         if split is None or self.tp == 1:
             return parts[0].clone()

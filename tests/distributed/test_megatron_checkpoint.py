@@ -226,6 +226,19 @@ def test_tp1_and_hf_loss(results, flavor, tmp_path):
     hf_dir = tmp_path / "hf"
     _cli(["--model-type", "GPT", "--loader", "megatron", "--saver", "hf", "--load-dir",
                    os.path.join(root, flavor, "torch_dist"), "--save-dir", str(hf_dir)])
+    # HF -> Megatron (what a Megatron-LM user loads) -> ours: the same tensors
+    _cli(["--model-type", "GPT", "--loader", "hf", "--saver", "megatron", "--load-dir", str(hf_dir), "--save-dir",
+          str(tmp_path / "hf_to_megatron"), "--target-tensor-parallel-size", "2", "--make-vocab-size-divisible-by",
+          str(mcs.DIVISIBLE)])
+    _cli(["--model-type", "GPT", "--loader", "megatron", "--saver", "megatronish", "--load-dir",
+          str(tmp_path / "hf_to_megatron"), "--save-dir", str(tmp_path / "round"), "--true-vocab-size",
+          str(mcs.VOCAB + 1)])
+    from megatronish.checkpoint.offline import iter_model_tensors
+
+    back = dict(iter_model_tensors(str(tmp_path / "round")))
+    assert set(back) == set(ref)
+    for name in ref:
+        assert torch.equal(back[name][: mcs.VOCAB + 1], ref[name][: mcs.VOCAB + 1]), name
     cfg = ModelConfig(num_layers=f["num_layers"], hidden_size=f["hidden_size"],
                       num_attention_heads=f["num_attention_heads"], num_query_groups=f["num_query_groups"],
                       ffn_hidden_size=f["ffn_hidden_size"], swiglu=f["swiglu"], normalization=f["normalization"],
@@ -246,7 +259,7 @@ def test_tp1_and_hf_loss(results, flavor, tmp_path):
     torch.testing.assert_close(our_loss, hf_loss, rtol=1e-5, atol=0)
 
 
-def test_bad_inputs(results, tmp_path):
+def test_bad_inputs(results, tmp_path, capsys):
     from megatronish.convert.hf_config import ConvertError
 
     root, _ = results
@@ -274,6 +287,14 @@ def test_bad_inputs(results, tmp_path):
     (other / "metadata.json").write_text('{"sharded_backend": "zarr", "sharded_backend_version": 1}')
     with pytest.raises(ConvertError, match="'zarr'"):
         conv(str(other))
+    # the command line's entry: exit status 2 and one line
+    from megatronish.tools.convert_checkpoint import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--model-type", "GPT", "--loader", "megatron", "--saver", "hf", "--load-dir", str(other),
+              "--save-dir", str(tmp_path / "x")])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and "'zarr'" in err, err
     # an unpickling allow-list miss
     bad = tmp_path / "bad" / "iter_0000001" / "mp_rank_00"
     bad.mkdir(parents=True)
