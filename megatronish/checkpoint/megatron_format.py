@@ -62,8 +62,11 @@ _ALT_KEYS = {"input_layernorm.weight": "input_layernorm.weight", "input_layernor
 # linear layers that have an ``_extra_state`` in megatron-core's model
 EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 
-# tensor-parallel split of each tensor in Megatron's model: (dim, stride); absent = replicated
+
+
 def tp_split(name: str, swiglu: bool) -> tuple[int, int] | None:
+    """How Megatron's model splits our global tensor ``name`` over TP ranks: ``(dim, stride)`` (stride 2: each rank
+    holds its block of both halves, SwiGLU's ``[gate_t; up_t]``), or None when it is replicated."""
     suffix = name.split(".", 3)[-1] if name.startswith("decoder.layers.") else name
     if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
         return (0, 1)
