@@ -117,10 +117,9 @@ def _worker(rank, world, root):
         for src in ("torch_dist", "legacy"):
             target = os.path.join(root, flavor, f"to_megatron_{src}")
             if rank == 0:
-                _cli(["--model-type", "GPT", "--loader", "megatron", "--saver", "megatron",
-                               "--load-dir", os.path.join(root, flavor, src), "--save-dir", target,
-                               "--target-tensor-parallel-size", str(TP), "--target-pipeline-parallel-size",
-                               str(PP)])
+                _cli(["--model-type", "GPT", "--loader", "megatron", "--saver", "megatron", "--load-dir",
+                      os.path.join(root, flavor, src), "--save-dir", target, "--target-tensor-parallel-size", str(TP),
+                      "--target-pipeline-parallel-size", str(PP)])
             dist.barrier()
             fresh = mcs.build_gpt(flavor, TP, PP, seed=2)
             loaded = dist_checkpointing.load({"model": fresh.sharded_state_dict()}, os.path.join(target, "release"))
@@ -199,6 +198,7 @@ def _global_reference(per_rank, flavor, what="ref"):
 def test_tp1_and_hf_loss(results, flavor, tmp_path):
     from transformers import AutoModelForCausalLM
 
+    from megatronish.checkpoint.offline import iter_model_tensors
     from megatronish.config import ModelConfig
     from megatronish.convert.core import load_into_model
     from megatronish.model.gpt import GPTModel
@@ -216,16 +216,14 @@ def test_tp1_and_hf_loss(results, flavor, tmp_path):
     for src in ("torch_dist", "legacy"):
         mine = tmp_path / f"mine_{src}"
         _cli(["--model-type", "GPT", "--loader", "megatron", "--saver", "megatronish", "--load-dir",
-                       os.path.join(root, flavor, src), "--save-dir", str(mine)])
-        from megatronish.checkpoint.offline import iter_model_tensors
-
+              os.path.join(root, flavor, src), "--save-dir", str(mine)])
         got = dict(iter_model_tensors(str(mine)))
         assert set(got) == set(ref), sorted(set(got) ^ set(ref))
         for name in ref:
             assert torch.equal(got[name], ref[name]), (src, name)
     hf_dir = tmp_path / "hf"
     _cli(["--model-type", "GPT", "--loader", "megatron", "--saver", "hf", "--load-dir",
-                   os.path.join(root, flavor, "torch_dist"), "--save-dir", str(hf_dir)])
+          os.path.join(root, flavor, "torch_dist"), "--save-dir", str(hf_dir)])
     # HF -> Megatron (what a Megatron-LM user loads) -> ours: the same tensors
     _cli(["--model-type", "GPT", "--loader", "hf", "--saver", "megatron", "--load-dir", str(hf_dir), "--save-dir",
           str(tmp_path / "hf_to_megatron"), "--target-tensor-parallel-size", "2", "--make-vocab-size-divisible-by",
@@ -233,8 +231,6 @@ def test_tp1_and_hf_loss(results, flavor, tmp_path):
     _cli(["--model-type", "GPT", "--loader", "megatron", "--saver", "megatronish", "--load-dir",
           str(tmp_path / "hf_to_megatron"), "--save-dir", str(tmp_path / "round"), "--true-vocab-size",
           str(mcs.VOCAB + 1)])
-    from megatronish.checkpoint.offline import iter_model_tensors
-
     back = dict(iter_model_tensors(str(tmp_path / "round")))
     assert set(back) == set(ref)
     for name in ref:
@@ -266,7 +262,7 @@ def test_bad_inputs(results, tmp_path, capsys):
 
     def conv(load):
         _cli(["--model-type", "GPT", "--loader", "megatron", "--saver", "megatronish", "--load-dir", load,
-                       "--save-dir", str(tmp_path / "out")])
+              "--save-dir", str(tmp_path / "out")])
 
     # a missing shard
     broken = tmp_path / "missing_shard"
@@ -301,8 +297,6 @@ def test_bad_inputs(results, tmp_path, capsys):
     torch.save({"model": {}, "args": None, "hook": os.getcwd}, bad / "model_optim_rng.pt")
     with pytest.raises(ConvertError, match="refusing to unpickle"):
         conv(str(bad.parent))
-    for err in (ConvertError, CheckpointError):
-        assert issubclass(err, Exception)
 
 
 def test_shape_flags_contradict(results):
