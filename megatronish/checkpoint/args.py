@@ -14,7 +14,7 @@ def _megatron_meta(path: str) -> dict:
     model = megatron_format.model_fields(ck.args, ck.where)
     vocab = megatron_format.true_vocab_size(ck.args)
     data = {}
-    if vocab is not None and getattr(ck.args, "tokenizer_type", None) == "NullTokenizer":
+    if vocab is not None and megatron_format.stored_arg(ck.args, "tokenizer_type") == "NullTokenizer":
         data = {"tokenizer_type": "NullTokenizer", "vocab_size_flag": vocab - 1}
     return {"iter_dir": ck.iter_dir, "config": {"model": model, "data": data}}
 

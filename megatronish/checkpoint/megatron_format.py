@@ -214,7 +214,10 @@ def resolve(path: str) -> tuple[str, int | None]:
     return found
 
 
-def _get(args, name, default=None):
+def stored_arg(args, name, default=None):
+    """A stored arg (``args``: Megatron's ``argparse.Namespace``, or a dict of it)."""
+    if isinstance(args, dict):
+        return args.get(name, default)
     return getattr(args, name, default) if args is not None else default
 
 
@@ -228,32 +231,30 @@ def model_fields(args, where: str) -> dict:
     """Our ``ModelConfig`` fields (all but ``vocab_size``) from Megatron's ``args``."""
     if args is None:
         raise CheckpointError(f"{where} stores no args; the model shape is unknown")
-    if isinstance(args, dict):
-        args = argparse.Namespace(**args)
     for name, fine in _UNSUPPORTED:
-        value = _get(args, name)
+        value = stored_arg(args, name)
         if value is not None and value != fine:
             raise CheckpointError(f"{where}: --{name.replace('_', '-')} {value!r} is not supported when reading "
                                   "Megatron checkpoints (dense GPT-2/Llama-style models only)")
-    heads = _get(args, "num_attention_heads")
-    groups = _get(args, "num_query_groups") if _get(args, "group_query_attention") else heads
+    heads = stored_arg(args, "num_attention_heads")
+    groups = stored_arg(args, "num_query_groups") if stored_arg(args, "group_query_attention") else heads
     fields = {
-        "num_layers": _get(args, "num_layers"), "hidden_size": _get(args, "hidden_size"),
+        "num_layers": stored_arg(args, "num_layers"), "hidden_size": stored_arg(args, "hidden_size"),
         "num_attention_heads": heads, "num_query_groups": groups or heads,
-        "ffn_hidden_size": _get(args, "ffn_hidden_size"), "kv_channels": _get(args, "kv_channels"),
-        "seq_length": _get(args, "seq_length") or _get(args, "max_position_embeddings") or 1024,
-        "max_position_embeddings": _get(args, "max_position_embeddings"),
-        "position_embedding_type": _get(args, "position_embedding_type", "learned_absolute"),
-        "rotary_base": int(_get(args, "rotary_base", 10000) or 10000),
-        "rotary_percent": float(_get(args, "rotary_percent", 1.0) or 1.0),
-        "normalization": _get(args, "normalization", "LayerNorm"),
-        "norm_epsilon": float(_get(args, "norm_epsilon", 1e-5)),
-        "swiglu": bool(_get(args, "swiglu", False)), "openai_gelu": bool(_get(args, "openai_gelu", False)),
-        "untie_embeddings_and_output_weights": bool(_get(args, "untie_embeddings_and_output_weights", False)),
-        "add_bias_linear": bool(_get(args, "add_bias_linear", True)),
-        "add_qkv_bias": bool(_get(args, "add_qkv_bias", False)),
-        "make_vocab_size_divisible_by": int(_get(args, "make_vocab_size_divisible_by", 128) or 128),
-        "init_method_std": float(_get(args, "init_method_std", 0.02) or 0.02),
+        "ffn_hidden_size": stored_arg(args, "ffn_hidden_size"), "kv_channels": stored_arg(args, "kv_channels"),
+        "seq_length": stored_arg(args, "seq_length") or stored_arg(args, "max_position_embeddings") or 1024,
+        "max_position_embeddings": stored_arg(args, "max_position_embeddings"),
+        "position_embedding_type": stored_arg(args, "position_embedding_type", "learned_absolute"),
+        "rotary_base": int(stored_arg(args, "rotary_base", 10000) or 10000),
+        "rotary_percent": float(stored_arg(args, "rotary_percent", 1.0) or 1.0),
+        "normalization": stored_arg(args, "normalization", "LayerNorm"),
+        "norm_epsilon": float(stored_arg(args, "norm_epsilon", 1e-5)),
+        "swiglu": bool(stored_arg(args, "swiglu", False)), "openai_gelu": bool(stored_arg(args, "openai_gelu", False)),
+        "untie_embeddings_and_output_weights": bool(stored_arg(args, "untie_embeddings_and_output_weights", False)),
+        "add_bias_linear": bool(stored_arg(args, "add_bias_linear", True)),
+        "add_qkv_bias": bool(stored_arg(args, "add_qkv_bias", False)),
+        "make_vocab_size_divisible_by": int(stored_arg(args, "make_vocab_size_divisible_by", 128) or 128),
+        "init_method_std": float(stored_arg(args, "init_method_std", 0.02) or 0.02),
     }
     missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads") if fields[k] is None]
     if missing:
@@ -266,10 +267,10 @@ def model_fields(args, where: str) -> dict:
 
 def true_vocab_size(args) -> int | None:
     """The tokenizer's vocabulary when the args tell it (NullTokenizer: ``--vocab-size`` + 1 for its eod)."""
-    vs = _get(args, "vocab_size")
+    vs = stored_arg(args, "vocab_size")
     if vs is None:
         return None
-    return int(vs) + 1 if _get(args, "tokenizer_type") == "NullTokenizer" else int(vs)
+    return int(vs) + 1 if stored_arg(args, "tokenizer_type") == "NullTokenizer" else int(vs)
 
 
 def args_to_namespace(cfg, *, tp: int, pp: int, padded_vocab: int, iteration: int = 0) -> argparse.Namespace:
@@ -410,8 +411,8 @@ class Legacy:
         self.args = head.get("args")
         self.where = first
         self.common = {k: v for k, v in head.items() if not k.startswith("model")}
-        self.tp = int(_get(self.args, "tensor_model_parallel_size", 1) or 1)
-        self.pp = int(_get(self.args, "pipeline_model_parallel_size", 1) or 1)
+        self.tp = int(stored_arg(self.args, "tensor_model_parallel_size", 1) or 1)
+        self.pp = int(stored_arg(self.args, "pipeline_model_parallel_size", 1) or 1)
         if "model" not in head:
             chunks = sorted(k for k in head if k.startswith("model"))
             raise CheckpointError(f"{first} holds model chunks {chunks} (virtual pipeline stages); convert it to "
@@ -424,14 +425,14 @@ class Legacy:
                                           LEGACY_FILE)
                     raise CheckpointError(f"missing checkpoint file {expect} (the args say TP {self.tp} x PP "
                                           f"{self.pp})")
-        layers = int(_get(self.args, "num_layers"))
-        if _get(self.args, "decoder_first_pipeline_num_layers") or _get(self.args, "decoder_last_pipeline_num_layers"):
+        layers = int(stored_arg(self.args, "num_layers"))
+        if any(stored_arg(self.args, f"decoder_{end}_pipeline_num_layers") for end in ("first", "last")):
             raise CheckpointError(f"{first}: uneven pipeline stages (--decoder-first/last-pipeline-num-layers) are "
                                   "not supported by the legacy reader")
         if layers % self.pp:
             raise CheckpointError(f"{first}: {layers} layers do not split evenly over {self.pp} pipeline stages")
         self.per_stage = layers // self.pp
-        self.swiglu = bool(_get(self.args, "swiglu", False))
+        self.swiglu = bool(stored_arg(self.args, "swiglu", False))
 
     def _load(self, path: str) -> dict:
         if not os.path.isfile(path):
@@ -476,7 +477,7 @@ class Legacy:
                 if k.endswith("_extra_state") or not isinstance(v, torch.Tensor):
                     continue
                 layer, suffix = split_layer(k)
-                if k == "output_layer.weight" and not _get(self.args, "untie_embeddings_and_output_weights"):
+                if k == "output_layer.weight" and not stored_arg(self.args, "untie_embeddings_and_output_weights"):
                     continue  # the last stage's copy of the tied word embedding
                 if layer is None:
                     if k not in out:

@@ -19,7 +19,7 @@ from ..parallel.init import split_global
 from . import dcp_io
 from .common import check_model_config
 from .dcp_io import CheckpointError, Piece, Sharded
-from .megatron_format import Legacy, TorchDist, model_fields
+from .megatron_format import Legacy, TorchDist, model_fields, stored_arg
 from .state import Entries, tp_pieces
 
 # our optimizer state key -> Megatron's names for it (fp32_param: Float16Optimizer; param: distributed optimizer
@@ -68,10 +68,9 @@ def load_megatron(ckpt, state, iter_dir: str, kind: str) -> bool:
         load_optim = not fresh and not ck.no_load_optim and ckpt.opt is not None
         _load_torch_dist(ckpt, src, load_optim)
     if not fresh:
-        args = src.args
         state.iteration = src.iteration
-        state.consumed_samples = int(getattr(args, "consumed_train_samples", 0) or 0)
-        state.valid_consumed_samples = int(getattr(args, "consumed_valid_samples", 0) or 0)
+        state.consumed_samples = int(stored_arg(src.args, "consumed_train_samples", 0) or 0)
+        state.valid_consumed_samples = int(stored_arg(src.args, "consumed_valid_samples", 0) or 0)
     _log(f"loaded Megatron {kind} checkpoint {iter_dir} (iteration {src.iteration}"
          + (", model only" if fresh or ck.no_load_optim else "") + "); RNG states are derived from --seed")
     return True
