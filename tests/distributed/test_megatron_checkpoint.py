@@ -5,9 +5,12 @@ Llama-style and a GPT-2-style model and saves it with its own ``dist_checkpointi
 optimizer's state for the Llama model) and in Megatron's legacy per-rank files; ``pretrain``'s set-up loads
 them at TP 2 x PP 2 (every local tensor equal to megatron-core's; Adam moments, step, iteration, consumed samples
 too); our ``--saver megatron`` output (from the torch_dist and from the legacy checkpoints) loads back into
-megatron-core's model with ``dist_checkpointing.load``, every tensor equal. In this process: the same
-checkpoints at TP 1 (global tensors equal to megatron-core's pieces put together), converted to HF:
-transformers' loss equals our loss on the same tokens; and the bad inputs, one line each."""
+megatron-core's model with ``dist_checkpointing.load``, every tensor equal; the torch_dist checkpoints also load
+at TP 1 x DP 4 with the distributed optimizer (global tensors and Adam moments equal to megatron-core's pieces put
+together), and one more training iteration from the loaded Llama checkpoint gives the same loss and parameters at
+both layouts. In this process: both formats converted to ours and to HF (transformers' loss equals our loss on
+the same tokens), HF -> ``--saver megatron`` -> ours, ``--use-checkpoint-args``, and the bad inputs, one line
+each."""
 import os
 import random
 import shutil
@@ -106,13 +109,16 @@ def _worker(rank, world, root):
                                    for p, st in run_.optimizer.sharded_param_state()}
             res["ours_step"] = run_.optimizer.scalar_state_dict()["step"]
             res["lr"] = run_.scheduler.num_steps
+            res["continued"] = _continue(run_, state)
         _, _, res["ours_legacy"] = _ours(flavor, legacy_dir, ("--no-load-optim",))
         # ours at TP 1 (4 data-parallel ranks, distributed optimizer): every rank holds the global tensors
-        run_, _, res["ours_tp1"] = _ours(flavor, dist_dir, ("--use-distributed-optimizer",) + extra, tp=1, pp=1)
+        run_, state, res["ours_tp1"] = _ours(flavor, dist_dir, ("--use-distributed-optimizer",) + extra, tp=1,
+                                             pp=1)
         if opt is not None:
             params = {id(p): n for m in run_.models for n, p in m.named_global_parameters()}
             res["ours_tp1_exp_avg"] = {params[id(p)]: st["exp_avg"].clone()
                                        for p, st in run_.optimizer.sharded_param_state()}
+            res["continued_tp1"] = _continue(run_, state)
         # our --saver megatron, from both sources, back into megatron-core's own model
         for src in ("torch_dist", "legacy"):
             target = os.path.join(root, flavor, f"to_megatron_{src}")
@@ -127,6 +133,16 @@ def _worker(rank, world, root):
             res[f"back_{src}"] = mcs.local_tensors(fresh)
         out[flavor] = res
     return _convert(out, lambda t: t.numpy().copy() if isinstance(t, torch.Tensor) else t)
+
+
+def _continue(run, state):
+    """One more training iteration from the loaded state: (iteration, consumed samples, loss, the parameters)."""
+    from megatronish.training.pretrain import train_step
+
+    loss = train_step(run, state).loss
+    params = {n: p.detach().clone() for m in run.models for n, p in m.named_global_parameters()}
+    return {"at": torch.tensor([state.iteration, state.consumed_samples]), "loss": torch.tensor(loss),
+            "params": params}
 
 
 def _convert(obj, fn):
@@ -213,6 +229,18 @@ def test_tp1_and_hf_loss(results, flavor, tmp_path):
         if flavor == "llama":
             _compare(_global_reference(per_rank, flavor, "ref_exp_avg"), r[flavor]["ours_tp1_exp_avg"],
                      "Adam exp_avg at TP1 with the distributed optimizer")
+    if flavor == "llama":  # training continues alike at both layouts (the loaded Adam state drives the update)
+        tp1 = per_rank[0][flavor]["continued_tp1"]
+        assert tp1["at"].tolist() == [ITER + 1, ITER * 2 + 4]
+        for r in per_rank:
+            cont = r[flavor]["continued"]
+            assert cont["at"].tolist() == [ITER + 1, ITER * 2 + 4]
+            torch.testing.assert_close(cont["loss"], tp1["loss"], rtol=1e-5, atol=0)
+            r[flavor]["after"] = {k: v for k, v in cont["params"].items() if k in r[flavor]["ref"]}
+        after = _global_reference(per_rank, flavor, "after")
+        for name, t in after.items():
+            assert not torch.equal(t, ref[name]), name  # the step changed it
+            torch.testing.assert_close(t, tp1["params"][name], rtol=1e-5, atol=1e-6, msg=name)
     for src in ("torch_dist", "legacy"):
         mine = tmp_path / f"mine_{src}"
         _cli(["--model-type", "GPT", "--loader", "megatron", "--saver", "megatronish", "--load-dir",
