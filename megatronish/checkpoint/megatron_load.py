@@ -51,8 +51,11 @@ def load_megatron(ckpt, state, iter_dir: str, kind: str) -> bool:
     """Load the Megatron checkpoint ``iter_dir`` into ``ckpt``'s model (and optimizer, scheduler, ``state``)."""
     ck = ckpt.ck
     src = TorchDist(iter_dir) if kind == "torch_dist" else Legacy(iter_dir)
-    fields = model_fields(src.args, src.where)
-    check_model_config({"model": fields}, ckpt.cfg.model, iter_dir)
+    if src.args is None and kind == "torch_dist":
+        # saved with megatron-core's dist_checkpointing alone: the stored global shapes are checked per tensor
+        _log(f"WARNING: {src.where} stores no args; the model shape is checked tensor by tensor only")
+    else:
+        check_model_config({"model": model_fields(src.args, src.where)}, ckpt.cfg.model, iter_dir)
     vocab_rows = src.shape("embedding.word_embeddings.weight")
     if vocab_rows is not None and vocab_rows[0] < ckpt.cfg.model.vocab_size:
         raise CheckpointError(f"Megatron checkpoint {iter_dir} has {vocab_rows[0]} vocabulary rows, this run's "

@@ -327,9 +327,14 @@ def test_bad_inputs(results, tmp_path, capsys):
         conv(str(bad.parent))
 
 
-def test_shape_flags_contradict(results):
-    """--load of a Megatron checkpoint whose stored args differ from the run's flags: one line naming the flag."""
-    root, _ = results
+def test_shape_flags_contradict(results, tmp_path):
+    """--load of a Megatron checkpoint whose stored args differ from the run's flags: one line naming the flag.
+    Without stored args (megatron-core's dist_checkpointing used alone) the tensors' shapes are checked one by one,
+    and a checkpoint that fits loads as with args."""
+    root, per_rank = results
+    no_args = tmp_path / "no_args"
+    shutil.copytree(os.path.join(root, "gpt2", "torch_dist"), no_args)
+    torch.save({"iteration": ITER, "checkpoint_version": 3.0}, no_args / f"iter_{ITER:07d}" / "common.pt")
 
     def attempt(*args):
         try:
@@ -339,14 +344,19 @@ def test_shape_flags_contradict(results):
         return None
 
     def worker(rank, world):
-        return (attempt("llama", os.path.join(root, "llama", "torch_dist"), ("--no-load-optim", "--hidden-size", "64",
-                                                                            "--num-attention-heads", "8")),
-                attempt("gpt2", os.path.join(root, "gpt2", "torch_dist")))  # no optimizer state stored
+        wide = ("--no-load-optim", "--hidden-size", "64", "--num-attention-heads", "8")
+        _, _, loaded = _ours("gpt2", str(no_args), ("--no-load-optim",))
+        return (attempt("llama", os.path.join(root, "llama", "torch_dist"), wide),
+                attempt("gpt2", os.path.join(root, "gpt2", "torch_dist")),  # no optimizer state stored
+                attempt("gpt2", str(no_args), wide),
+                _convert(loaded, lambda t: t.numpy().copy()))
 
-    for shape, optim in run_distributed(worker, TP * PP):
+    for r, (shape, optim, no_args_shape, loaded) in zip(per_rank, run_distributed(worker, TP * PP)):
         assert shape and shape.startswith("--hidden-size: checkpoint") and "\n" not in shape, shape
         assert optim and "has no optimizer state 'optimizer.state.exp_avg." in optim and optim.endswith(
             "pass --no-load-optim"), optim
+        assert no_args_shape and no_args_shape.startswith("checkpoint tensor '") and "global shape" in no_args_shape
+        _compare(r["gpt2"]["ours"], {k: torch.from_numpy(v) for k, v in loaded.items()}, "without stored args")
 
 
 @pytest.mark.parametrize("source", ["torch_dist", "legacy"])
