@@ -127,6 +127,12 @@ class EnumValue:
 
 
 _OPAQUE_MODULES = ("numpy", "_io", "io", "transformer_engine")
+# Megatron's enums that its args and common state hold (AttnBackend in args, RerunMode/RerunState in the rerun
+# state machine's common state, ...), read as their values without importing Megatron
+MEGATRON_ENUMS = frozenset((
+    "AttnBackend", "AttnMaskType", "AttnType", "ModelType", "LayerType", "Fp8Recipe", "Fp4Recipe", "CudaGraphScope",
+    "RerunMode", "RerunState", "RerunDiagnostic", "RerunValidationStatus", "TransformerEngineConfigType",
+    "ShardingStrategy", "DType", "StrictHandling"))
 
 
 def _allowed(name: str):
@@ -138,7 +144,7 @@ def _allowed(name: str):
     module, _, attr = name.rpartition(".")
     if module.split(".")[0] in _OPAQUE_MODULES:
         return Opaque
-    if module.startswith("megatron.") and (module.endswith("enums") or attr.endswith(("Type", "Backend", "Enum"))):
+    if module.startswith("megatron.") and attr in MEGATRON_ENUMS:
         return EnumValue
     return None
 

@@ -1,9 +1,12 @@
 """Megatron checkpoint reading without megatron-core: the unpickling allow-list, the args we refuse, the formats we
 name, and the legacy reader's TP merge of Megatron's per-rank layouts (fused [gate; up] per rank)."""
 import argparse
+import enum
 import io
 import json
 import os
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -18,10 +21,21 @@ def _pickled(obj) -> bytes:
     return buf.getvalue()
 
 
-def test_allow_list_reads_megatron_types_and_refuses_code():
+class RerunMode(str, enum.Enum):  # pickled under Megatron's name (megatron-core need not be installed to read it)
+    DISABLED = "disabled"
+
+
+RerunMode.__module__ = "megatron.core.rerun_state_machine"
+
+
+def test_allow_list_reads_megatron_types_and_refuses_code(monkeypatch):
+    monkeypatch.setitem(sys.modules, "megatron.core.rerun_state_machine",
+                        types.SimpleNamespace(RerunMode=RerunMode))  # for pickling it here
     args = argparse.Namespace(num_layers=2, params_dtype=torch.bfloat16)
-    got = safe_load(_pickled({"args": args, "rng": np.random.get_state(), "w": torch.arange(3.0)}), "ckpt.pt")
+    got = safe_load(_pickled({"args": args, "rng": np.random.get_state(), "w": torch.arange(3.0),
+                              "rerun_state_machine": {"mode": RerunMode.DISABLED}}), "ckpt.pt")
     assert got["args"] == args and torch.equal(got["w"], torch.arange(3.0))
+    assert got["rerun_state_machine"]["mode"].value == "disabled"
     with pytest.raises(CheckpointError, match=r"^evil\.pt holds a posix\.system object.*refusing to unpickle"):
         safe_load(_pickled({"x": os.system}), "evil.pt")
     assert EnumValue(3).value == 3
