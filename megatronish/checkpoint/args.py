@@ -3,8 +3,20 @@
 the architecture switches are always taken from the checkpoint."""
 from __future__ import annotations
 
+from . import megatron_format
 from .dcp_io import CheckpointError
 from .offline import read_checkpoint_meta
+
+
+def _megatron_meta(path: str) -> dict:
+    """The config part of :func:`read_checkpoint_meta` for a Megatron-LM checkpoint (from its stored args)."""
+    ck = megatron_format.open_checkpoint(path)
+    model = megatron_format.model_fields(ck.args, ck.where)
+    vocab = megatron_format.true_vocab_size(ck.args)
+    data = {}
+    if vocab is not None and megatron_format.stored_arg(ck.args, "tokenizer_type") == "NullTokenizer":
+        data = {"tokenizer_type": "NullTokenizer", "vocab_size_flag": vocab - 1}
+    return {"iter_dir": ck.iter_dir, "config": {"model": model, "data": data}}
 
 # ModelConfig field -> argparse dest, filled only when the command line left it unset.
 _IF_UNSET = {"num_layers": "num_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "ffn_hidden_size",
@@ -36,7 +48,7 @@ def apply_checkpoint_args(args) -> None:
     if not args.load:
         return  # validate_args reports the missing --load
     try:
-        meta = read_checkpoint_meta(args.load)
+        meta = _megatron_meta(args.load) if megatron_format.is_megatron(args.load) else read_checkpoint_meta(args.load)
     except CheckpointError as e:
         raise CheckpointError(f"--use-checkpoint-args: {e}") from None
     model = (meta.get("config") or {}).get("model") or {}

@@ -22,6 +22,7 @@ import subprocess
 import torch
 
 from .. import __version__
+from .dcp_io import CheckpointError
 
 FORMAT = "megatronish-torch_dist"
 FORMAT_VERSION = 1
@@ -99,3 +100,23 @@ def common_state(iteration: int, config: dict, *, consumed_train_samples: int = 
             "consumed_train_samples": consumed_train_samples, "consumed_valid_samples": consumed_valid_samples,
             "config": config, "code_version": code_version(), "layout": layout, "scheduler": scheduler,
             "optimizer": optimizer, "has_rng": has_rng, "fp8": fp8}
+
+
+def check_model_config(saved: dict, model_cfg, iter_dir: str) -> None:
+    """Raise a :class:`CheckpointError` naming the first model-shape field that differs."""
+    saved_model = (saved or {}).get("model") or {}
+    current = jsonable(model_cfg)
+    for name, flag in SHAPE_FIELDS.items():
+        if name not in saved_model or name not in current:
+            continue
+        a, b = saved_model[name], current[name]
+        if a != b:
+            raise CheckpointError(f"{flag}: checkpoint {iter_dir} has {name}={a!r}, this run has {b!r}; the "
+                                  "checkpoint is from a different model shape (match the flag or pass "
+                                  "--use-checkpoint-args)")
+    if current.get("position_embedding_type") == "learned_absolute" and "max_position_embeddings" in saved_model \
+            and saved_model["max_position_embeddings"] != current.get("max_position_embeddings"):
+        raise CheckpointError(f"--max-position-embeddings: checkpoint {iter_dir} has "
+                              f"{saved_model['max_position_embeddings']}, this run has "
+                              f"{current.get('max_position_embeddings')}; the checkpoint is from a different "
+                              "model shape")

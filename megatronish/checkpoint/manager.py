@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from .. import device
 from ..parallel.context import ParallelContext
-from . import dcp_io, layout
-from .common import COMMON, FORMAT, FP8, MODEL, OPTIMIZER, SHAPE_FIELDS, common_state, jsonable, rng_key
+from . import dcp_io, layout, megatron_format
+from .common import COMMON, FORMAT, FP8, MODEL, OPTIMIZER, check_model_config, common_state, jsonable, rng_key
 from .dcp_io import CheckpointError, Obj, Sharded
 from .state import capture_rng, model_entries, named_params, optimizer_entries, optimizer_state, restore_rng
 
@@ -40,26 +40,6 @@ def _log(msg: str) -> None:
 def _layout(cfg) -> dict:
     d = cfg.parallel
     return {"world_size": d.world_size, "tp": d.tp, "pp": d.pp, "vp": d.vp, "cp": d.cp, "ep": d.ep, "dp": d.dp}
-
-
-def check_model_config(saved: dict, model_cfg, iter_dir: str) -> None:
-    """Raise a :class:`CheckpointError` naming the first model-shape field that differs."""
-    saved_model = (saved or {}).get("model") or {}
-    current = jsonable(model_cfg)
-    for name, flag in SHAPE_FIELDS.items():
-        if name not in saved_model or name not in current:
-            continue
-        a, b = saved_model[name], current[name]
-        if a != b:
-            raise CheckpointError(f"{flag}: checkpoint {iter_dir} has {name}={a!r}, this run has {b!r}; the "
-                                  "checkpoint is from a different model shape (match the flag or pass "
-                                  "--use-checkpoint-args)")
-    if current.get("position_embedding_type") == "learned_absolute" and "max_position_embeddings" in saved_model \
-            and saved_model["max_position_embeddings"] != current.get("max_position_embeddings"):
-        raise CheckpointError(f"--max-position-embeddings: checkpoint {iter_dir} has "
-                              f"{saved_model['max_position_embeddings']}, this run has "
-                              f"{current.get('max_position_embeddings')}; the checkpoint is from a different "
-                              "model shape")
 
 
 class _Fp8States:
@@ -115,6 +95,11 @@ class Checkpointer:
             _log(f"WARNING: no checkpoint under --load {ck.load} (no {layout.TRACKER}); starting from scratch")
             return False
         iter_dir, iteration = found
+        kind = megatron_format.detect(iter_dir)
+        if kind is not None:  # a Megatron-LM checkpoint (torch_dist or legacy)
+            from .megatron_load import load_megatron
+
+            return load_megatron(self, state, iter_dir, kind)
         md = dcp_io.read_index(iter_dir)
         dcp_io.check_files(iter_dir, md)
         common = dcp_io.read_bytes_entry(iter_dir, md, COMMON)

@@ -165,5 +165,18 @@ def save_megatronish(args, src: Source) -> None:
     write_checkpoint(args.save_dir, None, src.tensors(), config, specs=src.specs)  # streams: one tensor at a time
 
 
-LOADERS: dict[str, Callable] = {"hf": load_hf, "megatronish": load_megatronish}
-SAVERS: dict[str, Callable] = {"hf": save_hf, "megatronish": save_megatronish}
+def load_megatron(args) -> Source:
+    from .megatron import read_megatron
+
+    return Source(**read_megatron(args))
+
+
+def save_megatron(args, src: Source) -> None:
+    from .megatron import save_megatron as save
+
+    check_target_layout(src.cfg, args.target_tensor_parallel_size, args.target_pipeline_parallel_size)
+    save(args, src)
+
+
+LOADERS: dict[str, Callable] = {"hf": load_hf, "megatronish": load_megatronish, "megatron": load_megatron}
+SAVERS: dict[str, Callable] = {"hf": save_hf, "megatronish": save_megatronish, "megatron": save_megatron}

@@ -1,0 +1,170 @@
+"""megatron-core on CPU for the checkpoint-compatibility tests: import it (or say why not), patch out the few CUDA
+calls its checkpoint code makes, and build its ``GPTModel`` (local layer spec) for the two model flavors.
+
+Everything here runs inside a forked test worker; nothing of it is part of the package."""
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+
+import torch
+
+
+def skip_reason() -> str | None:
+    """None when megatron-core's GPTModel and dist_checkpointing import, else why not."""
+    try:
+        import megatron.core  # noqa: F401
+        from megatron.core import dist_checkpointing  # noqa: F401
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: F401
+        from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: F401
+    except Exception as e:  # ImportError, or a broken install
+        return f"megatron-core is not importable ({type(e).__name__}: {e}); install the dev extra"
+    return None
+
+
+def patch_for_cpu() -> None:
+    """megatron-core's save/load on CPU with gloo, in this (forked, daemonic) worker only:
+
+    * its file writer forks helper processes and collects their results through a multiprocessing Manager
+      (spawned): the worker may have children, and the results go through an in-process queue (the save is
+      synchronous, so producer and consumer are this process);
+    * ``torch.cuda.synchronize`` / ``torch.cuda.current_device`` are called unconditionally (device ``cpu``), and
+      the tied embedding's first all-reduce moves it with ``Tensor.cuda()`` (stays on CPU);
+    * memory accounting needs psutil (reported as 0);
+    * ``common.pt`` is read with ``torch.load``'s default ``weights_only=True``: ``argparse.Namespace`` is allowed
+      (Megatron-LM's training code registers the same)."""
+    import multiprocessing as mp
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    mp.current_process()._config["daemon"] = False
+    filesystem_async._results_queue = queue.Queue()
+    filesystem_async._process_memory = lambda: 0
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    torch.serialization.add_safe_globals([argparse.Namespace])
+
+
+FLAVORS = {
+    # Llama style: RMSNorm, RoPE, SwiGLU, GQA, no biases, untied output layer
+    "llama": dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
+                  swiglu=True, normalization="RMSNorm", position_embedding_type="rope", add_bias_linear=False,
+                  untie=True),
+    # GPT-2 style: LayerNorm, learned positions, GELU, biases, tied embeddings
+    "gpt2": dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=4, ffn_hidden_size=64,
+                 swiglu=False, normalization="LayerNorm", position_embedding_type="learned_absolute",
+                 add_bias_linear=True, untie=False),
+}
+VOCAB = 95  # NullTokenizer --vocab-size: 96 tokens with eod
+SEQ = 16
+MAX_POS = 32
+DIVISIBLE = 64  # padded vocabulary 128 at TP 1 and 2
+
+
+def our_flags(flavor: str) -> list[str]:
+    f = FLAVORS[flavor]
+    out = ["--num-layers", str(f["num_layers"]), "--hidden-size", str(f["hidden_size"]),
+           "--num-attention-heads", str(f["num_attention_heads"]), "--ffn-hidden-size", str(f["ffn_hidden_size"]),
+           "--normalization", f["normalization"], "--position-embedding-type", f["position_embedding_type"],
+           "--seq-length", str(SEQ), "--max-position-embeddings", str(MAX_POS), "--tokenizer-type", "NullTokenizer",
+           "--vocab-size", str(VOCAB), "--make-vocab-size-divisible-by", str(DIVISIBLE)]
+    if f["num_query_groups"] != f["num_attention_heads"]:
+        out += ["--group-query-attention", "--num-query-groups", str(f["num_query_groups"])]
+    if f["swiglu"]:
+        out.append("--swiglu")
+    if not f["add_bias_linear"]:
+        out.append("--disable-bias-linear")
+    if f["untie"]:
+        out.append("--untie-embeddings-and-output-weights")
+    return out
+
+
+def megatron_args(flavor: str, tp: int, pp: int, **extra) -> argparse.Namespace:
+    """The args Megatron-LM stores with a checkpoint of this model (the fields its loaders read)."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    f = FLAVORS[flavor]
+    gqa = f["num_query_groups"] != f["num_attention_heads"]
+    return argparse.Namespace(
+        num_layers=f["num_layers"], hidden_size=f["hidden_size"], ffn_hidden_size=f["ffn_hidden_size"],
+        num_attention_heads=f["num_attention_heads"], group_query_attention=gqa,
+        num_query_groups=f["num_query_groups"] if gqa else 1,
+        kv_channels=f["hidden_size"] // f["num_attention_heads"], seq_length=SEQ, max_position_embeddings=MAX_POS,
+        position_embedding_type=f["position_embedding_type"], rotary_base=10000, rotary_percent=1.0,
+        normalization=f["normalization"], norm_epsilon=1e-5, swiglu=f["swiglu"], openai_gelu=False,
+        untie_embeddings_and_output_weights=f["untie"], add_bias_linear=f["add_bias_linear"], add_qkv_bias=False,
+        tokenizer_type="NullTokenizer", vocab_size=VOCAB, make_vocab_size_divisible_by=DIVISIBLE,
+        padded_vocab_size=128, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        params_dtype=torch.float32, attention_backend=AttnBackend.auto, ckpt_format="torch_dist",
+        num_experts=None, qk_layernorm=False, init_method_std=0.02, **extra)
+
+
+def build_gpt(flavor: str, tp: int, pp: int, seed: int):
+    """megatron-core's GPTModel (local spec, CPU initialization) for this rank's pipeline stage."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    f = FLAVORS[flavor]
+    # the same stream on every TP rank of a stage: replicated tensors agree, split ones are cut from one master
+    torch.manual_seed(seed + 100 * ps.get_pipeline_model_parallel_rank())
+    cfg = TransformerConfig(
+        num_layers=f["num_layers"], hidden_size=f["hidden_size"], num_attention_heads=f["num_attention_heads"],
+        num_query_groups=f["num_query_groups"], ffn_hidden_size=f["ffn_hidden_size"],
+        gated_linear_unit=f["swiglu"],
+        activation_func=torch.nn.functional.silu if f["swiglu"] else torch.nn.functional.gelu,
+        normalization=f["normalization"], add_bias_linear=f["add_bias_linear"], layernorm_epsilon=1e-5,
+        use_cpu_initialization=True, pipeline_dtype=torch.float32, tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp, hidden_dropout=0.0, attention_dropout=0.0)
+    model = GPTModel(cfg, get_gpt_layer_local_spec(normalization=f["normalization"]), vocab_size=128,
+                     max_sequence_length=MAX_POS, pre_process=ps.is_pipeline_first_stage(),
+                     post_process=ps.is_pipeline_last_stage(), position_embedding_type=f["position_embedding_type"],
+                     share_embeddings_and_output_weights=not f["untie"])
+    with torch.no_grad():  # norms start at 1/0: make them distinguishable
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def fp32_optimizer(model, lr: float = 1e-2):
+    """megatron-core's FP32Optimizer over torch Adam after one step with random gradients (its constructor's one
+    CUDA tensor, the loss scale, is made on CPU)."""
+    from megatron.core.optimizer.optimizer import FP32Optimizer, MegatronOptimizer
+    from megatron.core.optimizer.optimizer_config import OptimizerConfig
+
+    params = [p for p in model.parameters()]
+    adam = torch.optim.Adam(params, lr=lr)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    adam.step()
+    opt = FP32Optimizer.__new__(FP32Optimizer)
+    MegatronOptimizer.__init__(opt, adam, OptimizerConfig(lr=lr), lambda o, c: None)
+    opt._scale = torch.tensor([1.0])
+    opt.is_stub_optimizer = False
+    return opt
+
+
+def layer_offset(model) -> int:
+    return model.decoder.layers[0].layer_number - 1 if len(model.decoder.layers) else 0
+
+
+def local_tensors(model) -> dict[str, torch.Tensor]:
+    """This rank's parameters under our global names (global layer numbers); the tied output copy left out."""
+    off = layer_offset(model)
+    out = {}
+    for name, p in model.named_parameters():
+        if name.startswith("decoder.layers."):
+            parts = name.split(".", 3)
+            name = f"decoder.layers.{int(parts[2]) + off}.{parts[3]}"
+        out[name] = p.detach().clone()
+    return out
+
+
+def write_tracker(root: str, iteration) -> None:
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(str(iteration))

@@ -1,0 +1,84 @@
+"""Megatron checkpoint reading without megatron-core: the unpickling allow-list, the args we refuse, the formats we
+name, and the legacy reader's TP merge of Megatron's per-rank layouts (fused [gate; up] per rank)."""
+import argparse
+import enum
+import io
+import json
+import os
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from megatronish.checkpoint.megatron_format import CheckpointError, EnumValue, Legacy, detect, model_fields, safe_load
+
+
+def _pickled(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+class RerunMode(str, enum.Enum):  # pickled under Megatron's name (megatron-core need not be installed to read it)
+    DISABLED = "disabled"
+
+
+RerunMode.__module__ = "megatron.core.rerun_state_machine"
+
+
+def test_allow_list_reads_megatron_types_and_refuses_code(monkeypatch):
+    monkeypatch.setitem(sys.modules, "megatron.core.rerun_state_machine",
+                        types.SimpleNamespace(RerunMode=RerunMode))  # for pickling it here
+    args = argparse.Namespace(num_layers=2, params_dtype=torch.bfloat16)
+    got = safe_load(_pickled({"args": args, "rng": np.random.get_state(), "w": torch.arange(3.0),
+                              "rerun_state_machine": {"mode": RerunMode.DISABLED}}), "ckpt.pt")
+    assert got["args"] == args and torch.equal(got["w"], torch.arange(3.0))
+    assert got["rerun_state_machine"]["mode"].value == "disabled"
+    with pytest.raises(CheckpointError, match=r"^evil\.pt holds a posix\.system object.*refusing to unpickle"):
+        safe_load(_pickled({"x": os.system}), "evil.pt")
+    assert EnumValue(3).value == 3
+
+
+def test_args_we_cannot_represent_are_named():
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4)
+    assert model_fields(argparse.Namespace(**base), "common.pt")["hidden_size"] == 32
+    with pytest.raises(CheckpointError, match="--num-experts 8 is not supported"):
+        model_fields(argparse.Namespace(**base, num_experts=8), "common.pt")
+    with pytest.raises(CheckpointError, match="--qk-layernorm True"):
+        model_fields(argparse.Namespace(**base, qk_layernorm=True), "common.pt")
+
+
+def test_unreadable_format_is_named(tmp_path):
+    (tmp_path / "metadata.json").write_text(json.dumps({"sharded_backend": "zarr"}))
+    with pytest.raises(CheckpointError, match="format 'zarr'"):
+        detect(str(tmp_path))
+    assert detect(str(tmp_path / "nothing")) is None
+
+
+def test_legacy_merges_tp_files_and_numbers_layers_globally(tmp_path):
+    h, ffn, tp, pp = 4, 6, 2, 2
+    args = argparse.Namespace(num_layers=2, hidden_size=h, num_attention_heads=2, ffn_hidden_size=ffn, swiglu=True,
+                              tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                              untie_embeddings_and_output_weights=True)
+    g = torch.Generator().manual_seed(0)
+    fc1 = {i: torch.randn(2 * ffn, h, generator=g) for i in range(2)}  # global [gate; up]
+    fc2 = {i: torch.randn(h, ffn, generator=g) for i in range(2)}
+    for t in range(tp):
+        for p in range(pp):
+            gate, up = fc1[p].chunk(2)
+            part = ffn // tp
+            model = {"decoder.layers.0.mlp.linear_fc1.weight": torch.cat([gate[t * part:(t + 1) * part],
+                                                                          up[t * part:(t + 1) * part]]),
+                     "decoder.layers.0.mlp.linear_fc2.weight": fc2[p][:, t * part:(t + 1) * part].clone(),
+                     "decoder.layers.0.mlp.linear_fc1._extra_state": None}
+            d = tmp_path / "iter_0000003" / f"mp_rank_{t:02d}_{p:03d}"
+            d.mkdir(parents=True)
+            torch.save({"model": model, "args": args, "iteration": 3}, d / "model_optim_rng.pt")
+    ck = Legacy(str(tmp_path / "iter_0000003"))
+    assert ck.iteration == 3
+    assert ck.names() == [f"decoder.layers.{i}.mlp.linear_fc{k}.weight" for i in range(2) for k in (1, 2)]
+    for i in range(2):
+        assert torch.equal(ck.read(f"decoder.layers.{i}.mlp.linear_fc1.weight"), fc1[i])
+        assert torch.equal(ck.read(f"decoder.layers.{i}.mlp.linear_fc2.weight"), fc2[i])
