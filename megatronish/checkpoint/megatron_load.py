@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..parallel.init import split_global
+from ..parallel.init import split_global, split_ranks
 from . import dcp_io
 from .common import check_model_config
 from .dcp_io import CheckpointError, Piece, Sharded
@@ -108,7 +108,7 @@ def _load_torch_dist(ckpt, src: TorchDist, load_optim: bool) -> None:
             prefix = which[0] if which else ""
             desc = p.desc
             resizable = desc.valid_rows is not None
-            for pc in tp_pieces(t, desc, ckpt.tp_rank, ckpt.tp):
+            for pc in tp_pieces(t, desc, *split_ranks(desc, ckpt.parallel)):
                 if layer is None:
                     entries.add(prefix + key, Sharded(desc.global_shape, [Piece(pc.tensor, pc.offsets)], resizable))
                 else:
@@ -144,4 +144,4 @@ def _load_legacy(ckpt, src: Legacy) -> None:
             if tuple(full.shape) != tuple(p.desc.global_shape):
                 raise CheckpointError(f"Megatron checkpoint tensor for {name} in {src.iter_dir} has global shape "
                                       f"{list(full.shape)}, this run's model needs {list(p.desc.global_shape)}")
-            p.data.copy_(split_global(p.desc, full, ckpt.tp_rank, ckpt.tp))
+            p.data.copy_(split_global(p.desc, full, *split_ranks(p.desc, ckpt.parallel)))
