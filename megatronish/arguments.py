@@ -66,7 +66,6 @@ NOT_YET_SUPPORTED: dict[str, NotYet] = {
     for dest, nt in [
         # parallelism
         (None, NotYet("--tp-comm-overlap", (False,), "tensor-parallel communication overlap", _DROP)),
-        (None, NotYet("--use-torch-fsdp2", (False,), "FSDP2", _DROP)),
         (None, NotYet("--use-megatron-fsdp", (False,), "Megatron FSDP", _DROP)),
         # mixture of experts (the features of docs/moe.md are built; these are not)
         (None, NotYet("--moe-token-dispatcher-type", ("allgather", "alltoall"), "the flex (DeepEP/HybridEP) "
@@ -206,7 +205,15 @@ def build_parser(prog: str = "pretrain_gpt.py", description: str = "Pretrain a G
     flag(g, "--ddp-bucket-size", type=int, default=None, help="elements per gradient bucket")
     flag(g, "--use-cpu-initialization", **on, help="accepted; initialization is layout-invariant either way")
     flag(g, "--tp-comm-overlap", **on)
-    flag(g, "--use-torch-fsdp2", **on)
+    flag(g, "--use-torch-fsdp2", **on, help="shard parameters, gradients and optimizer state over DP with "
+         "PyTorch FSDP2 (docs/fsdp.md)")
+    flag(g, "--fsdp-reshard-after-forward", default="default", choices=["default", "always", "never"],
+         help="FSDP2: free gathered parameters after each layer's forward (default: never under pipeline "
+         "parallelism, else always; torchtitan's rule)")
+    flag(g, "--fsdp-prefetch-layers", type=int, default=1,
+         help="FSDP2: all-gather the next N layers' parameters ahead (0: FSDP2's implicit prefetch)")
+    flag(g, "--torch-compile", **on, help="torch.compile each transformer layer and the loss (torchtitan's "
+         "compile; docs/fsdp.md)")
     flag(g, "--use-megatron-fsdp", **on)
 
     g = p.add_argument_group("mixture of experts (docs/moe.md)")
@@ -621,10 +628,26 @@ def _problems(d: _Draft, errors: list[str], for_training: bool = True) -> list[s
     _check_model(m, errors)
     _check_context_parallel(m, dims, errors)
     _check_moe(m, dims, d.sequence_parallel_flag, errors)
+    _check_fsdp(d.optim, m, errors)
     _check_checkpoint(d.checkpoint, errors)
     if fits and not errors:
         errors += m.problems()
     return errors
+
+
+def _check_fsdp(o: OptimizerConfig, m: ModelConfig | None, errors: list[str]) -> None:
+    if not o.use_torch_fsdp2:
+        return
+    if o.use_distributed_optimizer:
+        errors.append("--use-torch-fsdp2 and --use-distributed-optimizer are mutually exclusive (FSDP2 shards the "
+                      "optimizer state itself); pass one")
+    if o.fsdp_prefetch_layers < 0:
+        errors.append(f"--fsdp-prefetch-layers must be >= 0, got {o.fsdp_prefetch_layers}")
+    if m is not None and m.num_experts is not None:
+        errors.append("--use-torch-fsdp2 with --num-experts: FSDP2 does not shard expert weights over expert-DP "
+                      "yet (as in Megatron-LM); drop --use-torch-fsdp2 (use --use-distributed-optimizer)")
+    if m is not None and m.fp8 is not None:
+        errors.append("--use-torch-fsdp2 with --fp8-format is not available yet; drop one of them")
 
 
 def _check_batch(t: TrainingConfig, run: RunConfig | None, errors: list[str]) -> None:

@@ -251,6 +251,7 @@ class TrainingConfig:
     distributed_backend: str | None = None  # None: nccl on CUDA, gloo on CPU
     distributed_timeout_minutes: int = 10
     use_cpu_initialization: bool = False
+    torch_compile: bool = False  # compile each transformer layer and the loss (docs/fsdp.md)
 
 
 @dataclass
@@ -296,6 +297,10 @@ class OptimizerConfig:
     # distributed optimizer (ZeRO-1 over DP)
     use_distributed_optimizer: bool = False
     overlap_param_gather: bool = False
+    # FSDP2 (docs/fsdp.md)
+    use_torch_fsdp2: bool = False
+    fsdp_reshard_after_forward: str = "default"  # default (never under PP, else always) | always | never
+    fsdp_prefetch_layers: int = 1
 
     @property
     def params_dtype(self):

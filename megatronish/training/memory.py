@@ -52,8 +52,14 @@ _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 # Formulas
 # ---------------------------------------------------------------------------------------------------------------
 def bytes_per_parameter(params_dtype=torch.float32, grad_dtype=torch.float32, *, optimizer: str = "adam",
-                        sgd_momentum: float = 0.9, distributed: bool = False, dp: int = 1) -> float:
-    """Weights + gradients + optimizer bytes per parameter (see the module docstring's table)."""
+                        sgd_momentum: float = 0.9, distributed: bool = False, dp: int = 1,
+                        fsdp: bool = False) -> float:
+    """Weights + gradients + optimizer bytes per parameter (see the module docstring's table). ``fsdp``
+    (``--use-torch-fsdp2``): fp32 parameter shards (the master weights; 16-bit is the compute dtype only), fp32
+    gradient shards and the optimizer states, all divided by ``dp`` (the all-gathered units of the layers in
+    flight come and go with the forward and backward and are not counted)."""
+    if fsdp:
+        return (4 + 4 + (8 if optimizer == "adam" else (4 if sgd_momentum else 0))) / dp
     p, g = _BYTES[params_dtype], _BYTES[grad_dtype]
     main_grad = 4 if g != 4 else 0  # fp32 copy of a 16-bit gradient
     main_param = 4 if p != 4 else 0
@@ -153,8 +159,10 @@ def activation_bytes(model_cfg, *, micro_batch_size: int, tp: int = 1, pp: int =
 def theoretical_memory(cfg, num_params: int) -> dict:
     """This rank's estimate: ``weights_and_optimizer`` and ``activations`` bytes, and the inputs used."""
     o, par = cfg.optim, cfg.parallel
+    fsdp = bool(getattr(o, "use_torch_fsdp2", False)) and par.dp * par.cp > 1
     bpp = bytes_per_parameter(o.params_dtype, o.grad_dtype, optimizer=o.optimizer, sgd_momentum=o.sgd_momentum,
-                              distributed=o.use_distributed_optimizer, dp=par.dp)
+                              distributed=o.use_distributed_optimizer, dp=par.dp * par.cp if fsdp else par.dp,
+                              fsdp=fsdp)
     act = activation_bytes(cfg.model, micro_batch_size=cfg.train.micro_batch_size, tp=par.tp, pp=par.pp,
                            vp=par.vp, cp=par.cp, sequence_parallel=cfg.sequence_parallel,
                            num_microbatches=cfg.num_microbatches)
@@ -172,6 +180,8 @@ def report_theoretical_memory(cfg, optimizer, models, print_fn=print) -> dict:
     est = theoretical_memory(cfg, n)
     o = cfg.optim
     kind = ("distributed " if o.use_distributed_optimizer else "") + o.optimizer
+    if getattr(o, "use_torch_fsdp2", False) and cfg.parallel.dp * cfg.parallel.cp > 1:
+        kind += f", FSDP2 over {cfg.parallel.dp * cfg.parallel.cp} ranks"
     print_fn(f"theoretical memory per rank: weights+grads+optimizer {_mb(est['weights_and_optimizer'])} "
              f"({n} params x {est['bytes_per_param']:.2f} B/param; {str(o.params_dtype).replace('torch.', '')} "
              f"params, {str(o.grad_dtype).replace('torch.', '')} grads, {kind}); activations (first stage, "
@@ -183,6 +193,31 @@ def report_theoretical_memory(cfg, optimizer, models, print_fn=print) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 # Measurement
 # ---------------------------------------------------------------------------------------------------------------
+def measured_state_bytes(chunks, optimizer) -> int:
+    """Bytes this rank holds, measured, for parameters, gradients and optimizer state: the distinct storages of
+    the parameters (FSDP2: their local shards, padding included), their gradients (DDP's buffer, or FSDP2's
+    gradient shards) and the optimizer's states and master copies. Call after a step (gradients present)."""
+    from ..parallel.fsdp import local_shard
+
+    tensors = []
+    for chunk in chunks:
+        for p in getattr(chunk, "module", chunk).parameters():
+            tensors.append(local_shard(p))
+            for g in (p.grad, getattr(p, "main_grad", None)):
+                if g is not None:
+                    tensors.append(local_shard(g))
+    inner = getattr(optimizer, "optimizer", optimizer)
+    for group in inner.param_groups:
+        for p in group["params"]:
+            tensors.append(p.detach())
+            tensors += [t for t in inner.state.get(p, {}).values() if torch.is_tensor(t)]
+    storages = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        storages[st.data_ptr()] = st.nbytes()
+    return sum(storages.values())
+
+
 class _Packed:
     __slots__ = ("tensor", "counter", "key")
 
@@ -202,7 +237,9 @@ class SavedActivationCounter:
     """
 
     def __init__(self, params=()):
-        self._param_storages = {p.untyped_storage().data_ptr() for p in params}
+        from ..parallel.fsdp import local_shard  # FSDP2 parameters: their local shards' storage
+
+        self._param_storages = {local_shard(p).untyped_storage().data_ptr() for p in params}
         self._live: dict[int, list] = {}  # storage ptr -> [refs, bytes]
         self._lock = threading.Lock()
         self.current = 0
@@ -291,4 +328,5 @@ class ActivationMeter:
 
 
 __all__ = ["bytes_per_parameter", "activation_bytes_per_layer", "activation_bytes", "interleave_factor",
-           "theoretical_memory", "report_theoretical_memory", "SavedActivationCounter", "ActivationMeter"]
+           "theoretical_memory", "report_theoretical_memory", "measured_state_bytes", "SavedActivationCounter",
+           "ActivationMeter"]

@@ -36,7 +36,7 @@ from ..optim.optimizer import get_megatron_optimizer
 from ..parallel import groups
 from ..parallel.context import ParallelContext
 from ..parallel.context_parallel import split_for_context_parallel
-from ..parallel.ddp import DistributedDataParallel, finalize_model_grads
+from ..parallel.ddp import finalize_model_grads
 from ..parallel.pipeline.schedules import get_forward_backward_func, pipeline_tensor_shape
 from ..parallel.pipeline.timeline import PipelineTimeline, gather_timeline, write_chrome_trace
 from ..parallel.random import set_random_seed
@@ -45,6 +45,7 @@ from .exit import ExitPolicy
 from .flops import device_peak_tflops, num_floating_point_operations
 from .memory import ActivationMeter, report_theoretical_memory
 from .metrics import MetricsWriter, print_rank_last, train_log_line
+from .wrap import model_params_dtype, wrap_model_chunks
 
 
 @dataclass
@@ -234,16 +235,11 @@ def setup(cfg) -> tuple[TrainContext, TrainState]:
                     etp_rank=parallel.etp_rank)
 
     models = build_model_chunks(cfg.model, parallel, sequence_parallel=cfg.sequence_parallel, device=dev,
-                                params_dtype=o.params_dtype)
+                                params_dtype=model_params_dtype(cfg))
     for m in models:
         m.init_parameters(t.seed)  # the fp32 values of the one-process model, cast to the params dtype
     fp8 = _enable_fp8(models, cfg.model)
-    chunks = [DistributedDataParallel(m, dp_group=parallel.dp_cp_group, overlap_grad_reduce=o.overlap_grad_reduce,
-                                      bucket_size=o.ddp_bucket_size, grad_dtype=o.grad_dtype,
-                                      use_distributed_optimizer=o.use_distributed_optimizer,
-                                      overlap_param_gather=o.overlap_param_gather,
-                                      expert_dp_group=parallel.expert_dp_group)
-              for m in models]
+    chunks = wrap_model_chunks(models, cfg, parallel, print_fn=_print_rank0())  # DDP, or FSDP2
     grad_scaler = build_grad_scaler(o.fp16, o.loss_scale, o.initial_loss_scale, o.min_loss_scale,
                                     o.loss_scale_window, o.hysteresis)
     optimizer = get_megatron_optimizer(chunks, o, grad_scaler=grad_scaler,
