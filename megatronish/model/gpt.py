@@ -96,6 +96,7 @@ class GPTModel(nn.Module):
         self.decoder = TransformerBlock(c, first_layer, num_local_layers, post_process, self.sequence_parallel,
                                         params_dtype, device, parallel)
         self.cross_entropy_loss_fusion = c.cross_entropy_loss_fusion
+        self.loss_function = None  # replaces the cross entropy when set (--torch-compile: its compiled form)
         if c.use_triton_kernels or c.cross_entropy_loss_fusion:
             kernels.check_kernels_available([f for f, on in (("--use-triton-kernels", c.use_triton_kernels),
                                              ("--cross-entropy-loss-fusion", c.cross_entropy_loss_fusion)) if on])
@@ -188,7 +189,7 @@ class GPTModel(nn.Module):
         logits, _ = self.output_layer(x, weight)  # [s, b, V/t]
         if labels is None:
             return logits.transpose(0, 1).contiguous()
-        loss_fn = kernels.vocab_parallel_cross_entropy if self.cross_entropy_loss_fusion \
-            else vocab_parallel_cross_entropy
+        loss_fn = self.loss_function or (kernels.vocab_parallel_cross_entropy if self.cross_entropy_loss_fusion
+                                         else vocab_parallel_cross_entropy)
         loss = loss_fn(logits, labels.t(), self.label_smoothing, self.config.vocab_size, self.parallel.tp_group)
         return loss.t().contiguous()  # [b, s]

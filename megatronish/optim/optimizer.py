@@ -16,6 +16,10 @@
   view of the model parameter). The step updates the pieces, writes them into the model's param buffer and
   all-gathers every bucket. Overflow checks and the grad norm reduce over the whole world (DP shards are
   disjoint; TP replicas and the tied-embedding copy are counted once).
+- FSDP2 (``--use-torch-fsdp2``, :mod:`megatronish.parallel.fsdp`): the fp32 model parameters are DP-sharded
+  ``DTensor``s; each main parameter is this rank's local shard (a view) and its gradient the reduced local gradient
+  shard; norms and overflow checks reduce over the whole world, as for the distributed optimizer. The checkpoint
+  state of a parameter is shaped like its local shard.
 
 Step order (Megatron's): gradients -> (fp16) unscale + inf check, scaler update, skip on overflow -> grad norm
 over all main gradients, clip (``max_norm / (norm + 1e-6)``) -> skip if the norm is not finite -> inner step ->

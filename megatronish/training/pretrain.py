@@ -41,6 +41,7 @@ from ..parallel.pipeline.schedules import get_forward_backward_func, pipeline_te
 from ..parallel.pipeline.timeline import PipelineTimeline, gather_timeline, write_chrome_trace
 from ..parallel.random import set_random_seed
 from ..precision.fp8 import Fp8Manager, Fp8Recipe, check_transformer_impl, enable_fp8
+from .compile import Compiler
 from .exit import ExitPolicy
 from .flops import device_peak_tflops, num_floating_point_operations
 from .memory import ActivationMeter, report_theoretical_memory
@@ -77,6 +78,7 @@ class TrainContext:
     valid_ds: object = None
     checkpointer: object = None
     device: object = None
+    compiler: object = None  # megatronish.training.compile.Compiler under --torch-compile
 
 
 def _free_port() -> int:
@@ -240,6 +242,10 @@ def setup(cfg) -> tuple[TrainContext, TrainState]:
         m.init_parameters(t.seed)  # the fp32 values of the one-process model, cast to the params dtype
     fp8 = _enable_fp8(models, cfg.model)
     chunks = wrap_model_chunks(models, cfg, parallel, print_fn=_print_rank0())  # DDP, or FSDP2
+    compiler = None
+    if t.torch_compile:  # compiled layers and loss (training/compile.py)
+        compiler = Compiler(dev.type, print_fn=_print_rank0())
+        compiler.apply(models)
     grad_scaler = build_grad_scaler(o.fp16, o.loss_scale, o.initial_loss_scale, o.min_loss_scale,
                                     o.loss_scale_window, o.hysteresis)
     optimizer = get_megatron_optimizer(chunks, o, grad_scaler=grad_scaler,
@@ -251,7 +257,7 @@ def setup(cfg) -> tuple[TrainContext, TrainState]:
     train_ds, valid_ds = build_datasets(cfg)
     run = TrainContext(models, chunks, optimizer, scheduler, fp8, parallel=parallel, cfg=cfg, schedule=schedule,
                        forward_step=_forward_step(cfg.data.reset_position_ids, parallel), train_ds=train_ds,
-                       valid_ds=valid_ds, device=dev)
+                       valid_ds=valid_ds, device=dev, compiler=compiler)
     state = TrainState(context=run)
     run.checkpointer = setup_checkpointing(cfg, models, optimizer, scheduler, state, parallel=parallel,
                                            fp8=fp8)  # --load
@@ -287,6 +293,8 @@ def train_step(run: TrainContext, state: TrainState, timeline: PipelineTimeline 
     with run.memory.measure():  # saved-activation bytes (CPU) / allocator peak (CUDA), first iteration
         stats = run.schedule(run.forward_step, it, _model_arg(run), cfg.num_microbatches, timeline=timeline)
     run.memory.report(print_fn=_print_rank0())
+    if run.compiler is not None:
+        run.compiler.report()  # the compile time, once
     finalize_model_grads(run.chunks, run.parallel)
     if moe:
         moe_stats.update_expert_biases(run.models, run.parallel)

@@ -35,7 +35,9 @@ CASES = {  # name: (world, flags)
     "tp2-fsdp2-recompute-swiglu": (4, FSDP + TP2 + RECOMPUTE + ["--swiglu"]),
     "pp2-fsdp2": (4, FSDP + PP2),
     "pp2-fsdp2-recompute-always-reshard": (4, FSDP + PP2 + RECOMPUTE + ["--fsdp-reshard-after-forward", "always"]),
+    "cp2-fsdp2": (4, FSDP + ["--context-parallel-size", "2"]),  # the mesh is DP x CP
 }
+BF16 = {"fsdp-dp2-bf16": FSDP + ["--bf16"], "ddp-dp2-bf16": ["--bf16"]}  # FSDP2's mixed-precision policy
 
 
 def _run(argv, world):
@@ -71,6 +73,8 @@ def results():
     got = {}
     for world in (2, 4):
         cases = {name: flags for name, (w, flags) in CASES.items() if w == world}
+        if world == 2:
+            cases.update(BF16)
         got.update(run_distributed(_worker, world, cases, timeout=600)[0])
     return refs, got
 
@@ -103,3 +107,14 @@ def test_reference_clips(results):
     for variant, ref in refs.items():
         assert min(ref["norms"]) > 0.5, f"{variant}: the clip should be active: {ref['norms']}"
         assert not ref["sharded"]
+
+
+def test_bf16_compute_through_the_mixed_precision_policy(results):
+    """bf16 compute with fp32 master shards and fp32 reductions: the losses follow the fp32 run as closely as
+    our DDP's bf16 run (fp32 master copies, fp32 gradient buffers) does."""
+    refs, got = results
+    ref = torch.tensor(refs["tied"]["losses"])
+    fsdp, ddp = torch.tensor(got["fsdp-dp2-bf16"]["losses"]), torch.tensor(got["ddp-dp2-bf16"]["losses"])
+    assert got["fsdp-dp2-bf16"]["sharded"] and not got["ddp-dp2-bf16"]["sharded"]
+    assert not torch.equal(fsdp, ref), "bf16 compute should differ from fp32"
+    assert (fsdp - ref).abs().max() < 1e-2 and (fsdp - ref).abs().max() < 4 * (ddp - ref).abs().max() + 1e-3
