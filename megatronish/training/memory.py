@@ -247,7 +247,8 @@ class SavedActivationCounter:
         self._ctx = None
 
     def _pack(self, t: torch.Tensor):
-        if isinstance(t, torch.nn.Parameter) or t.device.type == "meta":
+        if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter) or t.device.type == "meta":
+            # a parameter or a view of one (FSDP2's gathered parameters are not in the storages known up front)
             return _Packed(t, self, None)
         st = t.untyped_storage()
         key = st.data_ptr()

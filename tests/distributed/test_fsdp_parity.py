@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megatronish.arguments import configs_from_args, parse_args
+from megatronish.optim.clip_grads import global_norm
 from megatronish.parallel import groups
 from megatronish.parallel.fsdp import is_sharded
 from megatronish.testing import assert_parity, global_tensors, run_distributed
@@ -36,6 +37,7 @@ CASES = {  # name: (world, flags)
     "pp2-fsdp2": (4, FSDP + PP2),
     "pp2-fsdp2-recompute-always-reshard": (4, FSDP + PP2 + RECOMPUTE + ["--fsdp-reshard-after-forward", "always"]),
     "cp2-fsdp2": (4, FSDP + ["--context-parallel-size", "2"]),  # the mesh is DP x CP
+    "pp2-vp2-fsdp2": (4, FSDP + PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"]),  # two roots per rank
 }
 BF16 = {"fsdp-dp2-bf16": FSDP + ["--bf16"], "ddp-dp2-bf16": ["--bf16"]}  # FSDP2's mixed-precision policy
 
@@ -58,7 +60,8 @@ def _run(argv, world):
         result = training.train_step(run, state)
         losses.append(result.loss)
         norms.append(result.grad_norm)
-    return {"losses": losses, "grads": grads, "norms": norms, "sharded": sharded}
+    params_norm = global_norm([p for m in run.models for p in m.parameters()], use_grad=False, parallel=run.parallel)
+    return {"losses": losses, "grads": grads, "norms": norms, "sharded": sharded, "params_norm": params_norm}
 
 
 def _worker(rank, world, cases):
@@ -91,6 +94,7 @@ def test_fsdp_layout_equals_one_process(results, name):
     assert out["sharded"], f"{name}: the parameters should be FSDP2 DTensors"
     assert_parity(out["losses"], ref["losses"], f"{name} losses")
     assert_parity(out["norms"], ref["norms"], f"{name} grad norms")
+    assert_parity(out["params_norm"], ref["params_norm"], f"{name} params norm (--log-params-norm)")
     for it, (g, r) in enumerate(zip(out["grads"], ref["grads"])):
         assert sorted(g) == sorted(r), f"{name}: parameter names differ"
         for param in r:
