@@ -637,7 +637,15 @@ def _problems(d: _Draft, errors: list[str], for_training: bool = True) -> list[s
 
 def _check_fsdp(o: OptimizerConfig, m: ModelConfig | None, errors: list[str]) -> None:
     if not o.use_torch_fsdp2:
+        given = [f for f, on in (("--fsdp-reshard-after-forward", o.fsdp_reshard_after_forward != "default"),
+                                 ("--fsdp-prefetch-layers", o.fsdp_prefetch_layers != 1)) if on]
+        if given:
+            errors.append(f"{' and '.join(given)} set FSDP2 options; add --use-torch-fsdp2 or drop them")
         return
+    for flag, on in (("--overlap-grad-reduce", o.overlap_grad_reduce), ("--ddp-bucket-size", o.ddp_bucket_size)):
+        if on:
+            errors.append(f"{flag} is our DDP's; FSDP2 (--use-torch-fsdp2) reduce-scatters each layer's gradients "
+                          "as its backward ends; drop the flag")
     if o.use_distributed_optimizer:
         errors.append("--use-torch-fsdp2 and --use-distributed-optimizer are mutually exclusive (FSDP2 shards the "
                       "optimizer state itself); pass one")

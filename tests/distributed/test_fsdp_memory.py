@@ -69,9 +69,18 @@ def test_dp1_warns_and_runs_as_ddp():
     (["--use-distributed-optimizer"], "--use-torch-fsdp2 and --use-distributed-optimizer are mutually exclusive"),
     (["--num-experts", "4"], "--use-torch-fsdp2 with --num-experts"),
     (["--fsdp-prefetch-layers", "-1"], "--fsdp-prefetch-layers must be >= 0"),
+    (["--overlap-grad-reduce"], "--overlap-grad-reduce is our DDP's"),
+    (["--ddp-bucket-size", "1000"], "--ddp-bucket-size is our DDP's"),
 ])
 def test_bad_combinations_are_one_line(flags, message):
     with pytest.raises(ConfigError) as e:
         configs_from_args(parse_args(BASE + ["--use-torch-fsdp2"] + flags), 2)
     lines = str(e.value).splitlines()
     assert len(lines) == 1 and lines[0].startswith(message), lines
+
+
+def test_fsdp_options_need_the_flag():
+    with pytest.raises(ConfigError) as e:
+        configs_from_args(parse_args(BASE + ["--fsdp-reshard-after-forward", "never"]), 2)
+    lines = str(e.value).splitlines()
+    assert lines == ["--fsdp-reshard-after-forward set FSDP2 options; add --use-torch-fsdp2 or drop them"], lines
