@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from .. import device
-from ..parallel.fsdp import local_shard
+from ..parallel.fsdp import local_shard, shard_rows
 from ..parallel.init import TensorDesc, expert_range, split_ranks
 from ..parallel.random import get_rng_tracker
 from .common import MODEL, OPTIMIZER
@@ -59,8 +59,6 @@ def param_pieces(p, tensor: torch.Tensor, desc: TensorDesc, parallel) -> list[Pi
     this rank's data of ``p``) with their global offsets. A plain parameter holds its tensor-parallel slice
     (:func:`tp_pieces`); an FSDP2 parameter holds rows ``[first, first + n)`` of that slice: the slice's blocks
     cut to those rows (empty cuts dropped)."""
-    from ..parallel.fsdp import shard_rows
-
     rows = shard_rows(p)
     if rows is None:
         return tp_pieces(tensor, desc, *split_ranks(desc, parallel))
