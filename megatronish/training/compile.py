@@ -46,6 +46,7 @@ class Compiler:
         self.print_fn = print_fn
         self.problem = compiler_problem(device_type)
         self.compiled = 0
+        self.loss = False  # the loss compiled on this rank (the last pipeline stage)
         self._start = None
         self._reported = False
         if self.problem:
@@ -65,6 +66,7 @@ class Compiler:
             if getattr(m, "post_process", False):
                 stepped_aside |= bool(getattr(m, "cross_entropy_loss_fusion", False))
                 m.loss_function = torch.compile(vocab_parallel_cross_entropy)
+                self.loss = True
         if stepped_aside:
             self.print_fn("WARNING: --torch-compile: the Triton kernels (--use-triton-kernels, "
                           "--cross-entropy-loss-fusion) step aside; inductor generates the fused code")
@@ -75,8 +77,8 @@ class Compiler:
         if self.problem or self._reported or self._start is None:
             return
         self._reported = True
-        self.print_fn(f"torch.compile: {self.compiled} transformer layers and the loss compiled in "
-                      f"{_compile_seconds() - self._start:.1f} s (first iteration)")
+        what = f"{self.compiled} transformer layers" + (" and the loss" if self.loss else "")
+        self.print_fn(f"torch.compile: {what} compiled in {_compile_seconds() - self._start:.1f} s (first iteration)")
 
 
 def _compile_seconds() -> float:
