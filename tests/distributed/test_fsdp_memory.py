@@ -1,11 +1,12 @@
 """FSDP2 memory: the parameters, gradients and Adam states a rank holds (measured: distinct storages after a
 step) are 1/DP of DDP's at DP 4 (within 10%: FSDP2 pads each parameter's rows to a multiple of DP), and the
 start-up estimate says the same. A DP size of 1 warns once and runs as DDP; the flags' bad combinations are one
-error line each."""
+error line each; a NaN in one rank's gradient shard skips the step on every rank."""
 import io
 from contextlib import redirect_stdout
 
 import pytest
+import torch
 
 from megatronish.arguments import configs_from_args, parse_args
 from megatronish.errors import ConfigError
@@ -84,3 +85,30 @@ def test_fsdp_options_need_the_flag():
         configs_from_args(parse_args(BASE + ["--fsdp-reshard-after-forward", "never"]), 2)
     lines = str(e.value).splitlines()
     assert lines == ["--fsdp-reshard-after-forward set FSDP2 options; add --use-torch-fsdp2 or drop them"], lines
+
+
+def _nan_worker(rank, world):
+    groups.destroy_model_parallel()
+    cfg = configs_from_args(parse_args(BASE + ["--use-torch-fsdp2", "--optimizer", "sgd"]), world)
+    with redirect_stdout(io.StringIO()):
+        run, state = training.setup(cfg)
+        before = [p.to_local().clone() for m in run.models for p in m.parameters()]
+        step = run.optimizer.step
+
+        def poisoned_step():  # a NaN in one element of rank 1's shard of one weight
+            if rank == 1:
+                next(s for s in run.optimizer.slots if s.model.dim() == 2).model.main_grad.view(-1)[0] = float("nan")
+            return step()
+
+        run.optimizer.step = poisoned_step
+        result = training.train_step(run, state)
+    after = [p.to_local() for m in run.models for p in m.parameters()]
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, after))
+    return result.update_successful, result.grad_norm, unchanged
+
+
+def test_nan_gradient_shard_on_one_rank_skips_the_step_everywhere():
+    """The grad norm sums the local shards over the world: a NaN in one rank's shard makes every rank's norm NaN,
+    and every rank skips the update (the NaN check of the training step)."""
+    for ok, norm, unchanged in run_distributed(_nan_worker, 2):
+        assert not ok and norm != norm and unchanged
