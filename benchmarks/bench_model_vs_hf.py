@@ -12,6 +12,12 @@ Two timed steps per model:
 Warm-up reps run first; then the timed reps of ours and HF's are interleaved (the order flips every rep
 so neither side always runs on a warmer cache), and the median is reported as tokens/s = batch*seq/time.
 Each flavor prints ``ratio ours/hf`` lines (tokens/s ours divided by HF's; >= 1.0 means ours is as fast).
+GPT-2 runs in the fair configuration: both sides use the tanh GELU as one fused op (ours ``--openai-gelu``, HF
+``activation_function="gelu_pytorch_tanh"``) and SDPA.
+
+The machine's fp32 matmul peak is measured first (best of several ``torch.mm`` of square fp32 matrices at the same
+thread count), and our training FLOP/s (Megatron's model-FLOPs formula, :mod:`megatronish.training.flops`, over
+the fwd+bwd step time) is reported as a fraction of it.
 
     python benchmarks/bench_model_vs_hf.py [--layers 4] [--hidden 512] [--heads 8] [--seq 256]
         [--batch 4] [--reps 7] [--warmup 1] [--threads N] [--flavors gpt2 llama] [--profile]
@@ -32,6 +38,7 @@ from megatronish.config import gpt2, llama
 from megatronish.model import GPTModel
 from megatronish.optim.optimizer import build_optimizer, no_weight_decay
 from megatronish.parallel.random import set_random_seed
+from megatronish.training.flops import num_floating_point_operations
 
 
 def parse_args():
@@ -66,7 +73,7 @@ def build_pair(flavor, a):
         cfg = gpt2(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads, vocab_size=v,
                    seq_length=a.seq, attention_dropout=0.0, hidden_dropout=0.0, openai_gelu=True)
         hf_cfg = GPT2Config(n_layer=a.layers, n_embd=a.hidden, n_head=a.heads, n_positions=a.seq, vocab_size=v,
-                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, activation_function="gelu_new",
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, activation_function="gelu_pytorch_tanh",
                             layer_norm_epsilon=1e-5, use_cache=False, attn_implementation="sdpa")
         hf_cls = GPT2LMHeadModel
     else:
@@ -137,6 +144,19 @@ def make_step(model, loss_fn, ids, labels, optimizer=None):
     return step
 
 
+def matmul_peak_gflops(n=2048, reps=10):
+    """The best fp32 GFLOP/s of ``torch.mm`` on ``n x n`` matrices (and half of ``n``), at the current threads."""
+    best = 0.0
+    for size in (n // 2, n):
+        x, y = torch.randn(size, size), torch.randn(size, size)
+        torch.mm(x, y)
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            torch.mm(x, y)
+            best = max(best, 2 * size ** 3 / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
 def timed(step):
     t0 = time.perf_counter()
     step()
@@ -185,7 +205,10 @@ def main():
     print(f"shape: layers {a.layers}, hidden {a.hidden}, heads {a.heads}, seq {a.seq}, batch {a.batch} "
           f"({tokens} tokens/step), fp32, warm-up {a.warmup}, timed reps {a.reps} (median)")
 
-    rows, ratios = [], []
+    peak = matmul_peak_gflops()
+    print(f"measured fp32 matmul peak: {peak:.1f} GFLOP/s ({torch.get_num_threads()} threads, best torch.mm)")
+
+    rows, ratios, fractions = [], [], []
     t_start = time.perf_counter()
     for flavor in a.flavors:
         ours, hf, v = build_pair(flavor, a)
@@ -206,6 +229,10 @@ def main():
             t_o, t_h = interleaved(so, sh, a.reps, a.warmup)
             mo, mh = statistics.median(t_o), statistics.median(t_h)
             rows.append((flavor, kind, tokens / mo, tokens / mh, mo, mh, min(t_o), min(t_h)))
+            if kind == "fwd+bwd":
+                gflops = num_floating_point_operations(ours.config, a.batch) / mo / 1e9
+                fractions.append((flavor, gflops, gflops / peak))
+                print(f"  ours fwd+bwd: {gflops:.1f} GFLOP/s (model FLOPs) = {gflops / peak:.1%} of the matmul peak")
             ratios.append((flavor, kind, mh / mo))
             print(f"  {kind:<14} ours {tokens / mo:9.1f} tok/s ({mo * 1e3:7.1f} ms)   hf {tokens / mh:9.1f} tok/s "
                   f"({mh * 1e3:7.1f} ms)   ratio ours/hf {mh / mo:.3f}", flush=True)
@@ -224,6 +251,9 @@ def main():
     print()
     for flavor, kind, r in ratios:
         print(f"ratio ours/hf {flavor} {kind}: {r:.3f}" + ("" if r >= 1.0 else "  (below 1.0)"))
+    for flavor, gflops, frac in fractions:
+        print(f"ours {flavor} fwd+bwd (eager): {gflops:.1f} GFLOP/s, {frac:.1%} of the measured fp32 matmul peak "
+              f"{peak:.1f} GFLOP/s")
     print(f"total time {time.perf_counter() - t_start:.1f} s")
 
 

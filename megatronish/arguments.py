@@ -77,7 +77,6 @@ NOT_YET_SUPPORTED: dict[str, NotYet] = {
     for dest, nt in [
         # parallelism
         (None, NotYet("--tp-comm-overlap", (False,), "tensor-parallel communication overlap", _DROP)),
-        (None, NotYet("--use-torch-fsdp2", (False,), "FSDP2", _DROP)),
         (None, NotYet("--use-megatron-fsdp", (False,), "Megatron FSDP", _DROP)),
         # mixture of experts (the features of docs/moe.md are built; these are not)
         (None, NotYet("--moe-token-dispatcher-type", ("allgather", "alltoall"), "the flex (DeepEP/HybridEP) "
@@ -210,7 +209,15 @@ def build_parser(prog: str = "pretrain_gpt.py", description: str = "Pretrain a G
     flag(g, "--ddp-bucket-size", type=int, default=None, help="elements per gradient bucket")
     flag(g, "--use-cpu-initialization", **on, help="accepted; initialization is layout-invariant either way")
     flag(g, "--tp-comm-overlap", **on)
-    flag(g, "--use-torch-fsdp2", **on)
+    flag(g, "--use-torch-fsdp2", **on, help="shard parameters, gradients and optimizer state over DP with "
+         "PyTorch FSDP2 (docs/fsdp.md)")
+    flag(g, "--fsdp-reshard-after-forward", default="default", choices=["default", "always", "never"],
+         help="FSDP2: free gathered parameters after each layer's forward (default: never under pipeline "
+         "parallelism, else always; torchtitan's rule)")
+    flag(g, "--fsdp-prefetch-layers", type=int, default=1,
+         help="FSDP2: all-gather the next N layers' parameters ahead (0: FSDP2's implicit prefetch)")
+    flag(g, "--torch-compile", **on, help="torch.compile each transformer layer and the loss (torchtitan's "
+         "compile; docs/fsdp.md)")
     flag(g, "--use-megatron-fsdp", **on)
 
     g = p.add_argument_group("mixture of experts (docs/moe.md)")
@@ -709,10 +716,38 @@ def _problems(d: _Draft, errors: list[str], for_training: bool = True) -> list[s
     _check_model(m, errors)
     _check_context_parallel(m, dims, errors)
     _check_moe(m, dims, d.sequence_parallel_flag, errors)
+    _check_fsdp(d.optim, m, errors, d.train)
     _check_checkpoint(d.checkpoint, errors)
     if fits and not errors:
         errors += m.problems()
     return errors
+
+
+def _check_fsdp(o: OptimizerConfig, m: ModelConfig | None, errors: list[str],
+                t: TrainingConfig | None = None) -> None:
+    if not o.use_torch_fsdp2:
+        given = [f for f, on in (("--fsdp-reshard-after-forward", o.fsdp_reshard_after_forward != "default"),
+                                 ("--fsdp-prefetch-layers", o.fsdp_prefetch_layers != 1)) if on]
+        if given:
+            errors.append(f"{' and '.join(given)} set FSDP2 options; add --use-torch-fsdp2 or drop them")
+        return
+    for flag, on in (("--overlap-grad-reduce", o.overlap_grad_reduce), ("--ddp-bucket-size", o.ddp_bucket_size)):
+        if on:
+            errors.append(f"{flag} is our DDP's; FSDP2 (--use-torch-fsdp2) reduce-scatters each layer's gradients "
+                          "as its backward ends; drop the flag")
+    if o.use_distributed_optimizer:
+        errors.append("--use-torch-fsdp2 and --use-distributed-optimizer are mutually exclusive (FSDP2 shards the "
+                      "optimizer state itself); pass one")
+    if o.fsdp_prefetch_layers < 0:
+        errors.append(f"--fsdp-prefetch-layers must be >= 0, got {o.fsdp_prefetch_layers}")
+    if m is not None and m.num_experts is not None:
+        errors.append("--use-torch-fsdp2 with --num-experts: FSDP2 does not shard expert weights over expert-DP "
+                      "yet (as in Megatron-LM); drop --use-torch-fsdp2 (use --use-distributed-optimizer)")
+    if m is not None and m.fp8 is not None:
+        errors.append("--use-torch-fsdp2 with --fp8-format is not available yet; drop one of them")
+    if t is not None and t.calculate_per_token_loss:
+        errors.append("--use-torch-fsdp2 with --calculate-per-token-loss is not available yet (FSDP2 averages the "
+                      "gradients it reduce-scatters); drop one of them")
 
 
 def _check_batch(t: TrainingConfig, run: RunConfig | None, errors: list[str]) -> None:

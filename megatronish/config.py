@@ -335,6 +335,7 @@ class TrainingConfig:
     profile_step_end: int = 12
     profile_ranks: list = field(default_factory=lambda: [0])
     notes: list = field(default_factory=list)  # one log line each for flags accepted with a note (docs/flags.md)
+    torch_compile: bool = False  # compile each transformer layer and the loss (docs/fsdp.md)
 
 
 @dataclass
@@ -383,6 +384,10 @@ class OptimizerConfig:
     # Megatron-LM compatibility flags (docs/flags.md)
     decoupled_lr: float | None = None  # own peak LR for the word embedding and output layer
     decoupled_min_lr: float | None = None  # and their own final LR (default --min-lr)
+    # FSDP2 (docs/fsdp.md)
+    use_torch_fsdp2: bool = False
+    fsdp_reshard_after_forward: str = "default"  # default (never under PP, else always) | always | never
+    fsdp_prefetch_layers: int = 1
 
     @property
     def params_dtype(self):

@@ -105,37 +105,44 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180.0, **kwargs
     return results
 
 
+def assert_parity(got, want, what: str, rtol: float = 1e-5) -> None:
+    """``got`` equals ``want`` to ``rtol``; elements near zero are held to ``rtol`` of ``want``'s largest magnitude
+    (reduction order moves them by that much, relative to the tensor)."""
+    got, want = torch.as_tensor(got), torch.as_tensor(want)
+    scale = float(want.abs().max()) if want.numel() else 0.0
+    torch.testing.assert_close(got, want, rtol=rtol, atol=rtol * scale, msg=lambda m: f"{what}: {m}")
+
+
 def global_tensors(models, parallel, *, grads: bool = False, optimizer=None) -> dict[str, torch.Tensor]:
     """Every parameter of the global model (or its reduced gradient, ``main_grad``) assembled on every rank from
     the slices the ranks hold (collective over the world; for tests). Each rank places its pieces at their global
     offsets; replicas (data-parallel, tensor-parallel copies, expert-DP) are averaged, so equal copies give their
     value. With the distributed optimizer (``optimizer`` given) only the gradient shard this rank owns counts."""
-    from .checkpoint.state import tp_pieces
-    from .parallel.init import split_ranks
+    from .checkpoint.state import param_pieces
+    from .parallel.fsdp import local_shard
 
     local = {}
     for m in models:
         for name, p in m.named_global_parameters():
             if grads and getattr(p, "main_grad", None) is None:
                 continue
-            value = (p.main_grad if grads else p).detach().float()
+            value = (p.main_grad if grads else local_shard(p)).detach().float()
             mask = torch.ones_like(value)
             if grads and optimizer is not None and getattr(optimizer, "distributed", False):
                 mask = torch.zeros_like(value)
                 slot = optimizer.slot_of.get(id(p))
                 if slot is not None:
                     mask.view(-1)[slot.lo:slot.hi] = 1
-            local[name] = (p.desc, value * mask, mask)
+            local[name] = (p, value * mask, mask)
     names = [None] * dist.get_world_size()
-    dist.all_gather_object(names, sorted((n, tuple(d.global_shape)) for n, (d, _, _) in local.items()))
+    dist.all_gather_object(names, sorted((n, tuple(q.desc.global_shape)) for n, (q, _, _) in local.items()))
     out = {}
     for name, shape in sorted({entry for rank_names in names for entry in rank_names}):
         total, count = torch.zeros(shape), torch.zeros(shape)
         if name in local:
-            desc, value, mask = local[name]
-            split = split_ranks(desc, parallel)
+            p, value, mask = local[name]
             for dst, src in ((total, value), (count, mask)):
-                for piece in tp_pieces(src, desc, *split):
+                for piece in param_pieces(p, src, p.desc, parallel):
                     region = dst
                     for dim, (at, n) in enumerate(zip(piece.offsets, piece.tensor.shape)):
                         region = region.narrow(dim, at, n)

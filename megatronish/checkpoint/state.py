@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from .. import device
+from ..parallel.fsdp import local_shard, shard_rows
 from ..parallel.init import TensorDesc, expert_range, split_ranks
 from ..parallel.random import get_rng_tracker
 from .common import MODEL, OPTIMIZER
@@ -24,24 +25,57 @@ from .dcp_io import Piece, Sharded
 # ---------------------------------------------------------------------------------------------------------------
 # Slices of a tensor-parallel tensor
 # ---------------------------------------------------------------------------------------------------------------
-def tp_pieces(local: torch.Tensor, desc: TensorDesc, tp_rank: int, tp: int, ep_rank: int = 0,
-              ep: int = 1) -> list[Piece]:
-    """This rank's blocks of the global tensor: one per stride block along the split dimension (the layout of
-    :func:`megatronish.parallel.init.local_indices`), or the whole tensor when it is not split. An expert weight
-    starts at its first expert's row (``ep_rank``'s block of dim 0)."""
+def _tp_blocks(shape, desc: TensorDesc, tp_rank: int, tp: int, ep_rank: int = 0,
+               ep: int = 1) -> list[tuple[int | None, int, int, tuple[int, ...]]]:
+    """``(dim, start, length, global offsets)`` of each block of a local tensor of ``shape``: one per stride
+    block along the split dimension ``dim`` (local range ``[start, start + length)``, the layout of
+    :func:`megatronish.parallel.init.local_indices`), or ``(None, 0, 0, offsets)`` for the whole tensor when it is
+    not split. An expert weight starts at its first expert's row (``ep_rank``'s block of dim 0)."""
     ndim = len(desc.global_shape)
     first = [0] * ndim
     first[0] = expert_range(desc, ep_rank, ep)[0]
     if desc.partition_dim is None or tp == 1:
-        return [Piece(local, tuple(first))]
+        return [(None, 0, 0, tuple(first))]
     dim, stride = desc.partition_dim, desc.partition_stride
     block = desc.global_shape[dim] // stride
     part = block // tp
-    pieces = []
+    out = []
     for k in range(stride):
         offsets = list(first)
         offsets[dim] = k * block + tp_rank * part
-        pieces.append(Piece(local.narrow(dim, k * part, part), tuple(offsets)))
+        out.append((dim, k * part, part, tuple(offsets)))
+    return out
+
+
+def tp_pieces(local: torch.Tensor, desc: TensorDesc, tp_rank: int, tp: int, ep_rank: int = 0,
+              ep: int = 1) -> list[Piece]:
+    """This rank's blocks of the global tensor (see :func:`_tp_blocks`), as views of ``local``."""
+    return [Piece(local if dim is None else local.narrow(dim, start, n), offsets)
+            for dim, start, n, offsets in _tp_blocks(local.shape, desc, tp_rank, tp, ep_rank, ep)]
+
+
+def param_pieces(p, tensor: torch.Tensor, desc: TensorDesc, parallel) -> list[Piece]:
+    """This rank's pieces of ``tensor`` (the value, gradient or optimizer state of parameter ``p``, shaped like
+    this rank's data of ``p``) with their global offsets. A plain parameter holds its tensor-parallel slice
+    (:func:`tp_pieces`); an FSDP2 parameter holds rows ``[first, first + n)`` of that slice: the slice's blocks
+    cut to those rows (empty cuts dropped)."""
+    rows = shard_rows(p)
+    if rows is None:
+        return tp_pieces(tensor, desc, *split_ranks(desc, parallel))
+    first, full_shape = rows
+    last = first + tensor.shape[0]
+    pieces = []
+    for dim, start, n, offsets in _tp_blocks(full_shape, desc, *split_ranks(desc, parallel)):
+        b_lo, b_hi = (start, start + n) if dim == 0 else (0, full_shape[0])
+        lo, hi = max(first, b_lo), min(last, b_hi)
+        if lo >= hi:
+            continue
+        part = tensor.narrow(0, lo - first, hi - lo)
+        if dim not in (None, 0):
+            part = part.narrow(dim, start, n)
+        offsets = list(offsets)
+        offsets[0] += lo - b_lo
+        pieces.append(Piece(part, tuple(offsets)))
     return pieces
 
 
@@ -77,7 +111,7 @@ def model_entries(named, parallel, *, stage: bool = False, entries: Entries | No
     for name, p in named:
         desc = p.desc
         pieces = [Piece(_staged(x.tensor, stage), x.offsets)
-                  for x in tp_pieces(p.data, desc, *split_ranks(desc, parallel))]
+                  for x in param_pieces(p, local_shard(p), desc, parallel)]
         entries.add(MODEL + name, Sharded(desc.global_shape, pieces, resizable_rows=desc.valid_rows is not None))
     return entries
 
@@ -89,11 +123,11 @@ def optimizer_entries(param_state, names: dict[int, tuple[str, TensorDesc]], par
     for p, states in param_state:
         name, desc = names[id(p)]
         for key, t in states.items():
-            if tuple(t.shape) != tuple(p.shape):
+            shape = tuple(local_shard(p).shape)
+            if tuple(t.shape) != shape:
                 raise ValueError(f"optimizer state {key} of {name} has shape {tuple(t.shape)}, the parameter "
-                                 f"{tuple(p.shape)}")
-            pieces = [Piece(_staged(x.tensor, stage), x.offsets)
-                      for x in tp_pieces(t, desc, *split_ranks(desc, parallel))]
+                                 f"{shape}")
+            pieces = [Piece(_staged(x.tensor, stage), x.offsets) for x in param_pieces(p, t, desc, parallel)]
             entries.add(f"{OPTIMIZER}{name}.{key}",
                         Sharded(desc.global_shape, pieces, resizable_rows=desc.valid_rows is not None))
     return entries

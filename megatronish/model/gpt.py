@@ -104,6 +104,7 @@ class GPTModel(nn.Module):
             kernels.check_kernels_available([f for f, on in (
                 ("--use-triton-kernels", c.use_triton_kernels),
                 ("--cross-entropy-loss-fusion --cross-entropy-fusion-impl te", triton_loss)) if on])
+        self.loss_function = None  # replaces the cross entropy when set (--torch-compile: its compiled form)
         if c.use_triton_kernels:  # norms and RoPE switch to the fused kernels (the MLP reads the config)
             for m in self.modules():
                 if isinstance(m, (LayerNorm, RMSNorm, RotaryEmbedding)):
@@ -199,5 +200,6 @@ class GPTModel(nn.Module):
         logits, _ = self.output_layer(x, weight)  # [s, b, V/t]
         if labels is None:
             return logits.transpose(0, 1).contiguous()
-        loss = self.loss_fn(logits, labels.t(), self.label_smoothing, self.config.vocab_size, self.parallel.tp_group)
+        loss = (self.loss_function or self.loss_fn)(logits, labels.t(), self.label_smoothing, self.config.vocab_size,
+                                                    self.parallel.tp_group)
         return loss.t().contiguous()  # [b, s]

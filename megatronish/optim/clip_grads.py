@@ -51,7 +51,14 @@ def model_sum_of_squares(tensors_of, params, parallel: ParallelContext, experts:
     """``sum(t**2)`` of ``tensors_of(p)`` over the whole model, each piece counted once: the dense parameters' sum
     runs over the model-parallel group (TP x PP), and with ``experts`` (every rank of a mixture-of-experts model
     passes True) the expert weights' over the expert model-parallel group (expert-TP x EP x PP)."""
+    from ..parallel.fsdp import is_sharded
+
+    params = list(params)
     counted = [p for p in params if counts_once(p, parallel)]
+    if any(is_sharded(p) for p in params):  # FSDP2: the DP ranks hold disjoint shards, summed over the world
+        shards = [tensors_of(p) for p in counted]
+        world = dist.group.WORLD if parallel.world_size > 1 else None
+        return sum_of_squares([t.to_local() if is_sharded(t) else t for t in shards if t is not None], world)
     sq = sum_of_squares([tensors_of(p) for p in counted if not is_expert(p)], parallel.mp_group)
     if experts:
         sq = sq + sum_of_squares([tensors_of(p) for p in counted if is_expert(p)], parallel.expert_mp_group)

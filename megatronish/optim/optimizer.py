@@ -16,6 +16,10 @@
   view of the model parameter). The step updates the pieces, writes them into the model's param buffer and
   all-gathers every bucket. Overflow checks and the grad norm reduce over the whole world (DP shards are
   disjoint; TP replicas and the tied-embedding copy are counted once).
+- FSDP2 (``--use-torch-fsdp2``, :mod:`megatronish.parallel.fsdp`): the fp32 model parameters are DP-sharded
+  ``DTensor``s; each main parameter is this rank's local shard (a view) and its gradient the reduced local gradient
+  shard; norms and overflow checks reduce over the whole world, as for the distributed optimizer. The checkpoint
+  state of a parameter is shaped like its local shard.
 
 Step order (Megatron's): gradients -> (fp16) unscale + inf check, scaler update, skip on overflow -> grad norm
 over all main gradients, clip (``max_norm / (norm + 1e-6)``) -> skip if the norm is not finite -> inner step ->
@@ -134,6 +138,13 @@ class MegatronOptimizer:
         if self.distributed and not all(getattr(c, "use_distributed_optimizer", False) for c in self.chunks):
             raise ValueError("the distributed optimizer needs every chunk wrapped in DistributedDataParallel("
                              "use_distributed_optimizer=True)")
+        # FSDP2 chunks (--use-torch-fsdp2): the fp32 parameters are DP-sharded already; each main parameter is this
+        # rank's local shard (a view: the step updates the model in place), the gradient its reduced shard
+        self.fsdp = any(getattr(c, "fsdp", False) for c in self.chunks)
+        if self.fsdp and (self.distributed or self.float16):
+            raise ValueError("FSDP2 chunks take neither the distributed optimizer nor 16-bit model parameters "
+                             "(FSDP2 keeps fp32 shards and computes in 16 bits through its mixed-precision policy)")
+        self.sharded = self.distributed or self.fsdp  # DP ranks hold disjoint gradient pieces
 
         self.slots: list[_Slot] = []
         self.slot_of: dict[int, _Slot] = {}
@@ -172,6 +183,15 @@ class MegatronOptimizer:
 
     # ---- construction ------------------------------------------------------------------------------
     def _make_slot(self, chunk, ci: int, p) -> _Slot | None:
+        if self.fsdp:
+            from ..parallel.fsdp import local_shard
+
+            local = local_shard(p)
+            if local.numel() == 0:  # more DP ranks than rows: this rank holds none of it
+                return None
+            main = torch.nn.Parameter(local)
+            _copy_attrs(p, main)
+            return _Slot(p, main, 0, local.numel(), True, ci)
         if not self.distributed:
             if not self.float16:
                 return _Slot(p, p, 0, p.numel(), True, ci)
@@ -219,6 +239,8 @@ class MegatronOptimizer:
         for a 16-bit model. Collective over DP for the distributed optimizer (the shards are all-gathered, so
         the result does not depend on the layout)."""
         keys = self._keys()
+        if self.fsdp:  # shaped like this rank's local shard of the parameter
+            return [(s.model, {k: self._slot_state(s, k).view_as(s.main) for k in keys}) for s in self.slots]
         if not self.distributed:
             return [(s.model, {k: self._slot_state(s, k).view_as(s.model) for k in keys}) for s in self.slots]
         out = []
@@ -299,7 +321,7 @@ class MegatronOptimizer:
         distributed optimizer the whole world (its DP shards are disjoint)."""
         if self.parallel.world_size == 1:
             return None
-        return dist.group.WORLD if self.distributed or self.has_experts else self.parallel.mp_group
+        return dist.group.WORLD if self.sharded or self.has_experts else self.parallel.mp_group
 
     def _prepare_grads(self) -> list[torch.Tensor]:
         grads = []
@@ -323,10 +345,10 @@ class MegatronOptimizer:
 
     def grad_norm(self) -> float:
         """Global L2 norm of the main gradients, each element of the global model counted once."""
-        if not self.distributed and not self.float16:
+        if not self.sharded and not self.float16:
             from .clip_grads import global_norm
             return global_norm(self.model_params, parallel=self.parallel, experts=self.has_experts)
-        if not self.distributed:  # 16-bit master copies, whole parameters: as global_norm, on the main grads
+        if not self.sharded:  # 16-bit master copies, whole parameters: as global_norm, on the main grads
             main = {id(s.model): s.main for s in self.slots}
             sq = model_sum_of_squares(lambda p: main[id(p)].grad, [s.model for s in self.slots], self.parallel,
                                       self.has_experts)
@@ -349,7 +371,7 @@ class MegatronOptimizer:
             if found_inf:
                 self._release_grads()
                 return False, None
-        if not self.distributed and not self.float16:
+        if not self.sharded and not self.float16:
             norm = clip_grad_norm(self.model_params, self.clip_grad, self.parallel,  # DDP buffers: main grads
                                   experts=self.has_experts)
         else:

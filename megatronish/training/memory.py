@@ -53,8 +53,14 @@ _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 # Formulas
 # ---------------------------------------------------------------------------------------------------------------
 def bytes_per_parameter(params_dtype=torch.float32, grad_dtype=torch.float32, *, optimizer: str = "adam",
-                        sgd_momentum: float = 0.9, distributed: bool = False, dp: int = 1) -> float:
-    """Weights + gradients + optimizer bytes per parameter (see the module docstring's table)."""
+                        sgd_momentum: float = 0.9, distributed: bool = False, dp: int = 1,
+                        fsdp: bool = False) -> float:
+    """Weights + gradients + optimizer bytes per parameter (see the module docstring's table). ``fsdp``
+    (``--use-torch-fsdp2``): fp32 parameter shards (the master weights; 16-bit is the compute dtype only), fp32
+    gradient shards and the optimizer states, all divided by ``dp`` (the all-gathered units of the layers in
+    flight come and go with the forward and backward and are not counted)."""
+    if fsdp:
+        return (4 + 4 + (8 if optimizer == "adam" else (4 if sgd_momentum else 0))) / dp
     p, g = _BYTES[params_dtype], _BYTES[grad_dtype]
     main_grad = 4 if g != 4 else 0  # fp32 copy of a 16-bit gradient
     main_param = 4 if p != 4 else 0
@@ -160,12 +166,14 @@ def theoretical_memory(cfg, num_params: int, num_expert_params: int = 0) -> dict
     expert-data-parallel group (``TP*CP*DP / (ETP*EP)`` ranks), the rest over data parallelism (as Megatron-LM's
     ``compute_weight_and_optimizer_memory``). Activations use the dense formula for every layer."""
     o, par = cfg.optim, cfg.parallel
+    fsdp = bool(getattr(o, "use_torch_fsdp2", False)) and par.dp * par.cp > 1
 
     def per_param(dp: int) -> float:
         return bytes_per_parameter(o.params_dtype, o.grad_dtype, optimizer=o.optimizer,
-                                   sgd_momentum=o.sgd_momentum, distributed=o.use_distributed_optimizer, dp=dp)
+                                   sgd_momentum=o.sgd_momentum, distributed=o.use_distributed_optimizer, dp=dp,
+                                   fsdp=fsdp)
 
-    bpp, expert_bpp = per_param(par.dp), per_param(par.expert_dp)
+    bpp, expert_bpp = per_param(par.dp * par.cp if fsdp else par.dp), per_param(par.expert_dp)
     act = activation_bytes(cfg.model, micro_batch_size=cfg.train.micro_batch_size, tp=par.tp, pp=par.pp,
                            vp=par.vp, cp=par.cp, sequence_parallel=cfg.sequence_parallel,
                            num_microbatches=cfg.num_microbatches)
@@ -190,6 +198,8 @@ def report_theoretical_memory(cfg, optimizer, models, print_fn=print) -> dict:
     if n_expert:
         experts = (f"; {n_expert} of them expert params x {est['bytes_per_expert_param']:.2f} B/param, "
                    f"optimizer state over expert-DP {cfg.parallel.expert_dp}")
+    if getattr(o, "use_torch_fsdp2", False) and cfg.parallel.dp * cfg.parallel.cp > 1:
+        kind += f", FSDP2 over {cfg.parallel.dp * cfg.parallel.cp} ranks"
     print_fn(f"theoretical memory per rank: weights+grads+optimizer {_mb(est['weights_and_optimizer'])} "
              f"({n} params x {est['bytes_per_param']:.2f} B/param{experts}; "
              f"{str(o.params_dtype).replace('torch.', '')} "
@@ -202,6 +212,31 @@ def report_theoretical_memory(cfg, optimizer, models, print_fn=print) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 # Measurement
 # ---------------------------------------------------------------------------------------------------------------
+def measured_state_bytes(chunks, optimizer) -> int:
+    """Bytes this rank holds, measured, for parameters, gradients and optimizer state: the distinct storages of
+    the parameters (FSDP2: their local shards, padding included), their gradients (DDP's buffer, or FSDP2's
+    gradient shards) and the optimizer's states and master copies. Call after a step (gradients present)."""
+    from ..parallel.fsdp import local_shard
+
+    tensors = []
+    for chunk in chunks:
+        for p in getattr(chunk, "module", chunk).parameters():
+            tensors.append(local_shard(p))
+            for g in (p.grad, getattr(p, "main_grad", None)):
+                if g is not None:
+                    tensors.append(local_shard(g))
+    inner = getattr(optimizer, "optimizer", optimizer)
+    for group in inner.param_groups:
+        for p in group["params"]:
+            tensors.append(p.detach())
+            tensors += [t for t in inner.state.get(p, {}).values() if torch.is_tensor(t)]
+    storages = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        storages[st.data_ptr()] = st.nbytes()
+    return sum(storages.values())
+
+
 class _Packed:
     __slots__ = ("tensor", "counter", "key")
 
@@ -221,7 +256,9 @@ class SavedActivationCounter:
     """
 
     def __init__(self, params=()):
-        self._param_storages = {p.untyped_storage().data_ptr() for p in params}
+        from ..parallel.fsdp import local_shard  # FSDP2 parameters: their local shards' storage
+
+        self._param_storages = {local_shard(p).untyped_storage().data_ptr() for p in params}
         self._live: dict[int, list] = {}  # storage ptr -> [refs, bytes]
         self._lock = threading.Lock()
         self.current = 0
@@ -229,7 +266,8 @@ class SavedActivationCounter:
         self._ctx = None
 
     def _pack(self, t: torch.Tensor):
-        if isinstance(t, torch.nn.Parameter) or t.device.type == "meta":
+        if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter) or t.device.type == "meta":
+            # a parameter or a view of one (FSDP2's gathered parameters are not in the storages known up front)
             return _Packed(t, self, None)
         st = t.untyped_storage()
         key = st.data_ptr()
@@ -310,4 +348,5 @@ class ActivationMeter:
 
 
 __all__ = ["bytes_per_parameter", "activation_bytes_per_layer", "activation_bytes", "interleave_factor",
-           "theoretical_memory", "report_theoretical_memory", "SavedActivationCounter", "ActivationMeter"]
+           "theoretical_memory", "report_theoretical_memory", "measured_state_bytes", "SavedActivationCounter",
+           "ActivationMeter"]

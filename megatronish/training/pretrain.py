@@ -37,15 +37,17 @@ from ..optim.optimizer import get_megatron_optimizer
 from ..parallel import groups
 from ..parallel.context import ParallelContext
 from ..parallel.context_parallel import split_for_context_parallel
-from ..parallel.ddp import DistributedDataParallel, finalize_model_grads
+from ..parallel.ddp import finalize_model_grads
 from ..parallel.pipeline.schedules import get_forward_backward_func, pipeline_tensor_shape
 from ..parallel.pipeline.timeline import PipelineTimeline, gather_timeline, write_chrome_trace
 from ..parallel.random import set_random_seed
 from ..precision.fp8 import Fp8Manager, Fp8Recipe, check_transformer_impl, enable_fp8
+from .compile import Compiler
 from .exit import ExitPolicy
 from .flops import device_peak_tflops, num_floating_point_operations
 from .memory import ActivationMeter, report_theoretical_memory
 from .metrics import MetricsWriter, print_rank_last, train_log_line
+from .wrap import model_params_dtype, wrap_model_chunks
 
 
 @dataclass
@@ -77,6 +79,7 @@ class TrainContext:
     valid_ds: object = None
     checkpointer: object = None
     device: object = None
+    compiler: object = None  # megatronish.training.compile.Compiler under --torch-compile
 
 
 def _free_port() -> int:
@@ -256,17 +259,15 @@ def setup(cfg) -> tuple[TrainContext, TrainState]:
                     etp_rank=parallel.etp_rank)
 
     models = build_model_chunks(cfg.model, parallel, sequence_parallel=cfg.sequence_parallel, device=dev,
-                                params_dtype=o.params_dtype)
+                                params_dtype=model_params_dtype(cfg))
     for m in models:
         m.init_parameters(t.seed)  # the fp32 values of the one-process model, cast to the params dtype
     fp8 = _enable_fp8(models, cfg.model)
-    chunks = [DistributedDataParallel(m, dp_group=parallel.dp_cp_group, overlap_grad_reduce=o.overlap_grad_reduce,
-                                      bucket_size=o.ddp_bucket_size, grad_dtype=o.grad_dtype,
-                                      use_distributed_optimizer=o.use_distributed_optimizer,
-                                      overlap_param_gather=o.overlap_param_gather,
-                                      expert_dp_group=parallel.expert_dp_group,
-                                      average=not t.calculate_per_token_loss)
-              for m in models]
+    chunks = wrap_model_chunks(models, cfg, parallel, print_fn=_print_rank0())  # DDP, or FSDP2
+    compiler = None
+    if t.torch_compile:  # compiled layers and loss (training/compile.py)
+        compiler = Compiler(dev.type, print_fn=_print_rank0())
+        compiler.apply(models)
     grad_scaler = build_grad_scaler(o.fp16, o.loss_scale, o.initial_loss_scale, o.min_loss_scale,
                                     o.loss_scale_window, o.hysteresis)
     optimizer = get_megatron_optimizer(chunks, o, grad_scaler=grad_scaler,
@@ -279,8 +280,7 @@ def setup(cfg) -> tuple[TrainContext, TrainState]:
     train_ds, valid_ds = build_datasets(cfg)
     run = TrainContext(models, chunks, optimizer, scheduler, fp8, parallel=parallel, cfg=cfg, schedule=schedule,
                        forward_step=_forward_step(cfg.data.reset_position_ids, parallel, t.calculate_per_token_loss),
-                       train_ds=train_ds,
-                       valid_ds=valid_ds, device=dev)
+                       train_ds=train_ds, valid_ds=valid_ds, device=dev, compiler=compiler)
     state = TrainState(context=run)
     run.checkpointer = setup_checkpointing(cfg, models, optimizer, scheduler, state, parallel=parallel,
                                            fp8=fp8)  # --load
@@ -322,6 +322,8 @@ def compute_gradients(run: TrainContext, state: TrainState, timeline: PipelineTi
     with run.memory.measure():  # saved-activation bytes (CPU) / allocator peak (CUDA), first iteration
         stats = run.schedule(run.forward_step, it, _model_arg(run), num_mb, timeline=timeline)
     run.memory.report(print_fn=_print_rank0())
+    if run.compiler is not None:
+        run.compiler.report()  # the compile time, once
     num_tokens = None
     if cfg.train.calculate_per_token_loss:  # this rank's loss tokens (last stage; finalize sends them on)
         num_tokens = torch.zeros((), dtype=torch.float32, device=device.current_device())

@@ -325,7 +325,7 @@ def test_not_yet_table_covers_every_listed_flag():
     assert set(NOT_YET_SUPPORTED) <= parser_dests
     flagged = {n[0][0] for n in NOT_YET}
     assert {r.flag for r in NOT_YET_SUPPORTED.values()} - flagged <= {
-        "--tp-comm-overlap", "--use-torch-fsdp2", "--use-megatron-fsdp", "--squared-relu",
+        "--tp-comm-overlap", "--use-megatron-fsdp", "--squared-relu",
         "--use-flash-attn"} | {
         r.flag for r in NOT_YET_SUPPORTED.values() if r.flag.startswith("--moe-")}
 
@@ -450,6 +450,8 @@ RULES = [
      ["--moe-ffn-hidden-size 30 is not divisible by the expert tensor-parallel size 4"]),
     ("moe layer pattern length", MOE + ["--moe-layer-freq", "([1]*3)"], 1, BASE,
      ["--moe-layer-freq pattern must hold one 0 or 1 per layer (4)"]),
+    ("FSDP2 with per-token loss", ["--use-torch-fsdp2", "--calculate-per-token-loss"], 2, BASE,
+     ["--use-torch-fsdp2 with --calculate-per-token-loss"]),
     ("sinkhorn", MOE + ["--moe-router-load-balancing-type", "sinkhorn"], 1, BASE, ["Sinkhorn"]),
     ("group topk without groups", MOE + ["--moe-router-group-topk", "2"], 1, BASE,
      ["--moe-router-group-topk needs --moe-router-num-groups"]),
