@@ -587,6 +587,8 @@ def _check_warmup_vs_decay(cfg: RunConfig, errors: list[str]) -> None:
 
 def _check_data(d: DataConfig, errors: list[str], for_training: bool = True) -> None:
     per_split = d.train_data_path or d.valid_data_path or d.test_data_path
+    if d.num_workers < 0:
+        errors.append(f"--num-workers must be >= 0 (0: read batches in the training process), got {d.num_workers}")
     if d.mock_data and (d.data_path or per_split):
         errors.append("--mock-data and --data-path (or --train/valid/test-data-path) are mutually exclusive; pass one")
     elif d.data_path and per_split:

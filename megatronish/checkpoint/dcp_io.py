@@ -59,13 +59,9 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import _create_read_item_for_byteio, create_read_items_for_chunk_list
 
-from ..errors import ConfigError
+from ..errors import CheckpointError
 
 METADATA_FILE = ".metadata"
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint that cannot be used as asked: one line naming the file or field and the fix."""
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -9,17 +9,13 @@ from __future__ import annotations
 import dataclasses
 
 from ..config import ModelConfig
-from ..errors import ConfigError
+from ..errors import ConvertError
 
 GPT2, LLAMA = "GPT2LMHeadModel", "LlamaForCausalLM"
 ARCHITECTURES = (GPT2, LLAMA)
 _MODEL_TYPE = {GPT2: "gpt2", LLAMA: "llama"}
 _ARCH_OF_TYPE = {v: k for k, v in _MODEL_TYPE.items()}
 _TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
-
-
-class ConvertError(ConfigError):
-    """A checkpoint that cannot be converted; the message names the file or setting and the fix."""
 
 
 def architecture(hf: dict, where: str = "config.json") -> str:

@@ -10,7 +10,7 @@ import numpy
 
 from megatronish.data import helpers
 from megatronish.data.index_cache import IndexCache
-from megatronish.errors import UserError
+from megatronish.errors import BlendError
 
 __all__ = [
     "BlendError",
@@ -20,10 +20,6 @@ __all__ = [
     "parse_and_normalize_split",
     "convert_split_vector_to_split_matrix",
 ]
-
-
-class BlendError(ValueError, UserError):
-    """A --data-path / --split value that cannot be used."""
 
 
 def normalize(weights: Sequence[float]) -> List[float]:

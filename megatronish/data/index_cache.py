@@ -14,6 +14,8 @@ from typing import Callable, Optional, Sequence, Tuple
 
 import numpy
 
+from ..errors import ConfigError
+
 __all__ = ["IndexCache"]
 
 
@@ -58,10 +60,10 @@ class IndexCache:
                 self._atomic_write(f"{name}.npy", lambda f, a=arr: numpy.save(f, a, allow_pickle=True))
             self._atomic_write("description.txt", lambda f: f.write(self.description.encode("utf-8")))
         except OSError as err:
-            raise OSError(
-                f"cannot write dataset index cache in '{self.directory}' ({err}); pass a writable "
-                f"directory with --data-cache-path"
-            ) from err
+            raise ConfigError(
+                f"--data-cache-path: cannot write the dataset index cache in '{self.directory}' ({err}); pass a "
+                f"writable directory"
+            ) from None
 
     def _atomic_write(self, affix: str, write) -> None:
         final = self.path(affix)

@@ -21,7 +21,7 @@ from typing import Optional, Sequence, Type, Union
 
 import numpy
 
-from megatronish.errors import UserError
+from megatronish.errors import IndexedDatasetError
 
 _INDEX_HEADER = b"MMIDIDX\x00\x00"
 _HEADER_SIZE = 34
@@ -34,10 +34,6 @@ __all__ = [
     "get_bin_path",
     "get_idx_path",
 ]
-
-
-class IndexedDatasetError(ValueError, UserError):
-    """A .bin/.idx pair that is missing, truncated, or not in the indexed dataset format."""
 
 
 class DType:

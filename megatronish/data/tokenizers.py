@@ -27,7 +27,7 @@ import json
 import os
 from typing import Dict, List, Optional, Sequence
 
-from megatronish.errors import UserError
+from megatronish.errors import TokenizerError
 
 __all__ = [
     "TokenizerError",
@@ -53,10 +53,6 @@ _TIKTOKEN_PATTERN_V2 = (
     r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _TIKTOKEN_SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<mask>", "<pad>", "<cls>", "<sep>"]
-
-
-class TokenizerError(ValueError, UserError):
-    """A tokenizer file that is missing or malformed, or a tokenizer flag that is wrong."""
 
 
 def _require_file(path: Optional[str], flag: str, tokenizer_type: str, what: str) -> str:

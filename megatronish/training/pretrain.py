@@ -40,6 +40,7 @@ from ..parallel.pipeline.schedules import get_forward_backward_func, pipeline_te
 from ..parallel.pipeline.timeline import PipelineTimeline, gather_timeline, write_chrome_trace
 from ..parallel.random import set_random_seed
 from ..precision.fp8 import Fp8Manager, Fp8Recipe, check_transformer_impl, enable_fp8
+from . import watchdog
 from .exit import ExitPolicy
 from .flops import device_peak_tflops, num_floating_point_operations
 from .memory import ActivationMeter, report_theoretical_memory
@@ -225,6 +226,7 @@ def setup(cfg) -> tuple[TrainContext, TrainState]:
     t, o = cfg.train, cfg.optim
     check_transformer_impl(cfg.model.transformer_impl)  # before any process group (TE needs CUDA)
     init_distributed(t.distributed_backend, t.distributed_timeout_minutes)
+    watchdog.start(dist.get_rank(), dist.get_world_size())  # entry points only: a failed or lost rank ends the job
     hcp = cfg.model.hierarchical_context_parallel_sizes
     parallel = groups.initialize_model_parallel(cfg.parallel, timeout_minutes=t.distributed_timeout_minutes,
                                                 hierarchical_cp_inner=hcp[0] if hcp else None)
