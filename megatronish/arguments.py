@@ -193,6 +193,10 @@ def build_parser(prog: str = "pretrain_gpt.py", description: str = "Pretrain a G
     flag(g, "--eval-iters", type=int, default=100)
     flag(g, "--eval-interval", type=int, default=1000)
     flag(g, "--skip-train", **on)
+    flag(g, "--check-for-nan-in-loss-and-grad", action="store_true", default=True,
+         help="stop before the optimizer step on a NaN/Inf loss or gradient (default: on)")
+    flag(g, "--no-check-for-nan-in-loss-and-grad", action="store_false", dest="check_for_nan_in_loss_and_grad",
+         help="count non-finite iterations as skipped and go on")
     flag(g, "--seed", type=int, default=1234)
 
     g = p.add_argument_group("optimizer and schedule")

@@ -158,6 +158,7 @@ class TrainingConfig:
     distributed_backend: str | None = None  # None: nccl on CUDA, gloo on CPU
     distributed_timeout_minutes: int = 10
     use_cpu_initialization: bool = False
+    check_for_nan_in_loss_and_grad: bool = True  # stop before the optimizer step on a NaN/Inf loss or gradient
 
 
 @dataclass

@@ -40,7 +40,7 @@ from ..parallel.pipeline.schedules import get_forward_backward_func, pipeline_te
 from ..parallel.pipeline.timeline import PipelineTimeline, gather_timeline, write_chrome_trace
 from ..parallel.random import set_random_seed
 from ..precision.fp8 import Fp8Manager, Fp8Recipe, check_transformer_impl, enable_fp8
-from . import watchdog
+from . import nan_check, watchdog
 from .exit import ExitPolicy
 from .flops import device_peak_tflops, num_floating_point_operations
 from .memory import ActivationMeter, report_theoretical_memory
@@ -286,7 +286,17 @@ def train_step(run: TrainContext, state: TrainState, timeline: PipelineTimeline 
     with run.memory.measure():  # saved-activation bytes (CPU) / allocator peak (CUDA), first iteration
         stats = run.schedule(run.forward_step, it, _model_arg(run), cfg.num_microbatches, timeline=timeline)
     run.memory.report(print_fn=_print_rank0())
+    nan_check.inject_for_test(run.chunks, stats, state.iteration + 1)  # a test hook; nothing unless asked
+    # --check-for-nan-in-loss-and-grad: before the optimizer step; before the data-parallel reduction where it has
+    # not started yet (the rank that produced a NaN is named), after it under --overlap-grad-reduce
+    check = functools.partial(nan_check.check_loss_and_grads, run.models, run.chunks, stats,
+                              iteration=state.iteration + 1, check_grads=run.optimizer.grad_scaler is None)
+    early = cfg.train.check_for_nan_in_loss_and_grad and not cfg.optim.overlap_grad_reduce
+    if early:
+        check()
     finalize_model_grads(run.chunks, run.parallel)
+    if cfg.train.check_for_nan_in_loss_and_grad and not early:
+        check()
     loss = _reported_loss(stats, run.parallel)
     update_successful, grad_norm = run.optimizer.step()  # unscale/overflow check, clip, step, copy back
     if run.fp8 is not None:
