@@ -21,19 +21,23 @@ rank's file with large sequential writes straight from tensor memory on a backgr
 from __future__ import annotations
 
 import base64
+import errno
 import io
 import json
 import math
 import os
 import pickle
 import queue
+import signal
 import threading
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.filesystem as dcp_fs
 from torch import _weights_only_unpickler
@@ -527,9 +531,13 @@ class Writer(FileSystemWriter):
     def write_data(self, plan: SavePlan, planner) -> torch.futures.Future:
         name = f"{plan.storage_data.prefix}0.distcp"
         results: list = []
+        fault = _test_fault(str(self.path))
         with _OrderedFile(os.path.join(str(self.path), name)) as out:
             # DCP's order: the byte entries, then the tensors in plan order
-            for item in sorted(plan.items, key=lambda i: i.type != WriteItemType.BYTE_IO):
+            for i, item in enumerate(sorted(plan.items, key=lambda i: i.type != WriteItemType.BYTE_IO)):
+                if fault is not None and i == len(plan.items) // 2:
+                    out.sync()  # half of this rank's file is on disk
+                    _inject_fault(fault)
                 data = planner.resolve_data(item)
                 if item.type != WriteItemType.BYTE_IO:
                     data = data.detach() if data.device.type == "cpu" else data.detach().cpu()
@@ -540,6 +548,29 @@ class Writer(FileSystemWriter):
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(results)
         return fut
+
+
+SAVE_FAULT_ENV = "MEGATRONISH_TEST_SAVE_FAULT"
+
+
+def _test_fault(iter_dir: str) -> str | None:
+    """Test hook: ``MEGATRONISH_TEST_SAVE_FAULT=<kill|enospc>:<iteration directory name>[:<rank>]`` makes this
+    rank's write of that directory stop half-way: SIGKILL to the process, or an ENOSPC write error."""
+    spec = os.environ.get(SAVE_FAULT_ENV)
+    if not spec:
+        return None
+    parts = spec.split(":")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if os.path.basename(os.path.normpath(iter_dir)) != parts[1] or (len(parts) > 2 and int(parts[2]) != rank):
+        return None
+    return parts[0]
+
+
+def _inject_fault(kind: str) -> None:
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 class _OrderedFile:

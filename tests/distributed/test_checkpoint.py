@@ -109,8 +109,9 @@ def test_async_save_equals_sync(resume):
 
 def test_async_save_error_surfaces_on_every_rank(resume):
     root, out = resume
-    assert out["async_error"].startswith("asynchronous save of iteration 2 to ") and \
-        "No space left on device" in out["async_error"]
+    assert out["async_error"].startswith(f"--save {os.path.join(root, 'failing')}: saving iteration 2 failed: "
+                                         "asynchronous save: ") and "No space left on device" in out["async_error"]
+    assert "no complete checkpoint in" in out["async_error"]
     assert not os.path.exists(os.path.join(root, "failing", "latest_checkpointed_iteration.txt"))
 
 
