@@ -68,8 +68,8 @@ def _wait_for_recorded(wd, seconds: float):
     while True:
         try:
             found = wd.failure()
-        except (RuntimeError, dist.DistError):
-            return None
+        except (RuntimeError, dist.DistError) as err:  # the store's host is gone: the watchdog names it, ends us
+            wd.store_gone(err)
         if found is not None or time.monotonic() > deadline:
             return found
         time.sleep(0.2)

@@ -127,6 +127,7 @@ class RankWatchdog:
         self._peer_proc: tuple[str, int] | None = None
         self._peer_seen = (None, time.monotonic())  # (last counter, when it changed)
         self._store_failures = 0
+        self._ending = threading.Lock()
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------------------------------ the store
@@ -202,7 +203,7 @@ class RankWatchdog:
                     return
                 self._store_failures += 1
                 if self._store_failures >= 3:
-                    self._store_gone(e)
+                    self.store_gone(e)
 
     def _tick(self) -> None:
         self._beats += 1
@@ -247,7 +248,10 @@ class RankWatchdog:
             sys.stderr.write(f"error: {line}\n")
         self._exit(EXIT_PEER_LOST)
 
-    def _store_gone(self, err) -> None:
+    def store_gone(self, err) -> None:
+        """The store stopped answering: name its host (once per job) and end this process."""
+        if not self._ending.acquire(blocking=False):  # the other thread of this process is already ending it
+            time.sleep(3600)
         if self.store_host == "the launcher":
             self._exit_launcher_gone()
         # rank 0 hosts the store; its watcher (the last rank) names it
