@@ -296,7 +296,12 @@ def build_parser(prog: str = "pretrain_gpt.py", description: str = "Pretrain a G
     flag(g, "--wandb-entity", default="")
     flag(g, "--wandb-exp-name", default="")
     flag(g, "--wandb-save-dir", default="")
-    flag(g, "--timing-log-level", type=int, default=0, choices=[0, 1, 2])
+    flag(g, "--timing-log-level", type=int, default=0, choices=[0, 1, 2],
+         help="0: iteration time; 1: + forward-backward, gradient reduction, optimizer; 2: + batch reading "
+              "((min, max) over ranks each log interval)")
+    flag(g, "--log-straggler", **on, help="each log interval: every rank's compute time; name the slowest rank")
+    flag(g, "--straggler-minmax-count", type=int, default=1,
+         help="with --log-straggler: how many fastest and slowest ranks to name")
     flag(g, "--metrics-file", default=None, help="JSON lines: one object per logged iteration and per evaluation")
     flag(g, "--pipeline-timeline", default=None,
          help="write a Chrome trace (Perfetto) of the last training iteration's pipeline events to this path")
@@ -515,6 +520,7 @@ def _problems(d: _Draft, errors: list[str], for_training: bool = True) -> list[s
     _check_model(m, errors)
     _check_context_parallel(m, dims, errors)
     _check_checkpoint(d.checkpoint, errors)
+    _check_logging(d.logging, errors)
     if fits and not errors:
         errors += m.problems()
     return errors
@@ -682,6 +688,13 @@ def _check_context_parallel(m: ModelConfig | None, dims: ParallelDims | None, er
             errors.append(f"--hierarchical-context-parallel-sizes {sizes[0]} {sizes[1]}: the heads per TP rank "
                           f"({heads} / {tp}) and the query groups per TP rank ({groups} / {tp}) must divide by the "
                           f"all-to-all size {sizes[0]}")
+
+
+def _check_logging(lg: LoggingConfig, errors: list[str]) -> None:
+    if lg.straggler_minmax_count < 1:
+        errors.append(f"--straggler-minmax-count must be >= 1, got {lg.straggler_minmax_count}")
+    if lg.log_interval is not None and lg.log_interval < 1:
+        errors.append(f"--log-interval must be >= 1, got {lg.log_interval}")
 
 
 def _check_checkpoint(c: CheckpointConfig, errors: list[str]) -> None:

@@ -232,6 +232,8 @@ class LoggingConfig:
     wandb_exp_name: str = ""
     wandb_save_dir: str = ""
     timing_log_level: int = 0
+    log_straggler: bool = False  # each log interval: every rank's compute time, the slowest rank named
+    straggler_minmax_count: int = 1  # how many fastest/slowest ranks --log-straggler names
     metrics_file: str | None = None
     pipeline_timeline: str | None = None  # Chrome trace of the last training iteration's pipeline events
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from .. import device
 from ..checkpoint.manager import setup_checkpointing
+from ..data.loader import MicroBatchLoader
 from ..data.mock import MockGPTDataset
 from ..data.sampler import collate, global_batch_indices
 from ..model.build import build_model_chunks
@@ -45,6 +46,7 @@ from .exit import ExitPolicy
 from .flops import device_peak_tflops, num_floating_point_operations
 from .memory import ActivationMeter, report_theoretical_memory
 from .metrics import MetricsWriter, print_rank_last, train_log_line
+from .timers import Timers, straggler_lines
 
 
 @dataclass
@@ -54,6 +56,7 @@ class TrainState:
     history: list = field(default_factory=list)  # (iteration, lm loss) of every iteration, for callers
     valid_history: list = field(default_factory=list)
     valid_consumed_samples: int = 0  # evaluations continue through the validation set, as Megatron's do
+    test_history: list = field(default_factory=list)  # (iteration, lm loss) of the test-split evaluation at the end
     exit_reason: str | None = None  # set when --exit-interval / --exit-duration-in-mins / a signal ended training
     context: "TrainContext | None" = field(default=None, repr=False)  # models, optimizer, scheduler, fp8 manager
 
@@ -74,6 +77,8 @@ class TrainContext:
     forward_step: object = None
     train_ds: object = None
     valid_ds: object = None
+    test_ds: object = None  # --split's third share or --test-data-path: evaluated once at the end
+    timers: object = None  # megatronish.training.timers.Timers (--timing-log-level, --log-straggler)
     checkpointer: object = None
     device: object = None
 
@@ -115,16 +120,33 @@ def _reported_loss(stats: list[dict], parallel: ParallelContext) -> float:
     return loss.item()
 
 
+def _batch_reader(dataset):
+    """``read(indices) -> micro-batch`` (a dict of CPU tensors) for ``dataset``."""
+    if isinstance(dataset, MockGPTDataset):
+        return lambda idx: collate([{k: torch.as_tensor(v) for k, v in dataset[i].items()} for i in idx])
+    from ..data.gpt_dataset import get_batch  # file data only: mock runs do not load the compiled helpers
+
+    # file data: the micro-batch read at once (each document span copied once; same samples, same order)
+    return functools.partial(get_batch, dataset)
+
+
 def _microbatches(dataset, consumed: int, mbs: int, num_mb: int, dev, parallel: ParallelContext):
-    if not isinstance(dataset, MockGPTDataset):
-        from ..data.gpt_dataset import get_batch  # file data only: mock runs do not load the compiled helpers
+    read = _batch_reader(dataset)
     # CP ranks of one data-parallel replica read the same samples (each keeps its chunks of the sequence)
     for idx in global_batch_indices(consumed, mbs, parallel.dp_size, parallel.dp_rank, num_mb):
-        if isinstance(dataset, MockGPTDataset):
-            batch = collate([{k: torch.as_tensor(v) for k, v in dataset[i].items()} for i in idx])
-        else:  # file data: the micro-batch read at once (each document span copied once; same samples, same order)
-            batch = get_batch(dataset, idx)
-        yield {k: v.to(dev) for k, v in batch.items()}
+        yield {k: v.to(dev) for k, v in read(idx).items()}
+
+
+def _train_loader(run: "TrainContext", state: "TrainState", train_iters: int) -> MicroBatchLoader:
+    """``--num-workers`` worker processes reading the training micro-batches ahead, from the consumed samples on
+    (the same batches for every worker count)."""
+    cfg = run.cfg
+    return MicroBatchLoader(_batch_reader(run.train_ds), consumed=state.consumed_samples,
+                            micro_batch_size=cfg.train.micro_batch_size, dp_size=run.parallel.dp_size,
+                            dp_rank=run.parallel.dp_rank, num_microbatches=cfg.num_microbatches,
+                            global_batch_size=cfg.train.global_batch_size,
+                            iterations=max(0, train_iters - state.iteration), num_workers=cfg.data.num_workers,
+                            pin_memory=run.device.type == "cuda", timer=run.timers("batch-generator"))
 
 
 def _forward_step(reset_position_ids: bool, parallel: ParallelContext):
@@ -159,21 +181,27 @@ def _forward_step(reset_position_ids: bool, parallel: ParallelContext):
 
 
 def build_datasets(cfg):
-    """Train and validation datasets. ``--mock-data`` here; files through the data package."""
+    """Train, validation and test datasets (test: None when the split has no share). ``--mock-data`` here; files
+    through the data package."""
     d = cfg.data
     if d.mock_data:
-        return (MockGPTDataset(cfg.model.vocab_size, cfg.model.seq_length, seed=cfg.train.seed),
-                MockGPTDataset(cfg.model.vocab_size, cfg.model.seq_length, seed=cfg.train.seed + 1))
+        return tuple(MockGPTDataset(cfg.model.vocab_size, cfg.model.seq_length, seed=cfg.train.seed + i)
+                     for i in range(3))
     from .data_wiring import build_file_datasets  # the data package, loaded only when files are used
 
     return build_file_datasets(cfg)
 
 
-def _data_iterators(run: TrainContext, dataset, consumed: int):
-    """One iterator over this iteration's microbatches per model chunk (each chunk reads them in order)."""
+def _data_iterators(run: TrainContext, dataset, consumed: int, batches: list[dict] | None = None):
+    """One iterator over this iteration's microbatches per model chunk (each chunk reads them in order): read
+    here, or ``batches`` read ahead by the loader."""
     cfg = run.cfg
-    its = [_microbatches(dataset, consumed, cfg.train.micro_batch_size, cfg.num_microbatches, run.device,
-                         run.parallel) for _ in run.chunks]
+    if batches is not None:
+        on_device = [{k: v.to(run.device, non_blocking=True) for k, v in b.items()} for b in batches]
+        its = [iter(on_device) for _ in run.chunks]
+    else:
+        its = [_microbatches(dataset, consumed, cfg.train.micro_batch_size, cfg.num_microbatches, run.device,
+                             run.parallel) for _ in run.chunks]
     return its[0] if len(its) == 1 else its
 
 
@@ -183,16 +211,18 @@ def _model_arg(run: TrainContext):
 
 def evaluate(run: TrainContext, state: TrainState, dataset=None) -> float:
     """Mean validation loss over ``--eval-iters`` global batches (DP-averaged); evaluations continue
-    through the validation set."""
+    through the validation set. Another ``dataset`` (the test split) is read from its start."""
     t = run.cfg.train
+    test = dataset is not None
     dataset = run.valid_ds if dataset is None else dataset
     for c in run.chunks:
         c.eval()
     losses = []
     with torch.no_grad():
-        for _ in range(t.eval_iters):
-            it = _data_iterators(run, dataset, state.valid_consumed_samples)
-            state.valid_consumed_samples += t.global_batch_size
+        for i in range(t.eval_iters):
+            it = _data_iterators(run, dataset, i * t.global_batch_size if test else state.valid_consumed_samples)
+            if not test:
+                state.valid_consumed_samples += t.global_batch_size
             stats = run.schedule(run.forward_step, it, _model_arg(run), run.cfg.num_microbatches,
                                  forward_only=True)
             losses.append(_reported_loss(stats, run.parallel))
@@ -251,10 +281,12 @@ def setup(cfg) -> tuple[TrainContext, TrainState]:
                                  dtype=o.params_dtype, grad_scale_func=optimizer.scale_loss if grad_scaler else None,
                                  tensor_shape=_tensor_shape(cfg), parallel=parallel)
     scheduler = OptimizerParamScheduler(optimizer, **scheduler_steps_from_config(cfg))
-    train_ds, valid_ds = build_datasets(cfg)
+    train_ds, valid_ds, test_ds = build_datasets(cfg)
+    timers = Timers(cfg.logging.timing_log_level, always=("forward-backward",) if cfg.logging.log_straggler else ())
     run = TrainContext(models, chunks, optimizer, scheduler, fp8, parallel=parallel, cfg=cfg, schedule=schedule,
                        forward_step=_forward_step(cfg.data.reset_position_ids, parallel), train_ds=train_ds,
-                       valid_ds=valid_ds, device=dev)
+                       valid_ds=valid_ds, test_ds=test_ds, timers=timers, device=dev)
+    optimizer.timers = timers  # params-all-gather
     state = TrainState(context=run)
     run.checkpointer = setup_checkpointing(cfg, models, optimizer, scheduler, state, parallel=parallel,
                                            fp8=fp8)  # --load
@@ -277,13 +309,20 @@ class StepResult:
     grad_norm: float | None
 
 
-def train_step(run: TrainContext, state: TrainState, timeline: PipelineTimeline | None = None) -> StepResult:
-    """One iteration on the global batch at ``state.consumed_samples``; advances ``state``."""
+def train_step(run: TrainContext, state: TrainState, timeline: PipelineTimeline | None = None,
+               batches: list[dict] | None = None) -> StepResult:
+    """One iteration on the global batch at ``state.consumed_samples`` (``batches``: its micro-batches, read ahead
+    by the loader; None: read here); advances ``state``."""
     cfg = run.cfg
+    timers = run.timers or Timers(0)
     for c in run.chunks:
         c.zero_grad_buffer()
-    it = _data_iterators(run, run.train_ds, state.consumed_samples)
-    with run.memory.measure():  # saved-activation bytes (CPU) / allocator peak (CUDA), first iteration
+    if batches is None:
+        with timers("batch-generator"):
+            batches = list(_microbatches(run.train_ds, state.consumed_samples, cfg.train.micro_batch_size,
+                                         cfg.num_microbatches, torch.device("cpu"), run.parallel))
+    it = _data_iterators(run, run.train_ds, state.consumed_samples, batches)
+    with run.memory.measure(), timers("forward-backward"):  # saved-activation bytes / allocator peak, first iteration
         stats = run.schedule(run.forward_step, it, _model_arg(run), cfg.num_microbatches, timeline=timeline)
     run.memory.report(print_fn=_print_rank0())
     nan_check.inject_for_test(run.chunks, stats, state.iteration + 1)  # a test hook; nothing unless asked
@@ -294,11 +333,13 @@ def train_step(run: TrainContext, state: TrainState, timeline: PipelineTimeline 
     early = cfg.train.check_for_nan_in_loss_and_grad and not cfg.optim.overlap_grad_reduce
     if early:
         check()
-    finalize_model_grads(run.chunks, run.parallel)
+    with timers("grads-reduce-scatter" if cfg.optim.use_distributed_optimizer else "grads-all-reduce"):
+        finalize_model_grads(run.chunks, run.parallel)
     if cfg.train.check_for_nan_in_loss_and_grad and not early:
         check()
     loss = _reported_loss(stats, run.parallel)
-    update_successful, grad_norm = run.optimizer.step()  # unscale/overflow check, clip, step, copy back
+    with timers("optimizer"):
+        update_successful, grad_norm = run.optimizer.step()  # unscale/overflow check, clip, step, copy back
     if run.fp8 is not None:
         run.fp8.update()  # amax histories and next scales, once per optimizer step
     if update_successful:  # Megatron: the LR/WD schedule advances only with an applied update
@@ -356,25 +397,52 @@ class TrainLogger:
                   "skipped_iterations": self.skipped, "nan_iterations": self.nan_iters}
         if params_norm is not None:
             record["params_norm"] = params_norm
+        timing, straggler = self._gather_timers(len(self.window_losses))
+        if straggler is not None:
+            record["straggler"] = straggler[1]
         self.writer.write(record, state.iteration)
         r = record
         print_rank_last(self.logging_rank, train_log_line(
             iteration=r["iteration"], train_iters=self.train_iters, consumed_samples=r["consumed_samples"],
-            elapsed_ms=r["elapsed_ms"], tflops=r["tflops"], tokens_per_sec=r["tokens_per_sec"], lr=r["lr"],
+            elapsed_ms=r["elapsed_ms"], tflops=r["tflops"] if lg.log_throughput else None,
+            tokens_per_sec=r["tokens_per_sec"], lr=r["lr"],
             global_batch_size=self.cfg.train.global_batch_size, loss=r["lm_loss"], grad_norm=r["grad_norm"],
             loss_scale=r["loss_scale"], skipped=r["skipped_iterations"], nan=r["nan_iterations"],
             params_norm=params_norm, mfu=(tflops / self.peak) if self.peak else None))
+        # Megatron prints the timers from the last rank; the straggler line with the log line
+        if straggler is not None:
+            print_rank_last(self.logging_rank, straggler[0])
+        if timing:
+            print_rank_last(dist.get_rank() == dist.get_world_size() - 1, timing)
         self.restart_window()
 
-    def evaluate(self, state: TrainState) -> None:
-        loss = evaluate(self.run, state)
+    def _gather_timers(self, iterations: int):
+        """The interval's timers over all ranks (collective when --timing-log-level or --log-straggler asks)."""
+        timers, lg = self.run.timers, self.cfg.logging
+        if timers is None:
+            return None, None
+        names = timers.names()
+        if not names:
+            return None, None
+        times = timers.gather(names)
+        timing = timers.min_max_string(times, names, normalizer=iterations)
+        straggler = None
+        if lg.log_straggler:
+            compute = times[:, names.index("forward-backward")].tolist()
+            straggler = straggler_lines(compute, lg.straggler_minmax_count, normalizer=iterations)
+        return timing, straggler
+
+    def evaluate(self, state: TrainState, test: bool = False) -> None:
+        """Validation (or, ``test``, the test split's evaluation at the end, as Megatron's ``on test set``)."""
+        loss = evaluate(self.run, state, self.run.test_ds if test else None)
         ppl = math.exp(min(20.0, loss))
-        state.valid_history.append((state.iteration, loss))
-        self.writer.write({"split": "valid", "iteration": state.iteration, "lm_loss": loss, "ppl": ppl},
-                          state.iteration)
+        (state.test_history if test else state.valid_history).append((state.iteration, loss))
+        self.writer.write({"split": "test" if test else "valid", "iteration": state.iteration, "lm_loss": loss,
+                           "ppl": ppl}, state.iteration)
         bar = "-" * 100
-        print_rank_last(self.logging_rank, f"{bar}\n validation loss at iteration {state.iteration} | lm loss "
-                                           f"value: {loss:.6E} | lm loss PPL: {ppl:.6E} |\n{bar}")
+        where = " on test set" if test else ""
+        print_rank_last(self.logging_rank, f"{bar}\n validation loss at iteration {state.iteration}{where} | lm "
+                                           f"loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |\n{bar}")
 
     def close(self) -> None:
         self.writer.close()
@@ -396,11 +464,13 @@ def pretrain(cfg) -> TrainState:
     train_iters = 0 if t.skip_train else t.train_iters
     logger = TrainLogger(run, train_iters)
     exit_policy = ExitPolicy(cfg.checkpoint)
+    loader = _train_loader(run, state, train_iters)
     try:
         while state.iteration < train_iters:
             last = state.iteration == train_iters - 1
             timeline = PipelineTimeline() if cfg.logging.pipeline_timeline and last else None
-            step = train_step(run, state, timeline)
+            with run.timers("interval-time"):
+                step = train_step(run, state, timeline, loader.next_iteration())
             if timeline is not None:
                 _write_timeline(run, timeline)
             logger.after_step(state, step)
@@ -412,11 +482,15 @@ def pretrain(cfg) -> TrainState:
             if state.exit_reason:
                 break
 
+        loader.close()
         if t.eval_iters and not state.exit_reason:
             logger.evaluate(state)
+            if run.test_ds is not None and len(run.test_ds) > 0:
+                logger.evaluate(state, test=True)
         run.optimizer.finish_param_sync()  # callers get complete parameters (--overlap-param-gather)
         run.checkpointer.finish(state)  # final save; waits for background writes
     finally:
+        loader.close()
         exit_policy.release()
     logger.close()
     return state
