@@ -338,13 +338,60 @@ def read_index(iter_dir: str) -> Metadata:
     try:
         with open(path, "rb") as f:
             md = _IndexUnpickler(f).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError, TypeError) as e:
-        raise CheckpointError(f"cannot read the checkpoint index {path}: {e}") from None
+    except (Exception, MemoryError, RecursionError) as e:  # allow-listed classes only: any failure is damage
+        raise CheckpointError(f"cannot read the checkpoint index {path}: {type(e).__name__}: {e}") from None
     if not isinstance(md, Metadata):
         raise CheckpointError(f"{path} is not a torch.distributed.checkpoint index")
+    problem = _index_problem(md)
+    if problem:
+        raise CheckpointError(f"the checkpoint index {path} is damaged: {problem}")
     if getattr(md, "storage_meta", None) is None:
         md.storage_meta = StorageMeta()
     return md
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _ints(xs, n: int | None = None) -> bool:
+    return isinstance(xs, (tuple, list, torch.Size)) and (n is None or len(xs) == n) and all(
+        _is_int(v) and v >= 0 for v in xs)
+
+
+def _index_problem(md: Metadata) -> str | None:
+    """What in an unpickled index is not a DCP index's structure (a damaged file can unpickle into anything), or
+    None: every tensor's chunks lie inside its shape and have a storage record, every record a file range."""
+    entries = getattr(md, "state_dict_metadata", None)
+    storage = getattr(md, "storage_data", None)
+    if not isinstance(entries, dict) or not isinstance(storage, dict):
+        return "no entry table or storage table"
+    for info in storage.values():
+        if not (isinstance(getattr(info, "relative_path", None), str) and _is_int(getattr(info, "offset", None))
+                and _is_int(getattr(info, "length", None)) and info.offset >= 0 and info.length >= 0
+                and os.sep not in info.relative_path and info.relative_path not in ("", ".", "..")):
+            return "a storage record that is not a file range"
+    for key, entry in entries.items():
+        if not isinstance(key, str):
+            return "an entry without a name"
+        if isinstance(entry, BytesStorageMetadata):
+            if MetadataIndex(key) not in storage:
+                return f"entry {key!r} has no storage record"
+            continue
+        if not isinstance(entry, TensorStorageMetadata):
+            return f"entry {key!r} is neither a tensor nor bytes"
+        props, size, chunks = (getattr(entry, a, None) for a in ("properties", "size", "chunks"))
+        if not isinstance(getattr(props, "dtype", None), torch.dtype) or not _ints(size) \
+                or not isinstance(chunks, list):
+            return f"tensor {key!r} has no dtype, shape or chunk list"
+        for c in chunks:
+            offsets, sizes = getattr(c, "offsets", None), getattr(c, "sizes", None)
+            if not (_ints(offsets, len(size)) and _ints(sizes, len(size))
+                    and all(o + n <= d for o, n, d in zip(offsets, sizes, size))):
+                return f"tensor {key!r} has a chunk outside its shape {tuple(size)}"
+            if MetadataIndex(key, torch.Size(offsets)) not in storage:
+                return f"tensor {key!r} has a chunk without a storage record"
+    return None
 
 
 def check_files(iter_dir: str, md: Metadata) -> None:
