@@ -264,9 +264,12 @@ class LoadPlanner(DefaultLoadPlanner):
                         start = max(0, md.size[0] - piece.offsets[0])
                         for t in [piece.tensor, *piece.aliases]:
                             t[start:].zero_()
-                self._pieces[(key, tuple(piece.offsets))] = piece.tensor
+                # the widest destination is read into and the others copied from it: an fp32 master copy loaded
+                # alongside its bf16 model parameter gets the stored fp32 values, not their bf16 rounding
+                targets = sorted([piece.tensor, *piece.aliases], key=lambda t: -t.element_size())
+                self._pieces[(key, tuple(piece.offsets))] = targets[0]
                 if piece.aliases:
-                    self._aliases[(key, tuple(piece.offsets))] = piece.aliases
+                    self._aliases[(key, tuple(piece.offsets))] = targets[1:]
                 chunks.append(ChunkStorageMetadata(offsets=torch.Size(piece.offsets), sizes=piece.tensor.size()))
             requests += create_read_items_for_chunk_list(key, md, chunks)
         return LoadPlan(requests)
