@@ -6,12 +6,13 @@ run: ``megatronish.training.failure.run_rank``) and print one ``error: <line>`` 
 and exit 2 (:data:`EXIT_USER_ERROR`). Everything else is a bug and keeps its traceback (exit 1).
 
 Exit codes (docs/reliability.md): 0 done, 1 a bug (traceback), 2 bad user input, 3 a non-finite loss or
-gradient (``--check-for-nan-in-loss-and-grad``), 4 a peer rank or the launcher is gone.
+gradient (``--check-for-nan-in-loss-and-grad``), 4 a peer rank or the job's store is gone (the rank watchdog,
+``megatronish.training.watchdog``).
 """
 from __future__ import annotations
 
 __all__ = ["UserError", "ConfigError", "CheckpointError", "TokenizerError", "BlendError", "IndexedDatasetError",
-           "ConvertError", "TrainingFailure", "NonFiniteError", "PeerLostError", "EXIT_BUG", "EXIT_USER_ERROR",
+           "ConvertError", "TrainingFailure", "NonFiniteError", "EXIT_BUG", "EXIT_USER_ERROR",
            "EXIT_NON_FINITE", "EXIT_PEER_LOST"]
 
 EXIT_BUG = 1
@@ -62,9 +63,3 @@ class NonFiniteError(TrainingFailure):
     rank(s) and the first parameter with a non-finite gradient."""
 
     exit_code = EXIT_NON_FINITE
-
-
-class PeerLostError(TrainingFailure):
-    """Another rank's process (or the launcher) is gone; the message names it."""
-
-    exit_code = EXIT_PEER_LOST
