@@ -1,7 +1,7 @@
 """Fuzz targets run by tests/unit/test_fuzz_readers.py, one category per process (a segfault in a reader,
 compiled helpers included, ends only this process and is reported with the example that caused it):
 
-    python tests/fuzz_targets.py <idx|bin|checkpoint|tokenizer> <work dir> <examples>
+    PYTHONPATH=.:tests python tests/fuzz_targets.py <idx|bin|checkpoint|tokenizer> <work dir> <examples>
 
 Each example damages one good file (a truncation, or 1-4 byte flips) chosen by hypothesis (derandomized), and the
 reader must either raise the project's user error for that file or return exactly what the (damaged) file says.
@@ -17,10 +17,9 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from megatronish.errors import CheckpointError, IndexedDatasetError, TokenizerError
 
-from megatronish.errors import CheckpointError, IndexedDatasetError, TokenizerError  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TEXT = "The quick brown fox, 12345 times: café naïve 東京!\n\tend"
 
@@ -201,7 +200,6 @@ def _bytes_to_unicode():
 
 
 def run_tokenizer(work, examples):
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
     from megatronish.data.tokenizers import build_tokenizer
     from tokenizer_files import make_hf_tokenizer_json, make_sentencepiece, make_tiktoken_json
 

@@ -90,7 +90,8 @@ def run_rank(fn: Callable[[], T]) -> T:
         if wd is not None and is_peer_failure(err):
             wd.reporting = True
             found = _wait_for_recorded(wd, wd.timeout + 5 * wd.interval)
-            if found is not None:  # the rank that saw the cause has printed it
+            if found is not None:  # the rank that saw the cause prints it
+                wd.wait_printed()
                 _end(found[0], wd)
         _fail(EXIT_BUG, None, traceback.format_exc())
     wd = watchdog.current()
@@ -117,4 +118,8 @@ def _fail(code: int, lines: list[str] | None, tb: str | None) -> None:
         sys.stderr.flush()
     elif should_print:
         _print_error(lines, rank)
+    if wd is not None and (should_print or tb is not None):
+        wd.mark_printed()
+    elif wd is not None:  # wait for the printer: this exit makes a launcher stop the rest of the job
+        wd.wait_printed()
     _end(code, wd)

@@ -167,6 +167,22 @@ class RankWatchdog:
                 return False
         return self._call("compare_set", "printer", "", str(self.rank)).decode() == str(self.rank)
 
+    def mark_printed(self) -> None:
+        """The job's failure line is out: the other ranks may exit (a launcher stops the rest of the job as soon
+        as one process exits, so they wait for this before exiting)."""
+        try:
+            self._call("set", "printed", "1")
+        except (RuntimeError, dist.DistError):
+            pass
+
+    def wait_printed(self, timeout: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline and not self._call("check", ["printed"]):
+                time.sleep(0.05)
+        except (RuntimeError, dist.DistError):
+            pass
+
     def finish(self) -> None:
         """This rank finished cleanly: peers stop watching it. A process that hosts the store (rank 0 without
         torchrun's agent store) waits, bounded, until every rank has finished, so the store outlives their
@@ -246,6 +262,8 @@ class RankWatchdog:
         line = f"{what}; stopping every rank (seen by rank {self.rank})"
         if self.record_failure(EXIT_PEER_LOST, line, grace=0.0):
             sys.stderr.write(f"error: {line}\n")
+            sys.stderr.flush()
+            self.mark_printed()
         self._exit(EXIT_PEER_LOST)
 
     def store_gone(self, err) -> None:
@@ -265,6 +283,7 @@ class RankWatchdog:
         os.kill(os.getpid(), signal.SIGKILL)  # nothing further is written: no flush, no exit handlers
 
     def _exit(self, code: int) -> None:
+        self.wait_printed()
         _flush()
         os._exit(code)
 

@@ -23,6 +23,7 @@ CATEGORIES = ("idx", "bin", "checkpoint", "tokenizer")
 def fuzzed(tmp_path_factory):
     root = tmp_path_factory.mktemp("fuzz")
     env = subprocess_env(OMP_NUM_THREADS="1", MEGATRONISH_DEVICE="cpu", TIKTOKEN_CACHE_DIR=str(root / "tt"))
+    env["PYTHONPATH"] += os.pathsep + os.path.dirname(HERE)  # the targets import tests/tokenizer_files.py
     procs = {c: subprocess.Popen([sys.executable, TARGETS, c, str(root / c), str(EXAMPLES)], env=env,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in CATEGORIES}
     out = {}
@@ -51,7 +52,6 @@ def test_damaged_files_give_a_clean_error_or_their_data(fuzzed, category):
 
 def test_gpt2_files_are_read_fresh(tmp_path):
     """An edited encoder.json / vocab.bpe at the same path is read again (tiktoken's loader would cache it)."""
-    sys.path.insert(0, os.path.dirname(HERE))
     from fuzz_targets import _gpt2_small
     from megatronish.data.tokenizers import build_tokenizer
 
