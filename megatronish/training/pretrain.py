@@ -469,8 +469,7 @@ def pretrain(cfg) -> TrainState:
         while state.iteration < train_iters:
             last = state.iteration == train_iters - 1
             timeline = PipelineTimeline() if cfg.logging.pipeline_timeline and last else None
-            with run.timers("interval-time"):
-                step = train_step(run, state, timeline, loader.next_iteration())
+            step = train_step(run, state, timeline, loader.next_iteration())
             if timeline is not None:
                 _write_timeline(run, timeline)
             logger.after_step(state, step)

@@ -7,7 +7,7 @@ Timers (as Megatron's ``Timers`` with ``--timing-log-option minmax``): a timer w
 =====  =====================================================================================================
 level  timers
 =====  =====================================================================================================
-0      ``interval-time`` (one training iteration)
+0      none printed (the log line has the iteration time), as Megatron
 1      ``forward-backward``, ``grads-all-reduce`` (``grads-reduce-scatter`` with the distributed optimizer),
        ``params-all-gather`` (distributed optimizer), ``optimizer``
 2      ``batch-generator`` (reading the micro-batches)
@@ -30,7 +30,7 @@ from .. import device
 __all__ = ["Timers", "STRAGGLER_RATIO", "straggler_lines", "TIMER_LEVELS"]
 
 STRAGGLER_RATIO = 1.2
-TIMER_LEVELS = {"interval-time": 0, "forward-backward": 1, "grads-all-reduce": 1, "grads-reduce-scatter": 1,
+TIMER_LEVELS = {"forward-backward": 1, "grads-all-reduce": 1, "grads-reduce-scatter": 1,
                 "params-all-gather": 1, "optimizer": 1, "batch-generator": 2}
 
 

@@ -15,11 +15,17 @@ def test_levels_and_min_max_block():
         ran = set(t._timers)
         assert ran == {n for n, lv in TIMER_LEVELS.items() if lv <= level}
     t = Timers(0, always=("forward-backward",))
-    assert t.names() == ["interval-time", "forward-backward"]
-    times = torch.tensor([[0.010, 0.004], [0.020, 0.002]], dtype=torch.float64)  # [rank, timer] seconds
-    block = t.min_max_string(times, t.names(), normalizer=2)
-    # forward-backward is gathered for the straggler report but not printed at level 0
-    assert block == "(min, max) time across ranks (ms):\n    interval-time " + "." * 34 + ": (5.00, 10.00)"
+    assert t.names() == ["forward-backward"]
+    times = torch.tensor([[0.004], [0.002]], dtype=torch.float64)  # [rank, timer] seconds
+    # forward-backward is gathered for the straggler report but not printed at level 0 (Megatron prints none)
+    assert t.min_max_string(times, t.names(), normalizer=2) is None
+    t = Timers(1)
+    times = torch.tensor([[0.010, 0.0, 0.0, 0.0, 0.004], [0.020, 0.0, 0.0, 0.0, 0.006]], dtype=torch.float64)
+    assert t.names() == ["forward-backward", "grads-all-reduce", "grads-reduce-scatter", "params-all-gather",
+                         "optimizer"]
+    assert t.min_max_string(times, t.names(), normalizer=2) == (
+        "(min, max) time across ranks (ms):\n    forward-backward " + "." * 31 + ": (5.00, 10.00)\n"
+        "    optimizer " + "." * 38 + ": (2.00, 3.00)")  # timers no rank ran are left out
 
 
 def test_straggler_named_above_the_ratio():
