@@ -59,11 +59,12 @@ class _IndexLists(Sampler):
 
 class MicroBatchLoader:
     """The micro-batches of ``iterations`` training iterations from ``consumed`` samples on; :meth:`next_iteration`
-    returns one iteration's ``num_microbatches`` batches (dicts of CPU tensors)."""
+    returns one iteration's ``num_microbatches`` batches (dicts of CPU tensors). ``worker_init(worker_id)`` runs
+    first in each worker process."""
 
     def __init__(self, read: Callable[[list[int]], dict], *, consumed: int, micro_batch_size: int, dp_size: int,
                  dp_rank: int, num_microbatches: int, global_batch_size: int, iterations: int, num_workers: int,
-                 pin_memory: bool = False, timer=None):
+                 pin_memory: bool = False, timer=None, worker_init: Callable[[int], None] | None = None):
         self.num_microbatches = num_microbatches
         self.timer = timer
         sampler = _IndexLists(consumed, micro_batch_size, dp_size, dp_rank, num_microbatches, global_batch_size,
@@ -72,7 +73,7 @@ class MicroBatchLoader:
         kw = dict(num_workers=num_workers, batch_size=None, sampler=sampler, pin_memory=pin_memory,
                   generator=torch.Generator().manual_seed(0))
         if num_workers > 0:
-            kw.update(prefetch_factor=2, persistent_workers=False)
+            kw.update(prefetch_factor=2, persistent_workers=False, worker_init_fn=worker_init)
         self._it = iter(DataLoader(_Reader(read), **kw)) if iterations > 0 else iter(())
 
     def next_iteration(self) -> list[dict]:

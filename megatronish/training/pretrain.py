@@ -146,7 +146,8 @@ def _train_loader(run: "TrainContext", state: "TrainState", train_iters: int) ->
                             dp_rank=run.parallel.dp_rank, num_microbatches=cfg.num_microbatches,
                             global_batch_size=cfg.train.global_batch_size,
                             iterations=max(0, train_iters - state.iteration), num_workers=cfg.data.num_workers,
-                            pin_memory=run.device.type == "cuda", timer=run.timers("batch-generator"))
+                            pin_memory=run.device.type == "cuda", timer=run.timers("batch-generator"),
+                            worker_init=watchdog.data_worker_init)
 
 
 def _forward_step(reset_position_ids: bool, parallel: ParallelContext):

@@ -35,7 +35,8 @@ import torch.distributed as dist
 
 from ..errors import EXIT_PEER_LOST
 
-__all__ = ["RankWatchdog", "enable", "start", "current", "launched_by_launcher", "set_parent_death_signal"]
+__all__ = ["RankWatchdog", "enable", "start", "current", "launched_by_launcher", "set_parent_death_signal",
+           "data_worker_init"]
 
 _PR_SET_PDEATHSIG = 1
 DEFAULT_INTERVAL = 1.0
@@ -72,6 +73,15 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
         return libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+def data_worker_init(_worker_id: int) -> None:
+    """In a ``--num-workers`` data loader process: the exit signals (SIGTERM, SIGINT, SIGUSR1/2, which a scheduler
+    sends to every process of a job step) are the training process's to handle, so the worker ignores them; it
+    dies with the training process instead (parent-death signal)."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
+    set_parent_death_signal()
 
 
 def _env_float(name: str, default: float) -> float:
