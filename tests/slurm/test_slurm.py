@@ -217,7 +217,12 @@ def _task_pids(job, procid):
         if b"pretrain_gpt.py" in cmd and environ.get(b"SLURM_JOB_ID") == job.encode() \
                 and environ.get(b"SLURM_PROCID") == str(procid).encode():
             out.append(int(pid))
-    return out
+
+    def parent(pid):
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[-1].split()[1])
+
+    return [p for p in out if parent(p) not in out]  # not its data loader workers
 
 
 def test_per_task_launch_lost_rank_ends_the_job(cluster, tmp_path):
