@@ -272,6 +272,10 @@ def build_parser(prog: str = "pretrain_gpt.py", description: str = "Pretrain a G
     flag(g, "--eval-iters", type=int, default=100)
     flag(g, "--eval-interval", type=int, default=1000)
     flag(g, "--skip-train", **on)
+    flag(g, "--check-for-nan-in-loss-and-grad", action="store_true", default=True,
+         help="stop before the optimizer step on a NaN/Inf loss or gradient (default: on)")
+    flag(g, "--no-check-for-nan-in-loss-and-grad", action="store_false", dest="check_for_nan_in_loss_and_grad",
+         help="count non-finite iterations as skipped and go on")
     flag(g, "--seed", type=int, default=1234)
 
     g = p.add_argument_group("optimizer and schedule")
@@ -369,7 +373,12 @@ def build_parser(prog: str = "pretrain_gpt.py", description: str = "Pretrain a G
     flag(g, "--wandb-entity", default="")
     flag(g, "--wandb-exp-name", default="")
     flag(g, "--wandb-save-dir", default="")
-    flag(g, "--timing-log-level", type=int, default=0, choices=[0, 1, 2])
+    flag(g, "--timing-log-level", type=int, default=0, choices=[0, 1, 2],
+         help="0: iteration time; 1: + forward-backward, gradient reduction, optimizer; 2: + batch reading "
+              "((min, max) over ranks each log interval)")
+    flag(g, "--log-straggler", **on, help="each log interval: every rank's compute time; name the slowest rank")
+    flag(g, "--straggler-minmax-count", type=int, default=1,
+         help="with --log-straggler: how many fastest and slowest ranks to name")
     flag(g, "--metrics-file", default=None, help="JSON lines: one object per logged iteration and per evaluation")
     flag(g, "--pipeline-timeline", default=None,
          help="write a Chrome trace (Perfetto) of the last training iteration's pipeline events to this path")
@@ -718,6 +727,7 @@ def _problems(d: _Draft, errors: list[str], for_training: bool = True) -> list[s
     _check_moe(m, dims, d.sequence_parallel_flag, errors)
     _check_fsdp(d.optim, m, errors, d.train)
     _check_checkpoint(d.checkpoint, errors)
+    _check_logging(d.logging, errors)
     if fits and not errors:
         errors += m.problems()
     return errors
@@ -830,6 +840,8 @@ def _check_warmup_vs_decay(cfg: RunConfig, errors: list[str]) -> None:
 
 def _check_data(d: DataConfig, errors: list[str], for_training: bool = True) -> None:
     per_split = d.train_data_path or d.valid_data_path or d.test_data_path
+    if d.num_workers < 0:
+        errors.append(f"--num-workers must be >= 0 (0: read batches in the training process), got {d.num_workers}")
     if d.mock_data and (d.data_path or per_split):
         errors.append("--mock-data and --data-path (or --train/valid/test-data-path) are mutually exclusive; pass one")
     elif d.data_path and per_split:
@@ -954,6 +966,13 @@ def _check_moe(m: ModelConfig | None, dims: ParallelDims | None, sequence_parall
     if dims.cp > 1:
         errors.append(f"--num-experts with --context-parallel-size {dims.cp} is not available yet in this version; "
                       "use --context-parallel-size 1")
+
+
+def _check_logging(lg: LoggingConfig, errors: list[str]) -> None:
+    if lg.straggler_minmax_count < 1:
+        errors.append(f"--straggler-minmax-count must be >= 1, got {lg.straggler_minmax_count}")
+    if lg.log_interval is not None and lg.log_interval < 1:
+        errors.append(f"--log-interval must be >= 1, got {lg.log_interval}")
 
 
 def _check_checkpoint(c: CheckpointConfig, errors: list[str]) -> None:

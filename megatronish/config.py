@@ -336,6 +336,7 @@ class TrainingConfig:
     profile_ranks: list = field(default_factory=lambda: [0])
     notes: list = field(default_factory=list)  # one log line each for flags accepted with a note (docs/flags.md)
     torch_compile: bool = False  # compile each transformer layer and the loss (docs/fsdp.md)
+    check_for_nan_in_loss_and_grad: bool = True  # stop before the optimizer step on a NaN/Inf loss or gradient
 
 
 @dataclass
@@ -417,6 +418,8 @@ class LoggingConfig:
     wandb_save_dir: str = ""
     timing_log_level: int = 0
     moe_per_layer_logging: bool = False  # the MoE losses of every layer, not only their mean
+    log_straggler: bool = False  # each log interval: every rank's compute time, the slowest rank named
+    straggler_minmax_count: int = 1  # how many fastest/slowest ranks --log-straggler names
     metrics_file: str | None = None
     pipeline_timeline: str | None = None  # Chrome trace of the last training iteration's pipeline events
 

@@ -1,16 +1,65 @@
-"""The error family for problems with what a user gave: flags, data files, tokenizer files, a checkpoint.
+"""The error family for problems with what a user gave: flags, data files, tokenizer files, a checkpoint, a blend,
+a conversion input; and the failures that end a run without being a bug (a non-finite loss, a lost peer).
 
-Entry points catch :class:`UserError` (``megatronish.arguments.exit_on_config_error``) and print one
-``error: <line>`` per problem, without a traceback, and exit 2. Everything else is a bug and keeps its traceback.
+Entry points catch :class:`UserError` (``megatronish.arguments.exit_on_config_error``; ranks of a distributed
+run: ``megatronish.training.failure.run_rank``) and print one ``error: <line>`` per problem, without a traceback,
+and exit 2 (:data:`EXIT_USER_ERROR`). Everything else is a bug and keeps its traceback (exit 1).
+
+Exit codes (docs/reliability.md): 0 done, 1 a bug (traceback), 2 bad user input, 3 a non-finite loss or
+gradient (``--check-for-nan-in-loss-and-grad``), 4 a peer rank or the job's store is gone (the rank watchdog,
+``megatronish.training.watchdog``).
 """
 from __future__ import annotations
 
-__all__ = ["UserError", "ConfigError"]
+__all__ = ["UserError", "ConfigError", "CheckpointError", "TokenizerError", "BlendError", "IndexedDatasetError",
+           "ConvertError", "TrainingFailure", "NonFiniteError", "EXIT_BUG", "EXIT_USER_ERROR",
+           "EXIT_NON_FINITE", "EXIT_PEER_LOST"]
+
+EXIT_BUG = 1
+EXIT_USER_ERROR = 2
+EXIT_NON_FINITE = 3
+EXIT_PEER_LOST = 4
 
 
 class UserError(Exception):
     """A problem with the user's input; the message names the flag, file or setting and the fix, one line each."""
 
+    exit_code = EXIT_USER_ERROR
+
 
 class ConfigError(ValueError, UserError):
     """A user configuration error; the message names the flag and the fix."""
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be used as asked: one line naming the file or field and the fix."""
+
+
+class ConvertError(ConfigError):
+    """A checkpoint that cannot be converted; the message names the file or setting and the fix."""
+
+
+class TokenizerError(ValueError, UserError):
+    """A tokenizer file that is missing or malformed, or a tokenizer flag that is wrong."""
+
+
+class BlendError(ValueError, UserError):
+    """A --data-path / --split value that cannot be used."""
+
+
+class IndexedDatasetError(ValueError, UserError):
+    """A .bin/.idx pair that is missing, truncated, or not in the indexed dataset format."""
+
+
+class TrainingFailure(Exception):
+    """A run that cannot go on though nothing in the program is wrong: reported as one ``error:`` line (no
+    traceback) with its own exit code."""
+
+    exit_code = EXIT_BUG
+
+
+class NonFiniteError(TrainingFailure):
+    """``--check-for-nan-in-loss-and-grad``: a NaN/Inf loss or gradient; the message names the iteration, the
+    rank(s) and the first parameter with a non-finite gradient."""
+
+    exit_code = EXIT_NON_FINITE

@@ -63,7 +63,9 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180.0, **kwargs
     procs, conns = [], {}
     for rank in range(world_size):
         parent, child = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_worker, args=(rank, world_size, port, child, fn, args, kwargs), daemon=True)
+        # not daemonic: a rank may start processes of its own (--num-workers data loader workers); every rank is
+        # killed below if it outlives the call
+        p = ctx.Process(target=_worker, args=(rank, world_size, port, child, fn, args, kwargs), daemon=False)
         p.start()
         child.close()
         procs.append(p)

@@ -27,12 +27,13 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy
 
 from megatronish.data.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
-from megatronish.data.tokenizers import TOKENIZER_TYPES, TokenizerError, build_tokenizer
+from megatronish.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
+from megatronish.errors import EXIT_USER_ERROR, TokenizerError, UserError
 
 _CHUNK_LINES = 256
 
 
-class PreprocessError(Exception):
+class PreprocessError(UserError):
     """An input problem reported to the user without a traceback."""
 
 
@@ -411,9 +412,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.log_interval < 1:
             raise PreprocessError("--log-interval must be >= 1")
         run(args)
-    except (PreprocessError, TokenizerError) as err:
+    except UserError as err:  # an input or tokenizer problem: one line, exit 2 like a flag error
         print(f"error: {err}", file=sys.stderr)
-        return 1
+        return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("interrupted: no index was written", file=sys.stderr)
         return 130

@@ -21,19 +21,23 @@ rank's file with large sequential writes straight from tensor memory on a backgr
 from __future__ import annotations
 
 import base64
+import errno
 import io
 import json
 import math
 import os
 import pickle
 import queue
+import signal
 import threading
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.filesystem as dcp_fs
 from torch import _weights_only_unpickler
@@ -59,13 +63,9 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import _create_read_item_for_byteio, create_read_items_for_chunk_list
 
-from ..errors import ConfigError
+from ..errors import CheckpointError
 
 METADATA_FILE = ".metadata"
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint that cannot be used as asked: one line naming the file or field and the fix."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -264,9 +264,12 @@ class LoadPlanner(DefaultLoadPlanner):
                         start = max(0, md.size[0] - piece.offsets[0])
                         for t in [piece.tensor, *piece.aliases]:
                             t[start:].zero_()
-                self._pieces[(key, tuple(piece.offsets))] = piece.tensor
+                # the widest destination is read into and the others copied from it: an fp32 master copy loaded
+                # alongside its bf16 model parameter gets the stored fp32 values, not their bf16 rounding
+                targets = sorted([piece.tensor, *piece.aliases], key=lambda t: -t.element_size())
+                self._pieces[(key, tuple(piece.offsets))] = targets[0]
                 if piece.aliases:
-                    self._aliases[(key, tuple(piece.offsets))] = piece.aliases
+                    self._aliases[(key, tuple(piece.offsets))] = targets[1:]
                 chunks.append(ChunkStorageMetadata(offsets=torch.Size(piece.offsets), sizes=piece.tensor.size()))
             requests += create_read_items_for_chunk_list(key, md, chunks)
         return LoadPlan(requests)
@@ -338,13 +341,60 @@ def read_index(iter_dir: str) -> Metadata:
     try:
         with open(path, "rb") as f:
             md = _IndexUnpickler(f).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError, TypeError) as e:
-        raise CheckpointError(f"cannot read the checkpoint index {path}: {e}") from None
+    except (Exception, MemoryError, RecursionError) as e:  # allow-listed classes only: any failure is damage
+        raise CheckpointError(f"cannot read the checkpoint index {path}: {type(e).__name__}: {e}") from None
     if not isinstance(md, Metadata):
         raise CheckpointError(f"{path} is not a torch.distributed.checkpoint index")
+    problem = _index_problem(md)
+    if problem:
+        raise CheckpointError(f"the checkpoint index {path} is damaged: {problem}")
     if getattr(md, "storage_meta", None) is None:
         md.storage_meta = StorageMeta()
     return md
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _ints(xs, n: int | None = None) -> bool:
+    return isinstance(xs, (tuple, list, torch.Size)) and (n is None or len(xs) == n) and all(
+        _is_int(v) and v >= 0 for v in xs)
+
+
+def _index_problem(md: Metadata) -> str | None:
+    """What in an unpickled index is not a DCP index's structure (a damaged file can unpickle into anything), or
+    None: every tensor's chunks lie inside its shape and have a storage record, every record a file range."""
+    entries = getattr(md, "state_dict_metadata", None)
+    storage = getattr(md, "storage_data", None)
+    if not isinstance(entries, dict) or not isinstance(storage, dict):
+        return "no entry table or storage table"
+    for info in storage.values():
+        if not (isinstance(getattr(info, "relative_path", None), str) and _is_int(getattr(info, "offset", None))
+                and _is_int(getattr(info, "length", None)) and info.offset >= 0 and info.length >= 0
+                and os.sep not in info.relative_path and info.relative_path not in ("", ".", "..")):
+            return "a storage record that is not a file range"
+    for key, entry in entries.items():
+        if not isinstance(key, str):
+            return "an entry without a name"
+        if isinstance(entry, BytesStorageMetadata):
+            if MetadataIndex(key) not in storage:
+                return f"entry {key!r} has no storage record"
+            continue
+        if not isinstance(entry, TensorStorageMetadata):
+            return f"entry {key!r} is neither a tensor nor bytes"
+        props, size, chunks = (getattr(entry, a, None) for a in ("properties", "size", "chunks"))
+        if not isinstance(getattr(props, "dtype", None), torch.dtype) or not _ints(size) \
+                or not isinstance(chunks, list):
+            return f"tensor {key!r} has no dtype, shape or chunk list"
+        for c in chunks:
+            offsets, sizes = getattr(c, "offsets", None), getattr(c, "sizes", None)
+            if not (_ints(offsets, len(size)) and _ints(sizes, len(size))
+                    and all(o + n <= d for o, n, d in zip(offsets, sizes, size))):
+                return f"tensor {key!r} has a chunk outside its shape {tuple(size)}"
+            if MetadataIndex(key, torch.Size(offsets)) not in storage:
+                return f"tensor {key!r} has a chunk without a storage record"
+    return None
 
 
 def check_files(iter_dir: str, md: Metadata) -> None:
@@ -531,9 +581,13 @@ class Writer(FileSystemWriter):
     def write_data(self, plan: SavePlan, planner) -> torch.futures.Future:
         name = f"{plan.storage_data.prefix}0.distcp"
         results: list = []
+        fault = _test_fault(str(self.path))
         with _OrderedFile(os.path.join(str(self.path), name)) as out:
             # DCP's order: the byte entries, then the tensors in plan order
-            for item in sorted(plan.items, key=lambda i: i.type != WriteItemType.BYTE_IO):
+            for i, item in enumerate(sorted(plan.items, key=lambda i: i.type != WriteItemType.BYTE_IO)):
+                if fault is not None and i == len(plan.items) // 2:
+                    out.sync()  # half of this rank's file is on disk
+                    _inject_fault(fault)
                 data = planner.resolve_data(item)
                 if item.type != WriteItemType.BYTE_IO:
                     data = data.detach() if data.device.type == "cpu" else data.detach().cpu()
@@ -544,6 +598,29 @@ class Writer(FileSystemWriter):
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(results)
         return fut
+
+
+SAVE_FAULT_ENV = "MEGATRONISH_TEST_SAVE_FAULT"
+
+
+def _test_fault(iter_dir: str) -> str | None:
+    """Test hook: ``MEGATRONISH_TEST_SAVE_FAULT=<kill|enospc>:<iteration directory name>[:<rank>]`` makes this
+    rank's write of that directory stop half-way: SIGKILL to the process, or an ENOSPC write error."""
+    spec = os.environ.get(SAVE_FAULT_ENV)
+    if not spec:
+        return None
+    parts = spec.split(":")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if os.path.basename(os.path.normpath(iter_dir)) != parts[1] or (len(parts) > 2 and int(parts[2]) != rank):
+        return None
+    return parts[0]
+
+
+def _inject_fault(kind: str) -> None:
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 class _OrderedFile:

@@ -9,7 +9,8 @@
     <save>/release/                             a converted checkpoint (tracker says "release")
 
 The tracker is replaced only after every rank's files of the new iteration are complete (also for
-asynchronous saves), so a save that dies half-way is never picked: ``--load <save>`` follows the tracker.
+asynchronous saves), so a save that dies half-way is never picked: ``--load <save>`` follows the tracker, and names
+the directories such a save left (:func:`incomplete_dirs`) in a warning.
 """
 from __future__ import annotations
 
@@ -89,3 +90,23 @@ def resolve(path: str) -> tuple[str, int | None] | None:
                               f"{RELEASE if iteration is None else iteration}, but {target} does not exist; "
                               "restore that directory or point the tracker at an existing iteration")
     return target, iteration
+
+
+def incomplete_dirs(root: str, iteration: int | None | bool) -> list[str]:
+    """Iteration directories under ``root`` that the tracker (pointing at ``iteration``; False: no tracker) does
+    not vouch for: newer than it, or without DCP's ``.metadata`` index. They are what a save that did not finish
+    (a killed process, a full disk) leaves; ``--load`` ignores them."""
+    if not os.path.isdir(root):
+        return []
+    out = []
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if not (name.startswith("iter_") and name[5:].isdigit() and os.path.isdir(path)):
+            continue
+        it = int(name[5:])
+        if it == iteration:
+            continue
+        newer = iteration is False or (iteration is not None and it > iteration)
+        if newer or not os.path.isfile(os.path.join(path, ".metadata")):
+            out.append(path)
+    return out

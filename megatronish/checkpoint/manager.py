@@ -88,6 +88,7 @@ class Checkpointer:
         if not ck.load:
             return False
         found = layout.resolve(ck.load)
+        self._warn_incomplete(ck.load, found)
         if found is None:
             if ck.exit_on_missing_checkpoint:
                 raise CheckpointError(f"--exit-on-missing-checkpoint: no checkpoint under --load {ck.load} (no "
@@ -150,6 +151,27 @@ class Checkpointer:
         _log(f"loaded checkpoint {iter_dir} (iteration {common.get('iteration')}"
              + (", model only" if fresh else "") + ")")
         return True
+
+    @staticmethod
+    def _warn_incomplete(root: str, found) -> None:
+        if layout.is_iteration_dir(root):
+            return
+        left = layout.incomplete_dirs(root, False if found is None else found[1])
+        if left:
+            tracked = "no tracker" if found is None else f"the tracker names {found[0]}"
+            _log(f"WARNING: ignoring {len(left)} incomplete checkpoint director{'y' if len(left) == 1 else 'ies'} "
+                 f"under --load {root} ({tracked}); a save that did not finish left: {', '.join(left)}")
+
+    def _save_failed(self, iteration: int, detail: str) -> CheckpointError:
+        root = self.ck.save
+        try:
+            prev = layout.read_tracker(root)
+        except CheckpointError:
+            prev = False
+        kept = f"no complete checkpoint in {root} yet" if prev is False else \
+            f"{layout.TRACKER} still names iteration {'release' if prev is None else prev}"
+        return CheckpointError(f"--save {root}: saving iteration {iteration} failed: {detail}; {kept} (free space "
+                               f"or fix the directory, then resume with --load {root})")
 
     def _check_optimizer_keys(self, param_state, saved: dict, md, iter_dir: str) -> None:
         have = {k for k in md.state_dict_metadata if k.startswith(OPTIMIZER)}
@@ -230,11 +252,18 @@ class Checkpointer:
             stale = os.path.join(iter_dir, dcp_io.METADATA_FILE)
             if os.path.exists(stale):  # an earlier, unfinished attempt at this iteration
                 os.remove(stale)
-        os.makedirs(iter_dir, exist_ok=True)  # here, not in the writer thread: a failure stops every rank now
+        try:
+            os.makedirs(iter_dir, exist_ok=True)  # here, not in the writer thread: a failure stops every rank now
+        except OSError as e:
+            raise self._save_failed(state.iteration, str(e)) from None
         self._on_disk = iter_dir
         if not stage:
             t0 = time.perf_counter()
-            self._write(entries, iter_dir, state.iteration)
+            try:
+                self._write(entries, iter_dir, state.iteration)
+            except (CheckpointError, OSError) as e:
+                self._on_disk = None
+                raise self._save_failed(state.iteration, str(e)) from None
             _log(f"saved checkpoint {iter_dir} in {time.perf_counter() - t0:.2f} s")
             return
         if self._executor is None:
@@ -267,7 +296,7 @@ class Checkpointer:
             self._on_disk = None
             err = fut.exception()
             detail = str(err) if err is not None else "it failed on another rank"
-            raise CheckpointError(f"asynchronous save of iteration {iteration} to {self.ck.save} failed: {detail}")
+            raise self._save_failed(iteration, f"asynchronous save: {detail}")
         _log(f"checkpoint of iteration {iteration} complete")
 
     def wait(self) -> None:

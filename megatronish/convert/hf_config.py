@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..config import ModelConfig
-from ..errors import ConfigError
+from ..errors import ConvertError
 from ..model.moe.layer import is_moe_layer
 
 GPT2, LLAMA = "GPT2LMHeadModel", "LlamaForCausalLM"
@@ -24,10 +24,6 @@ ARCHITECTURES = (GPT2, LLAMA, *MOE_ARCHITECTURES)
 _MODEL_TYPE = {GPT2: "gpt2", LLAMA: "llama", MIXTRAL: "mixtral", QWEN2_MOE: "qwen2_moe", QWEN3_MOE: "qwen3_moe"}
 _ARCH_OF_TYPE = {v: k for k, v in _MODEL_TYPE.items()}
 _TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
-
-
-class ConvertError(ConfigError):
-    """A checkpoint that cannot be converted; the message names the file or setting and the fix."""
 
 
 def architecture(hf: dict, where: str = "config.json") -> str:

@@ -45,12 +45,21 @@ class HFReader:
         cfg = os.path.join(path, CONFIG)
         if not os.path.isfile(cfg):
             raise ConvertError(f"--load-dir {path}: no {CONFIG} there; give a Hugging Face model directory")
-        with open(cfg) as f:
-            self.config = json.load(f)
+        try:
+            with open(cfg) as f:
+                self.config = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ConvertError(f"--load-dir {path}: cannot read {cfg} ({e}); give a Hugging Face model "
+                               "directory with a valid config.json") from None
+        if not isinstance(self.config, dict):
+            raise ConvertError(f"--load-dir {path}: {cfg} is not a JSON object")
         index, single = os.path.join(path, INDEX), os.path.join(path, SINGLE)
         if os.path.isfile(index):
-            with open(index) as f:
-                self.file_of = dict(json.load(f)["weight_map"])
+            try:
+                with open(index) as f:
+                    self.file_of = dict(json.load(f)["weight_map"])
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise ConvertError(f"--load-dir {path}: cannot read the weight map of {index} ({e!r})") from None
         elif os.path.isfile(single):
             from safetensors import safe_open
 

@@ -10,7 +10,7 @@ import numpy
 
 from megatronish.data import helpers
 from megatronish.data.index_cache import IndexCache
-from megatronish.errors import UserError
+from megatronish.errors import BlendError
 
 __all__ = [
     "BlendError",
@@ -20,10 +20,6 @@ __all__ = [
     "parse_and_normalize_split",
     "convert_split_vector_to_split_matrix",
 ]
-
-
-class BlendError(ValueError, UserError):
-    """A --data-path / --split value that cannot be used."""
 
 
 def normalize(weights: Sequence[float]) -> List[float]:
@@ -132,8 +128,24 @@ class BlendedDataset:
         )
         self.unique_description = cache.description
         self.unique_description_hash = cache.hash
-        arrays = cache.load_or_build(("dataset_index", "dataset_sample_index"), self._build_indices)
+        arrays = cache.load_or_build(("dataset_index", "dataset_sample_index"), self._build_indices,
+                                     self._index_problem)
         self.dataset_index, self.dataset_sample_index = arrays
+
+    def _index_problem(self, arrays) -> Optional[str]:
+        """Why cached blend indices cannot be this blend's, or None."""
+        which, sample = arrays
+        if which.ndim != 1 or sample.shape != which.shape:
+            return "wrong array shapes"
+        if self.size is not None and len(which) != self.size:
+            return f"{len(which)} samples, {self.size} expected"
+        if len(which) and (which.min() < 0 or which.max() >= len(self.datasets) or sample.min() < 0):
+            return "dataset ids outside the blend"
+        for i, d in enumerate(self.datasets):
+            mine = sample[which == i]
+            if len(mine) and mine.max() >= len(d):
+                return f"sample ids outside dataset {i}"
+        return None
 
     def _build_indices(self) -> Tuple[numpy.ndarray, numpy.ndarray]:
         if self.size is not None:

@@ -187,7 +187,7 @@ class GPTDataset(torch.utils.data.Dataset):
         self.unique_description = cache.description
         self.unique_description_hash = cache.hash
         self.document_index, self.sample_index, self.shuffle_index = cache.load_or_build(
-            ("document_index", "sample_index", "shuffle_index"), self._build_indices
+            ("document_index", "sample_index", "shuffle_index"), self._build_indices, self._index_problem
         )
         self._cached_masks = None
         self._reused: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
@@ -197,6 +197,23 @@ class GPTDataset(torch.utils.data.Dataset):
         self._shuffle = numpy.asarray(self.shuffle_index).view(numpy.ndarray)
 
     # ----------------------------------------------------------------------------------- indices
+    def _index_problem(self, arrays) -> Optional[str]:
+        """Why cached indices cannot be this dataset's (shapes and ranges), or None."""
+        documents, samples, shuffle = arrays
+        if documents.ndim != 1 or samples.ndim != 2 or samples.shape[1] != 2 or shuffle.ndim != 1:
+            return "wrong array shapes"
+        if len(samples) < 1 or len(shuffle) != len(samples) - 1:
+            return "the shuffle index does not match the sample index"
+        if len(documents) and (documents.min() < 0 or documents.max() >= len(self.dataset.sequence_lengths)):
+            return "document ids outside the dataset"
+        if samples[:, 0].min() < 0 or samples[:, 0].max() > len(documents) or samples[:, 1].min() < 0:
+            return "sample boundaries outside the document index"
+        if len(shuffle) and (shuffle.min() < 0 or shuffle.max() >= len(samples) - 1):
+            return "shuffled sample ids outside the sample index"
+        if self.num_samples is not None and len(shuffle) < self.num_samples:
+            return f"{len(shuffle)} samples, {self.num_samples} needed"
+        return None
+
     def _num_tokens_per_epoch(self) -> int:
         return int(numpy.sum(self.dataset.sequence_lengths[self.indices], dtype=numpy.int64))
 

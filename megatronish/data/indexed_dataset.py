@@ -21,7 +21,7 @@ from typing import Optional, Sequence, Type, Union
 
 import numpy
 
-from megatronish.errors import UserError
+from megatronish.errors import IndexedDatasetError
 
 _INDEX_HEADER = b"MMIDIDX\x00\x00"
 _HEADER_SIZE = 34
@@ -34,10 +34,6 @@ __all__ = [
     "get_bin_path",
     "get_idx_path",
 ]
-
-
-class IndexedDatasetError(ValueError, UserError):
-    """A .bin/.idx pair that is missing, truncated, or not in the indexed dataset format."""
 
 
 class DType:
@@ -165,6 +161,7 @@ class _IndexReader:
                 f"'{idx_path}' is inconsistent: document indices must run from 0 to the sequence "
                 f"count {n}, got {int(self.document_indices[0])} .. {int(self.document_indices[-1])}"
             )
+        self._check_arrays()
         if bin_size is not None:
             needed = 0
             if n:
@@ -175,6 +172,33 @@ class _IndexReader:
                     f"'{bin_path}' has {bin_size} bytes but '{idx_path}' describes {needed} bytes "
                     f"({n} sequences of {numpy.dtype(self.dtype).name}); the pair is truncated or mismatched"
                 )
+
+    def _check_arrays(self, chunk: int = 1 << 22) -> None:
+        """Every sequence a non-negative length at the pointer right after its predecessor's bytes (the layout the
+        writer produces), document indices non-decreasing: a damaged index never reads outside the .bin file."""
+        lengths, pointers, docs = self.sequence_lengths, self.sequence_pointers, self.document_indices
+        n, size = len(lengths), self.dtype_size
+        if n and pointers[0] != 0:
+            raise IndexedDatasetError(f"'{self.idx_path}' is inconsistent: the first sequence starts at byte "
+                                      f"{int(pointers[0])}, not 0")
+        for lo in range(0, n, chunk):
+            hi = min(n, lo + chunk)
+            ln = lengths[lo:hi]
+            if (ln < 0).any():
+                i = lo + int(numpy.argmax(ln < 0))
+                raise IndexedDatasetError(f"'{self.idx_path}' is inconsistent: sequence {i} has length "
+                                          f"{int(lengths[i])}")
+            if hi - lo > 1:
+                gap = pointers[lo + 1:hi] - pointers[lo:hi - 1] != ln[:-1].astype(numpy.int64) * size
+                if gap.any():
+                    i = lo + 1 + int(numpy.argmax(gap))
+                    raise IndexedDatasetError(f"'{self.idx_path}' is inconsistent: sequence {i} starts at byte "
+                                              f"{int(pointers[i])}, not right after sequence {i - 1}")
+            if lo and pointers[lo] - pointers[lo - 1] != int(lengths[lo - 1]) * size:
+                raise IndexedDatasetError(f"'{self.idx_path}' is inconsistent: sequence {lo} starts at byte "
+                                          f"{int(pointers[lo])}, not right after sequence {lo - 1}")
+        if len(docs) > 1 and (numpy.diff(docs) < 0).any():
+            raise IndexedDatasetError(f"'{self.idx_path}' is inconsistent: document indices decrease")
 
     def __len__(self) -> int:
         return self.sequence_count

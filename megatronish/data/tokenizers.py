@@ -27,7 +27,7 @@ import json
 import os
 from typing import Dict, List, Optional, Sequence
 
-from megatronish.errors import UserError
+from megatronish.errors import TokenizerError
 
 __all__ = [
     "TokenizerError",
@@ -53,10 +53,6 @@ _TIKTOKEN_PATTERN_V2 = (
     r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _TIKTOKEN_SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<mask>", "<pad>", "<cls>", "<sep>"]
-
-
-class TokenizerError(ValueError, UserError):
-    """A tokenizer file that is missing or malformed, or a tokenizer flag that is wrong."""
 
 
 def _require_file(path: Optional[str], flag: str, tokenizer_type: str, what: str) -> str:
@@ -112,7 +108,6 @@ class GPT2BPETokenizer(MegatronTokenizer):
         _require_file(merge_file, "--merge-file", "GPT2BPETokenizer", "GPT-2 vocab.bpe merges")
         try:
             import tiktoken
-            from tiktoken.load import data_gym_to_mergeable_bpe_ranks
         except ImportError:
             raise TokenizerError("GPT2BPETokenizer needs the `tiktoken` package: pip install tiktoken") from None
         try:
@@ -122,9 +117,11 @@ class GPT2BPETokenizer(MegatronTokenizer):
                 raise ValueError("not a JSON object")
         except (ValueError, UnicodeDecodeError) as err:
             raise TokenizerError(f"--vocab-file '{vocab_file}' is not a GPT-2 encoder.json ({err})") from None
-        try:
-            ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=merge_file, encoder_json_file=vocab_file)
-        except Exception as err:  # tiktoken raises assorted errors on malformed files
+        try:  # read here, not through tiktoken's loader (it caches local files by path: an edited file is stale)
+            with open(merge_file, "r", encoding="utf-8") as f:
+                merges = f.read()
+            ranks = _gpt2_ranks(encoder, merges)
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
             raise TokenizerError(
                 f"--merge-file '{merge_file}' and --vocab-file '{vocab_file}' do not form a GPT-2 "
                 f"BPE vocabulary ({type(err).__name__}: {err})"
@@ -159,6 +156,40 @@ class GPT2BPETokenizer(MegatronTokenizer):
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._enc.decode([int(i) for i in ids])
+
+
+def _gpt2_byte_symbols() -> List[str]:
+    """GPT-2's printable stand-in for each byte, in its vocabulary order: the printable bytes (not space) as
+    themselves, then the other bytes as U+0100 upwards. Index = rank of the one-byte token."""
+    printable = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
+    others = [b for b in range(256) if b not in set(printable)]
+    return [chr(b) for b in printable] + [chr(256 + i) for i in range(len(others))], printable + others
+
+
+def _gpt2_ranks(encoder: Dict[str, int], merges: str) -> Dict[bytes, int]:
+    """tiktoken's mergeable ranks from GPT-2's encoder.json and vocab.bpe: the 256 one-byte tokens in GPT-2's byte
+    order, then one token per merge line in order; the encoder must give each exactly that id."""
+    symbols, order = _gpt2_byte_symbols()
+    byte_of = dict(zip(symbols, order))
+
+    def raw(sym: str) -> bytes:
+        return bytes(byte_of[ch] for ch in sym)
+
+    ranks = {bytes([b]): i for i, b in enumerate(order)}
+    lines = merges.split("\n")[1:]  # the first line is the version header
+    for line in lines:
+        if not line.strip():
+            continue
+        parts = line.split()
+        if len(parts) != 2:
+            raise ValueError(f"merge line {line[:40]!r} is not two symbols")
+        ranks.setdefault(raw(parts[0]) + raw(parts[1]), len(ranks))
+    vocab = {raw(k): int(v) for k, v in encoder.items() if k not in ("<|endoftext|>", "<|startoftext|>")}
+    if vocab != ranks:
+        diff = next((k for k in ranks if vocab.get(k) != ranks[k]), None) or next(k for k in vocab if k not in ranks)
+        raise ValueError(f"token {diff!r} has id {vocab.get(diff)} in the vocabulary, {ranks.get(diff)} from the "
+                         "merges")
+    return ranks
 
 
 def _load_sentencepiece(model_file: Optional[str], tokenizer_type: str):
@@ -596,7 +627,37 @@ def build_tokenizer(
     tiktoken_num_special_tokens: int = 1000,
     **hf_kwargs,
 ) -> MegatronTokenizer:
-    """The tokenizer for ``--tokenizer-type`` and its file flags."""
+    """The tokenizer for ``--tokenizer-type`` and its file flags. A file that loads but cannot tokenize (a damaged
+    model or vocabulary) is a :class:`TokenizerError` naming the file, found here by a round trip on a probe text
+    rather than in the middle of a run."""
+    if tokenizer_type == "NullTokenizer":
+        return NullTokenizer(vocab_size)
+    files = " and ".join(f"{flag} '{path}'" for flag, path in (("--vocab-file", vocab_file),
+                                                               ("--merge-file", merge_file),
+                                                               ("--tokenizer-model", tokenizer_model)) if path)
+    try:
+        tok = _build_tokenizer(tokenizer_type, vocab_file, merge_file, tokenizer_model, vocab_size, vocab_extra_ids,
+                               tiktoken_pattern, tiktoken_num_special_tokens, **hf_kwargs)
+        ids = tok.tokenize(_PROBE_TEXT)
+        bad = [i for i in ids if not 0 <= int(i) < tok.vocab_size]
+        if bad or not 0 <= int(tok.eod) < tok.vocab_size:
+            raise ValueError(f"token ids {bad[:3] or [tok.eod]} outside the vocabulary of {tok.vocab_size}")
+        tok.detokenize(ids)
+    except TokenizerError:
+        raise
+    except Exception as err:  # a damaged file: the libraries raise assorted errors
+        detail = str(err).splitlines()[0][:200] if str(err) else ""
+        raise TokenizerError(f"{files or '--tokenizer-type ' + tokenizer_type}: cannot build a {tokenizer_type} "
+                             f"that tokenizes ({type(err).__name__}: {detail}); the file is damaged or not for this "
+                             "tokenizer type") from None
+    return tok
+
+
+_PROBE_TEXT = "The quick brown fox, 12345: café 東京!\n\tend"
+
+
+def _build_tokenizer(tokenizer_type, vocab_file, merge_file, tokenizer_model, vocab_size, vocab_extra_ids,
+                     tiktoken_pattern, tiktoken_num_special_tokens, **hf_kwargs) -> MegatronTokenizer:
     if tokenizer_type == "GPT2BPETokenizer":
         return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type == "SentencePieceTokenizer":
@@ -610,8 +671,6 @@ def build_tokenizer(
     if tokenizer_type == "TikTokenizer":
         return TikTokenizer(tokenizer_model, pattern=tiktoken_pattern, vocab_size=vocab_size,
                             num_special_tokens=tiktoken_num_special_tokens)
-    if tokenizer_type == "NullTokenizer":
-        return NullTokenizer(vocab_size)
     raise TokenizerError(
         f"--tokenizer-type {tokenizer_type!r} is not supported; choose one of {', '.join(TOKENIZER_TYPES)}"
     )

@@ -36,6 +36,7 @@ methods; every state tensor it returns is fp32 and shaped like the model paramet
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -123,6 +124,7 @@ class MegatronOptimizer:
         self.parallel = parallel or ParallelContext.single()
         self.clip_grad = clip_grad
         self.grad_scaler = grad_scaler
+        self.timers = None  # the training loop's timers (megatronish.training.timers), set by the loop
         self.distributed = use_distributed_optimizer
         self.kind = optimizer
         named = [(n, p) for c in self.chunks for n, p in _module(c).named_parameters() if p.requires_grad]
@@ -399,8 +401,10 @@ class MegatronOptimizer:
                     dst = s.model.detach() if s.whole else s.model.detach().view(-1)[s.lo:s.hi]
                     dst.copy_(s.main.view_as(dst))
         if self.distributed:
-            for chunk in self.chunks:
-                chunk.start_param_sync()
+            timer = self.timers("params-all-gather") if self.timers is not None else contextlib.nullcontext()
+            with timer:  # --timing-log-level 1 (the gathers' start; their wait under --overlap-param-gather)
+                for chunk in self.chunks:
+                    chunk.start_param_sync()
 
     def finish_param_sync(self) -> None:
         """Wait for outstanding parameter all-gathers (``--overlap-param-gather``): call before reading the

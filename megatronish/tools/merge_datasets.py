@@ -20,6 +20,7 @@ from ..data.indexed_dataset import (
     get_bin_path,
     get_idx_path,
 )
+from ..errors import EXIT_USER_ERROR
 
 
 def find_prefixes(inputs: Sequence[str]) -> List[str]:
@@ -76,7 +77,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         merge(prefixes, args.output_prefix)
     except (IndexedDatasetError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
-        return 1
+        return EXIT_USER_ERROR
     print(f"merged {len(prefixes)} datasets into {args.output_prefix}", file=sys.stderr)
     return 0
 

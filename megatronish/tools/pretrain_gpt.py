@@ -9,8 +9,10 @@ def main(argv=None):
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     # Every flag is validated here, before any process group starts; a bad flag is one line, exit 2.
     cfg = exit_on_config_error(lambda: configs_from_args(parse_args(argv), world_size), once_per_node=True)
+    from ..training.failure import run_rank
     from ..training.pretrain import pretrain
 
-    # A bad checkpoint (missing shard, other model shape, ...) is a ConfigError too: one line, exit 2.
-    exit_on_config_error(lambda: pretrain(cfg))
+    # A bad data file, tokenizer file or checkpoint is one line (once for the job), exit 2; a non-finite loss exits
+    # 3, a lost peer 4; the other ranks stop within seconds (docs/reliability.md).
+    run_rank(lambda: pretrain(cfg))
 

@@ -13,10 +13,10 @@ def build_file_datasets(cfg):
     train_iters = 0 if t.skip_train else (t.train_iters or 0)
     evals = (train_iters // t.eval_interval + 1) if t.eval_interval else 1
     num_samples = (train_iters * gbs, evals * t.eval_iters * gbs, t.eval_iters * gbs)
-    train, valid, _test = build_gpt_datasets(
+    train, valid, test = build_gpt_datasets(
         d.data_path or None, d.split, cfg.model.seq_length, t.seed, num_samples, cache_dir=d.data_cache_path,
         eod_id=tokenizer.eod, pad_id=tokenizer.pad, train_data_path=d.train_data_path,
         valid_data_path=d.valid_data_path, test_data_path=d.test_data_path,
         reset_position_ids=d.reset_position_ids, reset_attention_mask=d.reset_attention_mask,
         eod_mask_loss=d.eod_mask_loss, mmap_bin_files=d.mmap_bin_files)
-    return train, valid
+    return train, valid, test

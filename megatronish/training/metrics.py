@@ -66,20 +66,22 @@ def print_rank_last(enabled: bool, msg: str) -> None:
 
 
 def train_log_line(*, iteration: int, train_iters: int, consumed_samples: int, elapsed_ms: float,
-                   tflops: float, tokens_per_sec: float, lr: float, global_batch_size: int, loss: float,
+                   tflops: float | None, tokens_per_sec: float, lr: float, global_batch_size: int, loss: float,
                    grad_norm: float | None, loss_scale: float, skipped: int, nan: int,
                    params_norm: float | None = None, mfu: float | None = None,
                    extra: dict | None = None) -> str:
-    """Megatron's training log line (same fields and number formats, plus tokens/s)."""
+    """Megatron's training log line (same fields and number formats, plus tokens/s); the throughput per GPU only
+    with ``tflops`` (``--log-throughput``, as Megatron)."""
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     parts = [f" [{stamp}] iteration {iteration:8d}/{train_iters:8d}",
              f"consumed samples: {consumed_samples:12d}",
-             f"elapsed time per iteration (ms): {elapsed_ms:.1f}",
-             f"throughput per GPU (TFLOP/s/GPU): {tflops:.2f}" + (f" (MFU {mfu * 100:.1f}%)" if mfu else ""),
-             f"tokens per second: {tokens_per_sec:.1f}",
-             f"learning rate: {lr:.6E}",
-             f"global batch size: {global_batch_size:5d}",
-             f"lm loss: {loss:.6E}"]
+             f"elapsed time per iteration (ms): {elapsed_ms:.1f}"]
+    if tflops is not None:
+        parts.append(f"throughput per GPU (TFLOP/s/GPU): {tflops:.2f}" + (f" (MFU {mfu * 100:.1f}%)" if mfu else ""))
+    parts += [f"tokens per second: {tokens_per_sec:.1f}",
+              f"learning rate: {lr:.6E}",
+              f"global batch size: {global_batch_size:5d}",
+              f"lm loss: {loss:.6E}"]
     parts += [f"{name}: {value:.6E}" for name, value in (extra or {}).items()]  # MoE losses, as Megatron
     parts.append(f"loss scale: {loss_scale:.1f}")
     if grad_norm is not None:

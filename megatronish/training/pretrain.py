@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from .. import device
 from ..checkpoint.manager import setup_checkpointing
+from ..data.loader import MicroBatchLoader
 from ..data.mock import MockGPTDataset
 from ..data.sampler import collate, global_batch_indices
 from ..model.build import build_model_chunks
@@ -42,11 +43,13 @@ from ..parallel.pipeline.schedules import get_forward_backward_func, pipeline_te
 from ..parallel.pipeline.timeline import PipelineTimeline, gather_timeline, write_chrome_trace
 from ..parallel.random import set_random_seed
 from ..precision.fp8 import Fp8Manager, Fp8Recipe, check_transformer_impl, enable_fp8
+from . import nan_check, watchdog
 from .compile import Compiler
 from .exit import ExitPolicy
 from .flops import device_peak_tflops, num_floating_point_operations
 from .memory import ActivationMeter, report_theoretical_memory
 from .metrics import MetricsWriter, print_rank_last, train_log_line
+from .timers import Timers, straggler_lines
 from .wrap import model_params_dtype, wrap_model_chunks
 
 
@@ -57,6 +60,7 @@ class TrainState:
     history: list = field(default_factory=list)  # (iteration, lm loss) of every iteration, for callers
     valid_history: list = field(default_factory=list)
     valid_consumed_samples: int = 0  # evaluations continue through the validation set, as Megatron's do
+    test_history: list = field(default_factory=list)  # (iteration, lm loss) of the test-split evaluation at the end
     exit_reason: str | None = None  # set when --exit-interval / --exit-duration-in-mins / a signal ended training
     context: "TrainContext | None" = field(default=None, repr=False)  # models, optimizer, scheduler, fp8 manager
 
@@ -77,6 +81,8 @@ class TrainContext:
     forward_step: object = None
     train_ds: object = None
     valid_ds: object = None
+    test_ds: object = None  # --split's third share or --test-data-path: evaluated once at the end
+    timers: object = None  # megatronish.training.timers.Timers (--timing-log-level, --log-straggler)
     checkpointer: object = None
     device: object = None
     compiler: object = None  # megatronish.training.compile.Compiler under --torch-compile
@@ -124,16 +130,34 @@ def _reported_loss(stats: list[dict], parallel: ParallelContext) -> float:
     return total / max(tokens, 1.0)
 
 
+def _batch_reader(dataset):
+    """``read(indices) -> micro-batch`` (a dict of CPU tensors) for ``dataset``."""
+    if isinstance(dataset, MockGPTDataset):
+        return lambda idx: collate([{k: torch.as_tensor(v) for k, v in dataset[i].items()} for i in idx])
+    from ..data.gpt_dataset import get_batch  # file data only: mock runs do not load the compiled helpers
+
+    # file data: the micro-batch read at once (each document span copied once; same samples, same order)
+    return functools.partial(get_batch, dataset)
+
+
 def _microbatches(dataset, consumed: int, mbs: int, num_mb: int, dev, parallel: ParallelContext):
-    if not isinstance(dataset, MockGPTDataset):
-        from ..data.gpt_dataset import get_batch  # file data only: mock runs do not load the compiled helpers
+    read = _batch_reader(dataset)
     # CP ranks of one data-parallel replica read the same samples (each keeps its chunks of the sequence)
     for idx in global_batch_indices(consumed, mbs, parallel.dp_size, parallel.dp_rank, num_mb):
-        if isinstance(dataset, MockGPTDataset):
-            batch = collate([{k: torch.as_tensor(v) for k, v in dataset[i].items()} for i in idx])
-        else:  # file data: the micro-batch read at once (each document span copied once; same samples, same order)
-            batch = get_batch(dataset, idx)
-        yield {k: v.to(dev) for k, v in batch.items()}
+        yield {k: v.to(dev) for k, v in read(idx).items()}
+
+
+def _train_loader(run: "TrainContext", state: "TrainState", train_iters: int) -> MicroBatchLoader:
+    """``--num-workers`` worker processes reading the training micro-batches ahead, from the consumed samples on
+    (the same batches for every worker count)."""
+    cfg = run.cfg
+    return MicroBatchLoader(_batch_reader(run.train_ds), consumed=state.consumed_samples,
+                            micro_batch_size=cfg.train.micro_batch_size, dp_size=run.parallel.dp_size,
+                            dp_rank=run.parallel.dp_rank, num_microbatches=cfg.num_microbatches,
+                            global_batch_size=cfg.train.global_batch_size,
+                            iterations=max(0, train_iters - state.iteration), num_workers=cfg.data.num_workers,
+                            pin_memory=run.device.type == "cuda", timer=run.timers("batch-generator"),
+                            worker_init=watchdog.data_worker_init)
 
 
 def _forward_step(reset_position_ids: bool, parallel: ParallelContext, per_token_loss: bool = False):
@@ -172,22 +196,29 @@ def _forward_step(reset_position_ids: bool, parallel: ParallelContext, per_token
 
 
 def build_datasets(cfg):
-    """Train and validation datasets. ``--mock-data`` here; files through the data package."""
+    """Train, validation and test datasets (test: None when the split has no share). ``--mock-data`` here; files
+    through the data package."""
     d = cfg.data
     if d.mock_data:
-        return (MockGPTDataset(cfg.model.vocab_size, cfg.model.seq_length, seed=cfg.train.seed),
-                MockGPTDataset(cfg.model.vocab_size, cfg.model.seq_length, seed=cfg.train.seed + 1))
+        return tuple(MockGPTDataset(cfg.model.vocab_size, cfg.model.seq_length, seed=cfg.train.seed + i)
+                     for i in range(3))
     from .data_wiring import build_file_datasets  # the data package, loaded only when files are used
 
     return build_file_datasets(cfg)
 
 
-def _data_iterators(run: TrainContext, dataset, consumed: int, num_microbatches: int | None = None):
-    """One iterator over this iteration's microbatches per model chunk (each chunk reads them in order)."""
+def _data_iterators(run: TrainContext, dataset, consumed: int, num_microbatches: int | None = None,
+                    batches: list[dict] | None = None):
+    """One iterator over this iteration's microbatches per model chunk (each chunk reads them in order): read
+    here, or ``batches`` read ahead by the loader."""
     cfg = run.cfg
     num_mb = cfg.num_microbatches if num_microbatches is None else num_microbatches
-    its = [_microbatches(dataset, consumed, cfg.train.micro_batch_size, num_mb, run.device,
-                         run.parallel) for _ in run.chunks]
+    if batches is not None:
+        on_device = [{k: v.to(run.device, non_blocking=True) for k, v in b.items()} for b in batches]
+        its = [iter(on_device) for _ in run.chunks]
+    else:
+        its = [_microbatches(dataset, consumed, cfg.train.micro_batch_size, num_mb, run.device, run.parallel)
+               for _ in run.chunks]
     return its[0] if len(its) == 1 else its
 
 
@@ -197,8 +228,10 @@ def _model_arg(run: TrainContext):
 
 def evaluate(run: TrainContext, state: TrainState, dataset=None) -> float:
     """Validation loss over ``--eval-iters`` global batches: token losses summed over all of them divided by
-    their loss tokens (Megatron's); evaluations continue through the validation set."""
+    their loss tokens (Megatron's); evaluations continue through the validation set. Another ``dataset`` (the test
+    split) is read from its start."""
     t = run.cfg.train
+    test = dataset is not None
     dataset = run.valid_ds if dataset is None else dataset
     gc_around = t.manual_gc and t.manual_gc_eval
     if gc_around:
@@ -207,9 +240,10 @@ def evaluate(run: TrainContext, state: TrainState, dataset=None) -> float:
         c.eval()
     sums = None
     with torch.no_grad():
-        for _ in range(t.eval_iters):
-            it = _data_iterators(run, dataset, state.valid_consumed_samples)
-            state.valid_consumed_samples += t.global_batch_size
+        for i in range(t.eval_iters):
+            it = _data_iterators(run, dataset, i * t.global_batch_size if test else state.valid_consumed_samples)
+            if not test:
+                state.valid_consumed_samples += t.global_batch_size
             stats = run.schedule(run.forward_step, it, _model_arg(run), run.cfg.num_microbatches,
                                  forward_only=True)
             batch = _loss_sums(stats, run.parallel)
@@ -251,6 +285,7 @@ def setup(cfg) -> tuple[TrainContext, TrainState]:
     t, o = cfg.train, cfg.optim
     check_transformer_impl(cfg.model.transformer_impl)  # before any process group (TE needs CUDA)
     init_distributed(t.distributed_backend, t.distributed_timeout_minutes)
+    watchdog.start(dist.get_rank(), dist.get_world_size())  # entry points only: a failed or lost rank ends the job
     hcp = cfg.model.hierarchical_context_parallel_sizes
     parallel = groups.initialize_model_parallel(cfg.parallel, timeout_minutes=t.distributed_timeout_minutes,
                                                 hierarchical_cp_inner=hcp[0] if hcp else None)
@@ -277,10 +312,13 @@ def setup(cfg) -> tuple[TrainContext, TrainState]:
                                  tensor_shape=_tensor_shape(cfg), parallel=parallel,
                                  per_token_loss=t.calculate_per_token_loss)
     scheduler = OptimizerParamScheduler(optimizer, **scheduler_steps_from_config(cfg))
-    train_ds, valid_ds = build_datasets(cfg)
+    train_ds, valid_ds, test_ds = build_datasets(cfg)
+    timers = Timers(cfg.logging.timing_log_level, always=("forward-backward",) if cfg.logging.log_straggler else ())
     run = TrainContext(models, chunks, optimizer, scheduler, fp8, parallel=parallel, cfg=cfg, schedule=schedule,
                        forward_step=_forward_step(cfg.data.reset_position_ids, parallel, t.calculate_per_token_loss),
-                       train_ds=train_ds, valid_ds=valid_ds, device=dev, compiler=compiler)
+                       train_ds=train_ds, valid_ds=valid_ds, test_ds=test_ds, timers=timers, device=dev,
+                       compiler=compiler)
+    optimizer.timers = timers  # params-all-gather
     state = TrainState(context=run)
     run.checkpointer = setup_checkpointing(cfg, models, optimizer, scheduler, state, parallel=parallel,
                                            fp8=fp8)  # --load
@@ -307,29 +345,47 @@ class StepResult:
     moe: dict | None = None  # mixture of experts: moe_stats.step_metrics
 
 
-def compute_gradients(run: TrainContext, state: TrainState, timeline: PipelineTimeline | None = None) -> float:
+def compute_gradients(run: TrainContext, state: TrainState, timeline: PipelineTimeline | None = None,
+                      batches: list[dict] | None = None) -> float:
     """Forward and backward of the global batch at ``state.consumed_samples`` (its size from the ramp under
-    ``--rampup-batch-size``) and the gradient finalization; returns the iteration's loss. The gradients are then
-    in the DDP buffers (``param.main_grad``)."""
+    ``--rampup-batch-size``; ``batches``: its micro-batches read ahead by the loader, None: read here), the NaN
+    check and the gradient finalization; returns the iteration's loss. The gradients are then in the DDP buffers
+    (``param.main_grad``)."""
     cfg = run.cfg
+    timers = run.timers or Timers(0)
     num_mb = cfg.num_microbatches_at(state.consumed_samples)
     for c in run.chunks:
         c.zero_grad_buffer()
-    it = _data_iterators(run, run.train_ds, state.consumed_samples, num_mb)
+    if batches is None:
+        with timers("batch-generator"):
+            batches = list(_microbatches(run.train_ds, state.consumed_samples, cfg.train.micro_batch_size, num_mb,
+                                         torch.device("cpu"), run.parallel))
+    it = _data_iterators(run, run.train_ds, state.consumed_samples, num_mb, batches)
     if cfg.model.num_experts is not None:  # the routers' losses take the main loss's backward scale
         per_token = cfg.train.calculate_per_token_loss
         moe_stats.start_step(run.models, run.optimizer.loss_scale / (1 if per_token else num_mb), per_token)
-    with run.memory.measure():  # saved-activation bytes (CPU) / allocator peak (CUDA), first iteration
+    with run.memory.measure(), timers("forward-backward"):  # saved-activation bytes / allocator peak, first iteration
         stats = run.schedule(run.forward_step, it, _model_arg(run), num_mb, timeline=timeline)
     run.memory.report(print_fn=_print_rank0())
     if run.compiler is not None:
         run.compiler.report()  # the compile time, once
+    nan_check.inject_for_test(run.chunks, stats, state.iteration + 1)  # a test hook; nothing unless asked
+    # --check-for-nan-in-loss-and-grad: before the optimizer step; before the data-parallel reduction where it has
+    # not started yet (the rank that produced a NaN is named), after it under --overlap-grad-reduce
+    check = functools.partial(nan_check.check_loss_and_grads, run.models, run.chunks, stats,
+                              iteration=state.iteration + 1, check_grads=run.optimizer.grad_scaler is None)
+    early = cfg.train.check_for_nan_in_loss_and_grad and not cfg.optim.overlap_grad_reduce
+    if early:
+        check()
     num_tokens = None
     if cfg.train.calculate_per_token_loss:  # this rank's loss tokens (last stage; finalize sends them on)
         num_tokens = torch.zeros((), dtype=torch.float32, device=device.current_device())
         if stats:
             num_tokens = torch.stack([s["lm loss"][1].float() for s in stats]).sum()
-    finalize_model_grads(run.chunks, run.parallel, num_tokens)
+    with timers("grads-reduce-scatter" if cfg.optim.use_distributed_optimizer else "grads-all-reduce"):
+        finalize_model_grads(run.chunks, run.parallel, num_tokens)
+    if cfg.train.check_for_nan_in_loss_and_grad and not early:
+        check()
     if cfg.model.num_experts is not None:
         moe_stats.update_expert_biases(run.models, run.parallel)
     if cfg.train.empty_unused_memory_level >= 1:
@@ -340,7 +396,8 @@ def compute_gradients(run: TrainContext, state: TrainState, timeline: PipelineTi
 def apply_update(run: TrainContext, state: TrainState, loss: float) -> StepResult:
     """The optimizer step on the finalized gradients, FP8 scales, the LR/WD schedule; advances ``state``."""
     batch = run.cfg.global_batch_size_at(state.consumed_samples)
-    update_successful, grad_norm = run.optimizer.step()  # unscale/overflow check, clip, step, copy back
+    with (run.timers or Timers(0))("optimizer"):
+        update_successful, grad_norm = run.optimizer.step()  # unscale/overflow check, clip, step, copy back
     if run.fp8 is not None:
         run.fp8.update()  # amax histories and next scales, once per optimizer step
     if update_successful:  # Megatron: the LR/WD schedule advances only with an applied update
@@ -353,9 +410,11 @@ def apply_update(run: TrainContext, state: TrainState, loss: float) -> StepResul
     return StepResult(loss, update_successful, grad_norm, batch)
 
 
-def train_step(run: TrainContext, state: TrainState, timeline: PipelineTimeline | None = None) -> StepResult:
-    """One iteration on the global batch at ``state.consumed_samples``; advances ``state``."""
-    loss = compute_gradients(run, state, timeline)
+def train_step(run: TrainContext, state: TrainState, timeline: PipelineTimeline | None = None,
+               batches: list[dict] | None = None) -> StepResult:
+    """One iteration on the global batch at ``state.consumed_samples`` (``batches``: its micro-batches, read ahead
+    by the loader; None: read here); advances ``state``."""
+    loss = compute_gradients(run, state, timeline, batches)
     cfg = run.cfg
     moe = None
     if cfg.model.num_experts is not None:  # collective: every rank, before the update advances the state
@@ -417,16 +476,24 @@ class TrainLogger:
         if params_norm is not None:
             record["params_norm"] = params_norm
         moe_line = self._moe_record(record)
+        timing, straggler = self._gather_timers(len(self.window_losses))
+        if straggler is not None:
+            record["straggler"] = straggler[1]
         self.writer.write(record, state.iteration)
         r = record
         print_rank_last(self.logging_rank, train_log_line(
             iteration=r["iteration"], train_iters=self.train_iters, consumed_samples=r["consumed_samples"],
-            elapsed_ms=r["elapsed_ms"], tflops=r["tflops"], tokens_per_sec=r["tokens_per_sec"], lr=r["lr"],
+            elapsed_ms=r["elapsed_ms"], tflops=r["tflops"] if lg.log_throughput else None,
+            tokens_per_sec=r["tokens_per_sec"], lr=r["lr"],
             global_batch_size=self.window_batches[-1], loss=r["lm_loss"], grad_norm=r["grad_norm"],
             loss_scale=r["loss_scale"], skipped=r["skipped_iterations"], nan=r["nan_iterations"],
             params_norm=params_norm, mfu=(tflops / self.peak) if self.peak else None, extra=moe_line))
+        # Megatron prints the timers from the last rank; the straggler line with the log line
+        if straggler is not None:
+            print_rank_last(self.logging_rank, straggler[0])
+        if timing:
+            print_rank_last(dist.get_rank() == dist.get_world_size() - 1, timing)
         self.restart_window()
-
     def _moe_record(self, record: dict) -> dict:
         """The MoE metrics averaged over the log window, added to ``record`` (``moe/...`` keys); returns the
         losses for the log line (every layer's too with ``--moe-per-layer-logging``)."""
@@ -455,15 +522,33 @@ class TrainLogger:
                 line[shown] = record[f"moe/{key}"]
         return line
 
-    def evaluate(self, state: TrainState) -> None:
-        loss = evaluate(self.run, state)
+    def _gather_timers(self, iterations: int):
+        """The interval's timers over all ranks (collective when --timing-log-level or --log-straggler asks)."""
+        timers, lg = self.run.timers, self.cfg.logging
+        if timers is None:
+            return None, None
+        names = timers.names()
+        if not names:
+            return None, None
+        times = timers.gather(names)
+        timing = timers.min_max_string(times, names, normalizer=iterations)
+        straggler = None
+        if lg.log_straggler:
+            compute = times[:, names.index("forward-backward")].tolist()
+            straggler = straggler_lines(compute, lg.straggler_minmax_count, normalizer=iterations)
+        return timing, straggler
+
+    def evaluate(self, state: TrainState, test: bool = False) -> None:
+        """Validation (or, ``test``, the test split's evaluation at the end, as Megatron's ``on test set``)."""
+        loss = evaluate(self.run, state, self.run.test_ds if test else None)
         ppl = math.exp(min(20.0, loss))
-        state.valid_history.append((state.iteration, loss))
-        self.writer.write({"split": "valid", "iteration": state.iteration, "lm_loss": loss, "ppl": ppl},
-                          state.iteration)
+        (state.test_history if test else state.valid_history).append((state.iteration, loss))
+        self.writer.write({"split": "test" if test else "valid", "iteration": state.iteration, "lm_loss": loss,
+                           "ppl": ppl}, state.iteration)
         bar = "-" * 100
-        print_rank_last(self.logging_rank, f"{bar}\n validation loss at iteration {state.iteration} | lm loss "
-                                           f"value: {loss:.6E} | lm loss PPL: {ppl:.6E} |\n{bar}")
+        where = " on test set" if test else ""
+        print_rank_last(self.logging_rank, f"{bar}\n validation loss at iteration {state.iteration}{where} | lm "
+                                           f"loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |\n{bar}")
 
     def close(self) -> None:
         self.writer.close()
@@ -544,6 +629,8 @@ def pretrain(cfg) -> TrainState:
         gc.disable()
         gc.collect()
     num_mb = cfg.num_microbatches_at(state.consumed_samples)
+    # --num-workers: micro-batches read ahead (a constant batch; under --rampup-batch-size each step reads its own)
+    loader = None if cfg.train.rampup_batch_size else _train_loader(run, state, train_iters)
     try:
         while state.iteration < train_iters:
             profiler.before_iteration(state.iteration)
@@ -552,7 +639,7 @@ def pretrain(cfg) -> TrainState:
             num_mb = cfg.num_microbatches_at(state.consumed_samples)
             last = state.iteration == train_iters - 1
             timeline = PipelineTimeline() if cfg.logging.pipeline_timeline and last else None
-            step = train_step(run, state, timeline)
+            step = train_step(run, state, timeline, loader.next_iteration() if loader else None)
             if timeline is not None:
                 _write_timeline(run, timeline)
             logger.after_step(state, step)
@@ -567,11 +654,17 @@ def pretrain(cfg) -> TrainState:
             if state.exit_reason:
                 break
 
+        if loader is not None:
+            loader.close()
         if t.eval_iters and not state.exit_reason:
             logger.evaluate(state)
+            if run.test_ds is not None and len(run.test_ds) > 0:
+                logger.evaluate(state, test=True)
         run.optimizer.finish_param_sync()  # callers get complete parameters (--overlap-param-gather)
         run.checkpointer.finish(state)  # final save; waits for background writes
     finally:
+        if loader is not None:
+            loader.close()
         exit_policy.release()
         if t.manual_gc:
             gc.enable()

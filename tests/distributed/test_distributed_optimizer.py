@@ -38,7 +38,13 @@ def _run(argv, world):
                            for b in c.buckets),
             "num_buckets": sum(len(c.buckets) for c in ctx.chunks),
             "main_is_model": all(s.main.data_ptr() == s.model.data_ptr() + s.lo * s.model.element_size()
-                                 for s in opt.slots)}
+                                 for s in opt.slots),
+            # which elements of which parameter this rank's optimizer holds state for: [lo, hi) per slot, with the
+            # sizes of the Adam state tensors it really keeps there
+            "held": [(names[id(s.model)], s.lo, s.hi, s.model.numel(),
+                      sorted({v.numel() for v in opt.optimizer.state[s.main].values() if torch.is_tensor(v)
+                              and v.dim() > 0})) for s in opt.slots],
+            "coords": (ctx.parallel.tp_rank, ctx.parallel.pp_rank)}
 
 
 def _worker(rank, world, cases):
@@ -68,7 +74,25 @@ def _check(results, dp):
             assert dist["state_bytes"] <= full / dp + 8 * dist["padding"] / dp + 1e-9, (dist["state_bytes"], full)
             assert dist["state_bytes"] >= full / dp - 8 * dist["padding"], (dist["state_bytes"], full)
             assert dist["padding"] < dp * dist["num_buckets"]
-    # the DP ranks' shards add up to the whole state exactly once (same TP/PP coordinates: ranks of one DP group)
+    # each element's state is held by exactly one DP rank: within each DP group (same TP/PP coordinates) the ranks'
+    # [lo, hi) ranges of every parameter are disjoint and cover it, and the Adam tensors are the range's size
+    groups_of = {}
+    for per_case in results:
+        for name, (_, dist) in per_case.items():
+            groups_of.setdefault((name, dist["coords"]), []).append((dist["held"], set(dist["params"])))
+    for (name, coords), members in groups_of.items():
+        assert len(members) == dp, (name, coords, len(members))
+        ranges, numel = {}, {}
+        for held, _ in members:
+            for pname, lo, hi, n, state_sizes in held:
+                assert 0 <= lo < hi <= n and state_sizes == [hi - lo], (name, pname, lo, hi, state_sizes)
+                ranges.setdefault(pname, []).append((lo, hi))
+                numel[pname] = n
+        assert ranges.keys() == members[0][1]  # every parameter of these model chunks
+        for pname, rs in ranges.items():
+            rs.sort()
+            assert rs[0][0] == 0 and rs[-1][1] == numel[pname], (name, coords, pname, rs)
+            assert all(a[1] == b[0] for a, b in zip(rs, rs[1:])), (name, coords, pname, rs)  # no gap, no overlap
     return True
 
 

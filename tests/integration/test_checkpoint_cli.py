@@ -40,6 +40,14 @@ def _wait_for_line(proc, needle: str, timeout: float) -> list[str]:
     raise AssertionError(f"no line with {needle!r} within {timeout} s:\n{''.join(lines[-20:])}")
 
 
+def _children(pid):
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out += [int(c) for c in f.read().split()]
+    return out
+
+
 def test_sigterm_to_one_rank_saves_and_all_exit_zero(tmp_path):
     save = str(tmp_path / "ck")
     port = str(free_port())
@@ -51,7 +59,12 @@ def test_sigterm_to_one_rank_saves_and_all_exit_zero(tmp_path):
                                       subprocess.DEVNULL, stderr=open(tmp_path / f"err{rank}", "w")))
     try:
         _wait_for_line(procs[0], "iteration        3/", 120)
-        procs[1].send_signal(signal.SIGTERM)  # only rank 1 receives it; rank 0 learns through the all-reduce
+        # only rank 1 receives it (rank 0 learns through the all-reduce), together with its data loader workers,
+        # as a scheduler signals every process of a job step: the workers leave it to the training process
+        workers = _children(procs[1].pid)
+        assert len(workers) == 2, workers  # --num-workers 2 (the default)
+        for pid in [procs[1].pid, *workers]:
+            os.kill(pid, signal.SIGTERM)
         out, _ = procs[0].communicate(timeout=120)
         procs[1].wait(timeout=60)
     finally:

@@ -201,3 +201,48 @@ def test_preempt_saves_requeues_and_resumes(cluster, tmp_path):
     with open(tmp_path / f"slurm-megatronish-gpt-{job}.out") as f:
         batch_log = f.read()
     assert "received SIGTERM" in batch_log and "requeueing job" in batch_log and "(restart 1)" in batch_log
+
+
+def _task_pids(job, procid):
+    """Training processes of ``job`` with Slurm task id ``procid`` (both simulated nodes run on this host)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if b"pretrain_gpt.py" in cmd and environ.get(b"SLURM_JOB_ID") == job.encode() \
+                and environ.get(b"SLURM_PROCID") == str(procid).encode():
+            out.append(int(pid))
+
+    def parent(pid):
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[-1].split()[1])
+
+    return [p for p in out if parent(p) not in out]  # not its data loader workers
+
+
+def test_per_task_launch_lost_rank_ends_the_job(cluster, tmp_path):
+    """kill -9 one task of the per-task launch (srun, no torchrun) with the default --distributed-timeout-minutes:
+    the job ends within 60 s and a line names the lost rank."""
+    env = cluster
+    metrics = tmp_path / "metrics.jsonl"
+    job = _submit(env, str(tmp_path), "-N", "2", SBATCH_PER_TASK, *FLAGS, "--train-iters", "100000",
+                  "--metrics-file", str(metrics))
+    t0 = time.time()
+    while not (metrics.exists() and len(_metrics(metrics)) >= 3):
+        assert time.time() - t0 < 180 and not _done(_job(env, job)), _logs(tmp_path)
+        time.sleep(0.2)
+    victims = _task_pids(job, 1)
+    assert len(victims) == 1, victims
+    os.kill(victims[0], 9)
+    killed = time.time()
+    info = _wait(env, job, _done, timeout=60)
+    assert time.time() - killed < 60
+    assert info["JobState"] != "COMPLETED", info
+    text = _logs(tmp_path)
+    assert "error: rank 1 " in text or "task 1: Killed" in text, text
+    assert not _task_pids(job, 0)

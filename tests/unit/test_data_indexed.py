@@ -151,7 +151,7 @@ def test_merge_rejects_other_dtype(tmp_path):
         builder.add_index(b)
     r = subprocess.run([sys.executable, os.path.join(REPO, "tools", "merge_datasets.py"), "--input", a, b,
                         "--output-prefix", str(tmp_path / "m2")], capture_output=True, text=True, env=subprocess_env())
-    assert r.returncode == 1 and "share a dtype" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "share a dtype" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_optimal_dtype_and_overflow(tmp_path):

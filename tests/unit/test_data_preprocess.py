@@ -160,7 +160,7 @@ def test_bad_line_reported_with_file_and_line(tmp_path, capsys, line, message):
     rc = run_tool("--input", src, "--output-prefix", prefix, "--tokenizer-type", "NullTokenizer",
                   "--vocab-size", 10, "--workers", 1)
     err = capsys.readouterr().err
-    assert rc == 1
+    assert rc == 2
     assert f"{src}:3: " in err and message in err and "--skip-bad-lines" in err
     assert not os.path.exists(f"{prefix}_text_document.idx")
     assert not os.path.exists(f"{prefix}_text_document.bin")
@@ -183,7 +183,7 @@ def test_cli_errors_without_traceback(tmp_path):
     for argv, message in cases:
         r = subprocess.run([sys.executable, tool, "--output-prefix", str(tmp_path / "o"), *argv],
                            capture_output=True, text=True, env=subprocess_env())
-        assert r.returncode == 1, r.stderr
+        assert r.returncode == 2, r.stderr
         assert message in r.stderr and "Traceback" not in r.stderr
 
 

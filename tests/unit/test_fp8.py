@@ -1,11 +1,13 @@
 """FP8 emulation: the delayed-scaling recipe step by step (hand-computed), quantization error per format,
 an FP8 linear against fp32 within a stated error bound, and the Transformer Engine selection error."""
+import numpy as np
 import pytest
 import torch
 
 from megatronish.config import gpt2
 from megatronish.parallel.dims import ConfigError
 from megatronish.parallel.layers import ColumnParallelLinear
+from megatronish.precision import fp8 as fp8_mod
 from megatronish.precision.fp8 import (
     E4M3,
     E5M2,
@@ -119,13 +121,64 @@ def test_quantize_round_trip_within_relative_precision(dtype):
     assert big.tolist() == [FP8_MAX[dtype], -FP8_MAX[dtype]]
 
 
-def test_scaled_mm_matches_dequantized_matmul():
-    g = torch.Generator().manual_seed(2)
-    a, b = torch.randn(16, 32, generator=g), torch.randn(8, 32, generator=g)
-    sa, sb = torch.tensor(100.0), torch.tensor(37.0)
-    qa, qb = quantize(a, sa, E4M3), quantize(b, sb, E5M2)
-    ref = (dequantize(qa, sa).double() @ dequantize(qb, sb).double().t()).float()
-    torch.testing.assert_close(fp8_matmul(qa, sa, qb, sb), ref, rtol=1e-5, atol=1e-6)
+def _decode_fp8(t: torch.Tensor) -> np.ndarray:
+    """The float64 value of each fp8 element from its bits alone (sign, exponent, mantissa; subnormals; e4m3fn
+    has no infinities, e5m2 is IEEE-like), independent of torch's conversions."""
+    exp_bits, man_bits = {E4M3: (4, 3), E5M2: (5, 2)}[t.dtype]
+    bias = 2 ** (exp_bits - 1) - 1
+    u = t.view(torch.uint8).numpy().astype(np.int64)
+    sign = np.where(u >> 7, -1.0, 1.0)
+    e = (u >> man_bits) & (2 ** exp_bits - 1)
+    m = u & (2 ** man_bits - 1)
+    normal = (1 + m / 2 ** man_bits) * np.power(2.0, e - bias)
+    sub = (m / 2 ** man_bits) * 2.0 ** (1 - bias)
+    value = sign * np.where(e == 0, sub, normal)
+    top = e == 2 ** exp_bits - 1
+    if t.dtype == E4M3:  # e4m3fn: only S.1111.111 is special (NaN); the rest of the top exponent is finite
+        value = np.where(top & (m == 2 ** man_bits - 1), np.nan, value)
+    else:  # e5m2: the top exponent is inf (mantissa 0) or NaN
+        value = np.where(top, np.where(m == 0, sign * np.inf, np.nan), value)
+    return value
+
+
+def _nearest_fp8(x: np.ndarray, dtype) -> np.ndarray:
+    """Round-to-nearest-even onto the fp8 grid, saturating, by search over every finite code (independent of
+    torch's cast)."""
+    codes = torch.arange(256, dtype=torch.uint8).view(dtype)
+    values = _decode_fp8(codes)
+    ok = np.isfinite(values) & ~((codes.view(torch.uint8).numpy() & 0x80).astype(bool) & (values == 0))
+    grid, bits = values[ok], codes.view(torch.uint8).numpy()[ok]
+    order = np.argsort(grid)
+    grid, bits = grid[order], bits[order]
+    x = np.clip(x, grid[0], grid[-1])
+    out = np.empty(x.shape)
+    for i, v in np.ndenumerate(x):
+        d = np.abs(grid - v)
+        best = np.flatnonzero(d == d.min())
+        pick = best[0] if len(best) == 1 else next(b for b in best if bits[b] % 2 == 0)  # tie: even mantissa
+        out[i] = grid[pick]
+    return out
+
+
+@pytest.mark.parametrize("fallback", [True, False])
+@pytest.mark.parametrize("fa,fb", [(E4M3, E4M3), (E4M3, E5M2), (E5M2, E4M3), (E5M2, E5M2)])
+def test_fp8_matmul_against_bit_level_reference(monkeypatch, fallback, fa, fb):
+    """quantize rounds to the nearest fp8 value (checked against a search over the decoded fp8 grid), and
+    fp8_matmul (its CPU fallback, and whatever path the device takes) equals the float64 product of the operands
+    decoded from their bits, divided by their scales."""
+    if fallback:
+        monkeypatch.setattr(fp8_mod, "_scaled_mm_works", lambda device: False)
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(12, 40, generator=g) * 3, torch.randn(9, 40, generator=g) * 0.2
+    a[0, 0], b[0, 0] = 1e-4, 50.0  # a subnormal and a saturated element
+    sa, sb = torch.tensor(11.0), torch.tensor(300.0)
+    qa, qb = quantize(a, sa, fa), quantize(b, sb, fb)
+    for q, x, s_, f in ((qa, a, sa, fa), (qb, b, sb, fb)):
+        np.testing.assert_array_equal(_decode_fp8(q), _nearest_fp8(x.double().numpy() * float(s_), f))
+    ref = (_decode_fp8(qa) / float(sa)) @ (_decode_fp8(qb) / float(sb)).T
+    out = fp8_matmul(qa, sa, qb, sb)
+    assert out.dtype == torch.float32
+    np.testing.assert_allclose(out.double().numpy(), ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
 
 
 def _elem_bound(t, scale, dtype):
