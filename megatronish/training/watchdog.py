@@ -201,6 +201,10 @@ class RankWatchdog:
             return
         self.finished = True
         self._stop.set()
+        # the thread must be out of its store call before the interpreter shuts down (a daemon thread returning
+        # from C++ into a finalized interpreter aborts the process)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * max(5.0, 4 * self.interval))
         try:
             self._call("set", f"hb/{self.rank}", "done")
             if self.rank == 0 and self.store_host == "rank 0" and self.world_size > 1:
