@@ -45,8 +45,17 @@ def inject_for_test(chunks, stats: list[dict], iteration: int) -> None:
                 return
 
 
+def _grad_tensors(chunk) -> list[torch.Tensor]:
+    """The chunk's gradients: DDP's one buffer, or (FSDP2) each parameter's local shard once reduced."""
+    buf = getattr(chunk, "grad_buffer", None)
+    if buf is not None:
+        return [buf] if buf.numel() else []
+    return [g for g in (getattr(p, "main_grad", None) for p in chunk.params) if g is not None]
+
+
 def _first_bad_param(models, chunks) -> str | None:
-    bad = {id(p) for c in chunks for p in c.params if not torch.isfinite(p.main_grad).all()}
+    bad = {id(p) for c in chunks for p in c.params
+           if getattr(p, "main_grad", None) is not None and not torch.isfinite(p.main_grad).all()}
     if not bad:
         return None
     for m in models:
@@ -61,11 +70,12 @@ def check_loss_and_grads(models, chunks, stats: list[dict], *, iteration: int, c
     stage) or gradient (unless ``check_grads`` is False) is not finite. Collective (one small all-reduce; the names
     are gathered only when something is wrong)."""
     loss_bad = any(not torch.isfinite(s["lm loss"]).all() for s in stats if "lm loss" in s)
-    grad_bad = check_grads and any(not torch.isfinite(c.grad_buffer).all() for c in chunks if c.grad_buffer.numel())
+    grads = [g for c in chunks for g in _grad_tensors(c)]
+    grad_bad = check_grads and any(not torch.isfinite(g).all() for g in grads)
     flags = torch.tensor([int(loss_bad), int(grad_bad)], dtype=torch.int32)
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world > 1:
-        dev = chunks[0].grad_buffer.device if chunks else torch.device("cpu")
+        dev = grads[0].device if grads else torch.device("cpu")
         flags = flags.to(dev if dist.get_backend() == "nccl" else "cpu")
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     if not flags.any():

@@ -371,10 +371,12 @@ def compute_gradients(run: TrainContext, state: TrainState, timeline: PipelineTi
         run.compiler.report()  # the compile time, once
     nan_check.inject_for_test(run.chunks, stats, state.iteration + 1)  # a test hook; nothing unless asked
     # --check-for-nan-in-loss-and-grad: before the optimizer step; before the data-parallel reduction where it has
-    # not started yet (the rank that produced a NaN is named), after it under --overlap-grad-reduce
+    # not started yet (the rank that produced a NaN is named), after it under --overlap-grad-reduce and FSDP2 (whose
+    # backward reduce-scatters)
     check = functools.partial(nan_check.check_loss_and_grads, run.models, run.chunks, stats,
                               iteration=state.iteration + 1, check_grads=run.optimizer.grad_scaler is None)
-    early = cfg.train.check_for_nan_in_loss_and_grad and not cfg.optim.overlap_grad_reduce
+    early = cfg.train.check_for_nan_in_loss_and_grad and not cfg.optim.overlap_grad_reduce \
+        and all(hasattr(c, "grad_buffer") for c in run.chunks)
     if early:
         check()
     num_tokens = None
