@@ -158,14 +158,15 @@ def test_manual_gc_and_empty_unused_memory():
     (off, gc2, gc2_no_eval, gc0, mem1, mem2), = run_distributed(
         lambda r, w: [_loop_events(r, w, argv) for argv in cases], 1)
     assert off[0] == [] and off[1] == 0 and off[2]
-    # disable + collect at the start; every 2nd iteration (2, 4, 6); before and after the evaluations at 3 and end
-    assert gc2[0] == ["disable", "collect", "collect", "collect", "collect", "collect", "collect", "collect",
-                      "collect", "enable"]
+    # disable + collect at the start; every 2nd iteration (2, 4, 6); before and after the evaluations at 3, at the
+    # end, and of the test split after it (Megatron's "on test set")
+    assert gc2[0] == ["disable"] + ["collect"] * 10 + ["enable"]
     assert gc2[2] and gc2[3] == 6
     assert gc2_no_eval[0] == ["disable", "collect", "collect", "collect", "collect", "enable"]
-    assert gc0[0] == ["disable", "collect", "collect", "collect", "collect", "collect", "enable"]
-    # level 1: after every backward (6) and every evaluation step (2); level 2: also after every step (6)
-    assert mem1[1] == 8 and mem2[1] == 14
+    assert gc0[0] == ["disable"] + ["collect"] * 7 + ["enable"]
+    # level 1: after every backward (6) and every evaluation step (3, the test split's included); level 2: also
+    # after every step (6)
+    assert mem1[1] == 9 and mem2[1] == 15
 
 
 def test_pytorch_profiler_writes_a_trace(tmp_path):
