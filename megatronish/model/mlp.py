@@ -14,6 +14,17 @@ from ..config import ModelConfig
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
+def activation(h: torch.Tensor, swiglu: bool, openai_gelu: bool, use_triton_kernels: bool = False) -> torch.Tensor:
+    """The MLP's activation on fc1's output: SwiGLU over ``[gate; up]`` (the fused kernel with
+    ``--use-triton-kernels``), or GELU (tanh-approximated with ``--openai-gelu``)."""
+    if swiglu and use_triton_kernels:
+        return kernels.swiglu(h)
+    if swiglu:
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return F.gelu(h, approximate="tanh" if openai_gelu else "none")
+
+
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, sequence_parallel: bool, output_init_std: float,
                  params_dtype=torch.float32, device=None, tp_group=None):
@@ -33,11 +44,5 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor):
         h, _ = self.linear_fc1(x)  # [s, b, ffn/t] (x2 with SwiGLU)
-        if self.swiglu and self.use_triton_kernels:
-            h = kernels.swiglu(h)
-        elif self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h, approximate="tanh" if self.openai_gelu else "none")
+        h = activation(h, self.swiglu, self.openai_gelu, self.use_triton_kernels)
         return self.linear_fc2(h)  # (out, bias)

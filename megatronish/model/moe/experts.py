@@ -17,11 +17,10 @@ experts padded to the largest token count (no Python loop over experts), and a s
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ... import kernels
 from ...parallel.init import TensorDesc, local_shape, set_desc
+from ..mlp import activation
 
 
 def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -89,12 +88,6 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: list[int], probs: torch.Tensor) -> torch.Tensor:
         h = grouped_linear(x, self.linear_fc1.weight, counts, self.how)  # [N, 2F/etp] or [N, F/etp]
-        if self.swiglu and self.use_triton_kernels:
-            h = kernels.swiglu(h)
-        elif self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h, approximate="tanh" if self.openai_gelu else "none")
+        h = activation(h, self.swiglu, self.openai_gelu, self.use_triton_kernels)
         h = (h * probs.unsqueeze(-1)).to(x.dtype)
         return grouped_linear(h, self.linear_fc2.weight, counts, self.how)  # [N, h]
