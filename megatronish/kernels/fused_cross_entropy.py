@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..parallel.cross_entropy import loss_from_local_stats
+from ..parallel.cross_entropy import loss_from_local_stats, vocab_partition
 from ._triton import INTERPRETED, empty, exact_bf16, pow2, tl, to_out, triton
 
 
@@ -81,11 +81,7 @@ def _block_v(part: int, block_v: int | None) -> int:
 class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, label_smoothing, vocab_size, group, block_v, inplace_backward):
-        world = 1 if group is None else dist.get_world_size(group)
-        rank = 0 if group is None else dist.get_rank(group)
-        part = logits.size(-1)
-        start = rank * part
-        total_vocab = part * world if vocab_size is None else vocab_size
+        world, part, start, total_vocab = vocab_partition(logits, vocab_size, group)
         if label_smoothing > 0 and not 0.0 < label_smoothing < 1.0:
             raise ValueError(f"--label-smoothing must be in (0, 1), got {label_smoothing}")
         x2 = logits.reshape(-1, part)

@@ -36,14 +36,19 @@ def loss_from_local_stats(stats: list, group, world: int, label_smoothing: float
     return loss, sum_exp, smoothing
 
 
+def vocab_partition(logits: torch.Tensor, vocab_size: int | None, group) -> tuple[int, int, int, int]:
+    """``(TP size, entries of this rank's vocabulary slice, its first global index, true vocabulary size)`` for
+    logits ``[..., V/t]`` split over ``group`` (``vocab_size`` None: no padding)."""
+    world = 1 if group is None else dist.get_world_size(group)
+    rank = 0 if group is None else dist.get_rank(group)
+    part = logits.size(-1)
+    return world, part, rank * part, part * world if vocab_size is None else vocab_size
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, label_smoothing, vocab_size, group):
-        world = 1 if group is None else dist.get_world_size(group)
-        rank = 0 if group is None else dist.get_rank(group)
-        part = logits.size(-1)
-        start = rank * part
-        total_vocab = part * world if vocab_size is None else vocab_size
+        world, part, start, total_vocab = vocab_partition(logits, vocab_size, group)
         vocab_parallel_logits_dtype = logits.dtype
         logits = logits.float()  # [s, b, V/t], a copy for 16-bit inputs
         valid = None
@@ -118,11 +123,7 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, label_smoothing, vocab_size, group):
-        world = 1 if group is None else dist.get_world_size(group)
-        rank = 0 if group is None else dist.get_rank(group)
-        part = logits.size(-1)
-        start = rank * part
-        total_vocab = part * world if vocab_size is None else vocab_size
+        world, part, start, total_vocab = vocab_partition(logits, vocab_size, group)
         if label_smoothing > 0 and not 0.0 < label_smoothing < 1.0:
             raise ValueError(f"--label-smoothing must be in (0, 1), got {label_smoothing}")
         flat = logits.view(-1, part)
