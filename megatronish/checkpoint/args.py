@@ -18,28 +18,17 @@ def _megatron_meta(path: str) -> dict:
         data = {"tokenizer_type": "NullTokenizer", "vocab_size_flag": vocab - 1}
     return {"iter_dir": ck.iter_dir, "config": {"model": model, "data": data}}
 
-# ModelConfig field -> argparse dest, filled only when the command line left it unset.
-_IF_UNSET = {"num_layers": "num_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "ffn_hidden_size",
-             "num_attention_heads": "num_attention_heads", "kv_channels": "kv_channels",
-             "seq_length": "seq_length", "max_position_embeddings": "max_position_embeddings"}
-# Always taken from the checkpoint.
-_FORCED = {"position_embedding_type": "position_embedding_type", "rotary_percent": "rotary_percent",
-           "rotary_base": "rotary_base", "normalization": "normalization", "norm_epsilon": "norm_epsilon",
-           "swiglu": "swiglu", "openai_gelu": "openai_gelu",
-           "untie_embeddings_and_output_weights": "untie_embeddings_and_output_weights",
-           "add_bias_linear": "add_bias_linear", "add_qkv_bias": "add_qkv_bias", "qk_layernorm": "qk_layernorm",
-           "make_vocab_size_divisible_by": "make_vocab_size_divisible_by",
-           "apply_layernorm_1p": "apply_layernorm_1p",
-           # mixture of experts (Megatron's load_args_from_checkpoint forces these too)
-           "num_experts": "num_experts", "moe_layer_freq": "moe_layer_freq",
-           "moe_ffn_hidden_size": "moe_ffn_hidden_size", "moe_router_topk": "moe_router_topk",
-           "moe_router_pre_softmax": "moe_router_pre_softmax", "moe_grouped_gemm": "moe_grouped_gemm",
-           "moe_shared_expert_intermediate_size": "moe_shared_expert_intermediate_size",
-           "moe_shared_expert_gate": "moe_shared_expert_gate",
-           "moe_router_score_function": "moe_router_score_function",
-           "moe_router_enable_expert_bias": "moe_router_enable_expert_bias",
-           "moe_router_topk_scaling_factor": "moe_router_topk_scaling_factor",
-           "moe_router_num_groups": "moe_router_num_groups", "moe_router_group_topk": "moe_router_group_topk"}
+# ModelConfig fields (each the argparse dest of its flag) filled only when the command line left them unset.
+_IF_UNSET = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels", "seq_length",
+             "max_position_embeddings")
+# Always taken from the checkpoint (the mixture-of-experts ones as Megatron's load_args_from_checkpoint forces).
+_FORCED = ("position_embedding_type", "rotary_percent", "rotary_base", "normalization", "norm_epsilon", "swiglu",
+           "openai_gelu", "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
+           "make_vocab_size_divisible_by", "apply_layernorm_1p",
+           "num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_pre_softmax",
+           "moe_grouped_gemm", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+           "moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor",
+           "moe_router_num_groups", "moe_router_group_topk")
 # Not taken: the token dispatcher is the run's choice (it changes no weight; Megatron keeps the command line's).
 
 
@@ -54,12 +43,12 @@ def apply_checkpoint_args(args) -> None:
     model = (meta.get("config") or {}).get("model") or {}
     if not model:
         raise CheckpointError(f"--use-checkpoint-args: checkpoint {meta['iter_dir']} stores no model config")
-    for field, dest in _IF_UNSET.items():
-        if model.get(field) is not None and getattr(args, dest, None) is None:
-            setattr(args, dest, model[field])
-    for field, dest in _FORCED.items():
-        if field in model and hasattr(args, dest):
-            setattr(args, dest, model[field])
+    for field in _IF_UNSET:
+        if model.get(field) is not None and getattr(args, field, None) is None:
+            setattr(args, field, model[field])
+    for field in _FORCED:
+        if field in model and hasattr(args, field):
+            setattr(args, field, model[field])
     heads, groups = model.get("num_attention_heads"), model.get("num_query_groups")
     if groups is not None:
         args.group_query_attention = groups != heads
