@@ -6,13 +6,20 @@ same shape and parameter count, fp32 on CPU, SDPA attention, no dropout, and fed
 Two timed steps per model:
 
   fwd+bwd       forward with the loss, ``loss.mean().backward()`` (grads reset to None before each rep)
-  fwd+bwd+adamw the same followed by an AdamW step (``torch.optim.AdamW(foreach=True)``, weight decay
-                on matrices only, as ``megatronish.optim.build_optimizer`` builds it on CPU)
+  fwd+bwd+adamw the same followed by an AdamW step: ``torch.optim.AdamW(fused=True)`` for both (transformers'
+                Trainer default on torch >= 2.8, and what ``megatronish.optim.build_optimizer`` builds), weight
+                decay on matrices only
 
-Warm-up reps run first; then the timed reps of ours and HF's are interleaved (the order flips every rep
-so neither side always runs on a warmer cache), and the median is reported as tokens/s = batch*seq/time.
-Each flavor prints ``ratio ours/hf`` lines (tokens/s ours divided by HF's; >= 1.0 means ours is as fast).
-GPT-2 runs in the fair configuration: both sides use the tanh GELU as one fused op (ours ``--openai-gelu``, HF
+With ``--compile`` (the default; ``--no-compile`` skips it) each model also runs under ``torch.compile``: HF's
+whole model (its loss included) through ``torch.compile(model)``, ours through ``--torch-compile``'s compiler
+(each transformer layer and the loss; :mod:`megatronish.training.compile`). The compiled copies are separate
+models built from the same seed.
+
+Warm-up reps run first (they include compilation); then the timed reps of all variants are interleaved (the order
+rotates every rep so no variant always runs on a warmer cache), and the median is reported as
+tokens/s = batch*seq/time. Each flavor prints ``ratio`` lines (tokens/s ours divided by HF's; >= 1.0 means ours
+is as fast): ours eager / HF eager, ours (eager and compiled) / HF compiled. GPT-2 runs in the fair
+configuration: both sides use the tanh GELU as one fused op (ours ``--openai-gelu``, HF
 ``activation_function="gelu_pytorch_tanh"``) and SDPA.
 
 The machine's fp32 matmul peak is measured first (best of several ``torch.mm`` of square fp32 matrices at the same
@@ -20,9 +27,9 @@ thread count), and our training FLOP/s (Megatron's model-FLOPs formula, :mod:`me
 the fwd+bwd step time) is reported as a fraction of it.
 
     python benchmarks/bench_model_vs_hf.py [--layers 4] [--hidden 512] [--heads 8] [--seq 256]
-        [--batch 4] [--reps 7] [--warmup 1] [--threads N] [--flavors gpt2 llama] [--profile]
+        [--batch 4] [--reps 7] [--warmup 1] [--threads N] [--flavors gpt2 llama] [--no-compile] [--profile]
 
-``--profile`` additionally runs torch.profiler over one fwd+bwd of each model and prints the top ops by
+``--profile`` additionally runs torch.profiler over one fwd+bwd of each eager model and prints the top ops by
 self CPU time.
 """
 import argparse
@@ -38,6 +45,7 @@ from megatronish.config import gpt2, llama
 from megatronish.model import GPTModel
 from megatronish.optim.optimizer import build_optimizer, no_weight_decay
 from megatronish.parallel.random import set_random_seed
+from megatronish.training.compile import Compiler
 from megatronish.training.flops import num_floating_point_operations
 
 
@@ -58,6 +66,8 @@ def parse_args():
     p.add_argument("--flavors", nargs="+", default=["gpt2", "llama"], choices=["gpt2", "llama"])
     p.add_argument("--no-optimizer", action="store_true", help="skip the fwd+bwd+adamw step")
     p.add_argument("--profile", action="store_true", help="print a torch.profiler op table per model")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time both models under torch.compile (default: on)")
     p.add_argument("--seed", type=int, default=1234)
     return p.parse_args()
 
@@ -107,7 +117,7 @@ def n_params(model):
 
 
 def adamw(model):
-    """Our CPU optimizer for ours; the same AdamW (foreach, same groups and hyper-parameters) for HF."""
+    """Our CPU optimizer for ours; the same AdamW (fused, same groups and hyper-parameters) for HF."""
     return build_optimizer(model.named_parameters(), "adam", lr=1e-4, weight_decay=0.01)
 
 
@@ -117,7 +127,16 @@ def hf_adamw(model):
         (no_decay if no_weight_decay(name, p) else decay).append(p)
     groups = [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=1e-4, betas=(0.9, 0.999), eps=1e-8,
-                             foreach=True)
+                             fused=True)
+
+
+def compile_ours(model):
+    """``--torch-compile``: each transformer layer's forward and the loss compiled (in place)."""
+    compiler = Compiler("cpu")
+    if compiler.problem:
+        raise SystemExit(f"--compile: {compiler.problem} (rerun with --no-compile)")
+    compiler.apply([model])
+    return model
 
 
 # ---- steps ------------------------------------------------------------------------------------------------
@@ -163,20 +182,22 @@ def timed(step):
     return time.perf_counter() - t0
 
 
-def interleaved(step_ours, step_hf, reps, warmup):
-    """Warm both, then alternate timed reps (order flipped every rep); lists of seconds."""
-    for _ in range(warmup):
-        step_ours()
-        step_hf()
-    t_ours, t_hf = [], []
+def interleaved(steps, reps, warmup):
+    """Warm every step (``steps``: name -> callable), then time ``reps`` rounds with the order rotated each round;
+    name -> list of seconds, and name -> seconds of the warm-up (compilation included)."""
+    warm = {}
+    for name, step in steps.items():
+        t0 = time.perf_counter()
+        for _ in range(warmup):
+            step()
+        warm[name] = time.perf_counter() - t0
+    names = list(steps)
+    times = {n: [] for n in names}
     for r in range(reps):
-        if r % 2 == 0:
-            t_ours.append(timed(step_ours))
-            t_hf.append(timed(step_hf))
-        else:
-            t_hf.append(timed(step_hf))
-            t_ours.append(timed(step_ours))
-    return t_ours, t_hf
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            times[name].append(timed(steps[name]))
+    return times, warm
 
 
 def profile(name, step, rows=15):
@@ -211,49 +232,57 @@ def main():
     rows, ratios, fractions = [], [], []
     t_start = time.perf_counter()
     for flavor in a.flavors:
-        ours, hf, v = build_pair(flavor, a)
+        models = {}
+        models["ours"], models["hf"], v = build_pair(flavor, a)
+        if a.compile:
+            ours_c, hf_c, _ = build_pair(flavor, a)  # the same weights (same seed), compiled
+            models["ours compiled"], models["hf compiled"] = compile_ours(ours_c), torch.compile(hf_c)
         g = torch.Generator().manual_seed(a.seed)
         ids = torch.randint(0, v, (a.batch, a.seq), generator=g)
         labels = torch.randint(0, v, (a.batch, a.seq), generator=g)
-        po, ph = n_params(ours), n_params(hf)
+        po, ph = n_params(models["ours"]), n_params(models["hf"])
         extra = f", Llama kv groups {a.kv_groups}, ffn {a.ffn}" if flavor == "llama" else ""
         print(f"\n[{flavor}] vocab {v}{extra}; parameters: ours {po:,}, hf {ph:,}"
               + ("" if po == ph else "  (MISMATCH)"))
 
-        kinds = [("fwd+bwd", None, None)]
-        if not a.no_optimizer:
-            kinds.append(("fwd+bwd+adamw", adamw(ours), hf_adamw(hf)))
-        for kind, opt_o, opt_h in kinds:
-            so = make_step(ours, ours_loss, ids, labels, opt_o)
-            sh = make_step(hf, hf_loss, ids, labels, opt_h)
-            t_o, t_h = interleaved(so, sh, a.reps, a.warmup)
-            mo, mh = statistics.median(t_o), statistics.median(t_h)
-            rows.append((flavor, kind, tokens / mo, tokens / mh, mo, mh, min(t_o), min(t_h)))
+        kinds = ["fwd+bwd"] + ([] if a.no_optimizer else ["fwd+bwd+adamw"])
+        for kind in kinds:
+            steps = {}
+            for name, m in models.items():
+                opt = None
+                if kind != "fwd+bwd":
+                    opt = hf_adamw(m) if name.startswith("hf") else adamw(m)
+                steps[name] = make_step(m, hf_loss if name.startswith("hf") else ours_loss, ids, labels, opt)
+            times, warm = interleaved(steps, a.reps, a.warmup)
+            med = {n: statistics.median(t) for n, t in times.items()}
+            for name in steps:
+                rows.append((flavor, kind, name, tokens / med[name], med[name], min(times[name]), warm[name]))
             if kind == "fwd+bwd":
-                gflops = num_floating_point_operations(ours.config, a.batch) / mo / 1e9
-                fractions.append((flavor, gflops, gflops / peak))
-                print(f"  ours fwd+bwd: {gflops:.1f} GFLOP/s (model FLOPs) = {gflops / peak:.1%} of the matmul peak")
-            ratios.append((flavor, kind, mh / mo))
-            print(f"  {kind:<14} ours {tokens / mo:9.1f} tok/s ({mo * 1e3:7.1f} ms)   hf {tokens / mh:9.1f} tok/s "
-                  f"({mh * 1e3:7.1f} ms)   ratio ours/hf {mh / mo:.3f}", flush=True)
+                for name in [n for n in steps if n.startswith("ours")]:
+                    gflops = num_floating_point_operations(models["ours"].config, a.batch) / med[name] / 1e9
+                    fractions.append((flavor, name, gflops, gflops / peak))
+            pairs = [("ours", "hf")]
+            if a.compile:
+                pairs += [("ours", "hf compiled"), ("ours compiled", "hf compiled")]
+            for num, den in pairs:
+                ratios.append((flavor, kind, num, den, med[den] / med[num]))
+            print(f"  {kind:<14} " + "   ".join(f"{n} {tokens / med[n]:8.1f} tok/s" for n in steps), flush=True)
         if a.profile:
-            profile(f"ours {flavor}", make_step(ours, ours_loss, ids, labels))
-            profile(f"hf {flavor}", make_step(hf, hf_loss, ids, labels))
-        del ours, hf
+            profile(f"ours {flavor}", make_step(models["ours"], ours_loss, ids, labels))
+            profile(f"hf {flavor}", make_step(models["hf"], hf_loss, ids, labels))
+        del models
 
-    print("\n| flavor | step          | ours tok/s | hf tok/s | ours ms (median/min) | hf ms (median/min) "
-          "| ours/hf |")
-    print("|--------|---------------|-----------:|---------:|---------------------:|-------------------:"
-          "|--------:|")
-    for flavor, kind, to, th, mo, mh, bo, bh in rows:
-        print(f"| {flavor:<6} | {kind:<13} | {to:10.1f} | {th:8.1f} | {mo * 1e3:8.1f} / {bo * 1e3:8.1f} "
-              f"| {mh * 1e3:8.1f} / {bh * 1e3:7.1f} | {mh / mo:7.3f} |")
+    print("\n| flavor | step          | model         | tok/s   | ms (median / min)   | warm-up s |")
+    print("|--------|---------------|---------------|--------:|--------------------:|----------:|")
+    for flavor, kind, name, tps, med, best, warm in rows:
+        print(f"| {flavor:<6} | {kind:<13} | {name:<13} | {tps:7.1f} | {med * 1e3:8.1f} / {best * 1e3:8.1f} "
+              f"| {warm:9.1f} |")
     print()
-    for flavor, kind, r in ratios:
-        print(f"ratio ours/hf {flavor} {kind}: {r:.3f}" + ("" if r >= 1.0 else "  (below 1.0)"))
-    for flavor, gflops, frac in fractions:
-        print(f"ours {flavor} fwd+bwd (eager): {gflops:.1f} GFLOP/s, {frac:.1%} of the measured fp32 matmul peak "
-              f"{peak:.1f} GFLOP/s")
+    for flavor, kind, num, den, r in ratios:
+        print(f"ratio {flavor} {kind:<13} {num} / {den}: {r:.3f}" + ("" if r >= 1.0 else "  (below 1.0)"))
+    for flavor, name, gflops, frac in fractions:
+        print(f"{name} {flavor} fwd+bwd: {gflops:.1f} GFLOP/s (model FLOPs), {frac:.1%} of the measured fp32 "
+              f"matmul peak {peak:.1f} GFLOP/s")
     print(f"total time {time.perf_counter() - t_start:.1f} s")
 
 

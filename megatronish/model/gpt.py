@@ -10,6 +10,7 @@ checkpoints key on.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 
 import torch
@@ -200,6 +201,8 @@ class GPTModel(nn.Module):
         logits, _ = self.output_layer(x, weight)  # [s, b, V/t]
         if labels is None:
             return logits.transpose(0, 1).contiguous()
-        loss = (self.loss_function or self.loss_fn)(logits, labels.t(), self.label_smoothing, self.config.vocab_size,
-                                                    self.parallel.tp_group)
+        loss_fn = self.loss_function or self.loss_fn
+        if loss_fn is vocab_parallel_cross_entropy:  # the logits are this call's own: the loss may overwrite them
+            loss_fn = functools.partial(loss_fn, logits_owned=True)
+        loss = loss_fn(logits, labels.t(), self.label_smoothing, self.config.vocab_size, self.parallel.tp_group)
         return loss.t().contiguous()  # [b, s]

@@ -30,8 +30,8 @@ As in Megatron, biases and 1-D parameters (norm weights) get no weight decay (``
 scheduler sets each group's ``lr`` and ``weight_decay`` every step. With ``--decoupled-lr`` the word embedding and
 the output layer (parameters marked ``is_embedding_or_output_parameter``) form groups of their own whose
 ``max_lr`` / ``min_lr`` are ``--decoupled-lr`` / ``--decoupled-min-lr`` (default ``--min-lr``): the same schedule
-shape between other end points (Megatron's param-group overrides). AdamW is torch's: fused on CUDA, foreach
-elsewhere (apex is never needed). The checkpoint interface (``sharded_param_state`` & co.) is documented on the
+shape between other end points (Megatron's param-group overrides). AdamW is torch's: fused on CUDA and CPU,
+foreach elsewhere (apex is never needed). The checkpoint interface (``sharded_param_state`` & co.) is documented on the
 methods; every state tensor it returns is fp32 and shaped like the model parameter (this rank's TP shard).
 """
 from __future__ import annotations
@@ -66,7 +66,9 @@ def _torch_optimizer(pgs: list[dict], optimizer: str, lr: float, weight_decay: f
     for g in pgs:
         g["weight_decay"] = weight_decay * g["wd_mult"]
     if optimizer == "adam":
-        extra = {"fused": True} if device.device_type() == "cuda" else {"foreach": True}
+        # torch's fused AdamW runs on CUDA and (torch >= 2.4) CPU: one kernel per tensor list instead of a dozen
+        # foreach passes over memory, about 6x faster on CPU; other devices keep the foreach path
+        extra = {"fused": True} if device.device_type() in ("cuda", "cpu") else {"foreach": True}
         return torch.optim.AdamW(pgs, lr=lr, betas=(adam_beta1, adam_beta2), eps=adam_eps, **extra)
     if optimizer == "sgd":
         return torch.optim.SGD(pgs, lr=lr, momentum=sgd_momentum)
@@ -77,7 +79,8 @@ def build_optimizer(named_params, optimizer: str = "adam", lr: float = 1e-4, wei
                     adam_beta1: float = 0.9, adam_beta2: float = 0.999, adam_eps: float = 1e-8,
                     sgd_momentum: float = 0.9) -> torch.optim.Optimizer:
     """A bare torch optimizer over ``named_params`` (no DDP, no master weights): ``--optimizer adam`` is AdamW
-    (decoupled weight decay, as Megatron's Adam); fused on CUDA. Training uses :func:`get_megatron_optimizer`."""
+    (decoupled weight decay, as Megatron's Adam); fused on CUDA and CPU. Training uses
+    :func:`get_megatron_optimizer`."""
     return _torch_optimizer(param_groups(named_params), optimizer, lr, weight_decay, adam_beta1, adam_beta2,
                             adam_eps, sgd_momentum)
 

@@ -45,62 +45,94 @@ def vocab_partition(logits: torch.Tensor, vocab_size: int | None, group) -> tupl
     return world, part, rank * part, part * world if vocab_size is None else vocab_size
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, target, label_smoothing, vocab_size, group):
-        world, part, start, total_vocab = vocab_partition(logits, vocab_size, group)
-        vocab_parallel_logits_dtype = logits.dtype
-        logits = logits.float()  # [s, b, V/t], a copy for 16-bit inputs
-        valid = None
-        if total_vocab < part * world:  # mask padded entries of this slice
-            valid = torch.arange(start, start + part, device=logits.device) < total_vocab
-            logits = logits.masked_fill(~valid, float("-inf"))
-        logits_max = logits.max(dim=-1).values
-        if world > 1:
-            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - logits_max.unsqueeze(-1)
+_CACHE_BYTES = 1 << 22  # a row chunk of the softmax buffer that stays in cache between its passes (4 MiB)
 
-        outside = (target < start) | (target >= start + part)
-        local_target = (target - start).masked_fill(outside, 0)
-        predicted = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        sum_logits = None
-        if label_smoothing > 0:
-            finite = shifted if valid is None else shifted.masked_fill(~valid, 0.0)
-            sum_logits = finite.sum(dim=-1)
-        exp = shifted.exp_()  # in place: `shifted` is not needed any more; padded entries: exp(-inf) = 0
+
+def _cache_chunks(rows: int, part: int):
+    """Row ranges of about ``_CACHE_BYTES`` of fp32 logits each (one range under ``torch.compile``: inductor fuses
+    the passes itself, and a Python loop would be unrolled into the graph)."""
+    step = rows if torch.compiler.is_compiling() else max(1, _CACHE_BYTES // (4 * max(part, 1)))
+    for lo in range(0, rows, step):
+        yield lo, min(rows, lo + step)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Forward fills one fp32 buffer with ``exp(logit - max)`` a cache-sized chunk of tokens at a time (shift, target
+    logit, exponent and sums while the chunk is in cache; padded entries hold 0) and keeps it with the per-token sum
+    of exponentials; backward turns the buffer into the gradient in place: ``exp * (grad / sum_exp)``, minus the
+    target (and smoothing) terms. Nothing vocabulary-sized is allocated besides that one buffer."""
+
+    @staticmethod
+    def forward(ctx, logits, target, label_smoothing, vocab_size, group, logits_owned):
+        world, part, start, total_vocab = vocab_partition(logits, vocab_size, group)
         if label_smoothing > 0 and not 0.0 < label_smoothing < 1.0:
             raise ValueError(f"--label-smoothing must be in (0, 1), got {label_smoothing}")
-        stats = [predicted, exp.sum(dim=-1)] + ([sum_logits] if sum_logits is not None else [])
+        flat = logits.reshape(-1, part)
+        rows = flat.size(0)
+        # the entries of this slice below the true vocabulary are a prefix of it: padding is a column slice
+        n_valid = max(0, min(part, total_vocab - start))
+        tgt = target.reshape(-1)
+        outside = (tgt < start) | (tgt >= start + n_valid)
+        local_target = (tgt - start).masked_fill(outside, 0)
+
+        if logits_owned and logits.dtype == torch.float32 and logits.is_contiguous():
+            exp = flat  # Megatron's in-place softmax: the caller's logits become the buffer (no new allocation)
+        else:
+            exp = torch.empty(rows, part, dtype=torch.float32, device=logits.device)
+        if n_valid < part:
+            exp[:, n_valid:] = 0.0  # exp(-inf): padded entries are never predicted
+        logits_max = torch.full((rows,), float("-inf"), dtype=torch.float32, device=logits.device)
+        if world > 1 and n_valid > 0:  # the max is global: one pass before the chunks
+            logits_max.copy_(flat[:, :n_valid].amax(dim=-1))
+        if world > 1:
+            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+        predicted = torch.zeros(rows, dtype=torch.float32, device=logits.device)
+        sum_exp = torch.zeros_like(predicted)
+        sum_logits = torch.zeros_like(predicted) if label_smoothing > 0 else None
+        if n_valid > 0:
+            for lo, hi in _cache_chunks(rows, part):
+                x, buf, m = flat[lo:hi, :n_valid], exp[lo:hi, :n_valid], logits_max[lo:hi]
+                if world == 1:
+                    m.copy_(x.amax(dim=-1))
+                torch.sub(x, m.unsqueeze(-1), out=buf)
+                predicted[lo:hi] = buf.gather(-1, local_target[lo:hi, None]).squeeze(-1)
+                if sum_logits is not None:
+                    torch.sum(buf, dim=-1, out=sum_logits[lo:hi])
+                torch.sum(buf.exp_(), dim=-1, out=sum_exp[lo:hi])
+            predicted.masked_fill_(outside, 0.0)
+        stats = [predicted, sum_exp] + ([sum_logits] if sum_logits is not None else [])
         loss, sum_exp, smoothing = loss_from_local_stats(stats, group, world, label_smoothing, total_vocab)
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local_target, outside, valid)
-        ctx.smoothing, ctx.total_vocab, ctx.in_dtype = smoothing, total_vocab, vocab_parallel_logits_dtype
-        return loss
+        # the owned logits are saved as themselves (a view of them made here cannot be saved after the writes)
+        ctx.save_for_backward(logits if exp is flat else exp, sum_exp, local_target, outside)
+        ctx.smoothing, ctx.total_vocab, ctx.n_valid = smoothing, total_vocab, n_valid
+        ctx.in_dtype, ctx.shape = logits.dtype, logits.shape
+        return loss.view(target.shape)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, local_target, outside, valid = ctx.saved_tensors
-        grad = softmax  # consumed in place (as Megatron does): this backward runs once, no retain_graph
-        hit = (~outside).to(grad.dtype) * (1.0 - ctx.smoothing)
-        grad.scatter_add_(-1, local_target.unsqueeze(-1), -hit.unsqueeze(-1))
+        exp, sum_exp, local_target, outside = ctx.saved_tensors
+        exp = exp.view(-1, exp.size(-1))
+        g = grad_loss.reshape(-1, 1).float()
+        grad = exp.mul_(g / sum_exp.unsqueeze(-1))  # softmax * grad, over the saved buffer (backward runs once)
+        hit = (~outside).unsqueeze(-1).float() * ((1.0 - ctx.smoothing) * g)
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -hit)
         if ctx.smoothing > 0:
-            delta = ctx.smoothing / ctx.total_vocab
-            grad -= delta if valid is None else delta * valid.to(grad.dtype)
-        grad.mul_(grad_loss.unsqueeze(-1))
-        return grad.to(ctx.in_dtype), None, None, None, None
+            grad[:, :ctx.n_valid] -= (ctx.smoothing / ctx.total_vocab) * g
+        return grad.view(ctx.shape).to(ctx.in_dtype), None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
                                  label_smoothing: float = 0.0, vocab_size: int | None = None,
-                                 group=None) -> torch.Tensor:
+                                 group=None, *, logits_owned: bool = False) -> torch.Tensor:
     """Per-token loss ``[s, b]`` (fp32) from logits ``[s, b, V/t]`` and targets ``[s, b]``.
 
     ``vocab_size`` is the true (unpadded) vocabulary; entries past it are never predicted. The gradient
     w.r.t. the logits is returned in their dtype. ``group``: the tensor-parallel group the vocabulary is split
-    over (None: not split).
+    over (None: not split). ``logits_owned``: the caller never reads the logits again, so fp32 logits are
+    overwritten with the exponentials (as Megatron's loss does) instead of filling a new vocabulary-sized buffer.
     """
-    loss = _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing, vocab_size, group)
-    return loss
+    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing, vocab_size, group,
+                                            logits_owned)
 
 
 # ---------------------------------------------------------------------------------------------------------------
