@@ -96,8 +96,41 @@ class Entries(dict):
                 have.pieces.append(p)
 
 
-def _staged(t: torch.Tensor, stage: bool) -> torch.Tensor:
-    return t.detach().to("cpu", copy=True) if stage else t.detach()
+class StagingBuffers:
+    """Host copies of a rank's checkpoint pieces for asynchronous saves, allocated once and reused by every later
+    save: :meth:`stage` copies each piece of the entries into its buffer (same key, offsets, shape and dtype; a
+    piece whose shape or dtype changed gets a new one) and points the piece at it. Page-locked when the pieces
+    live on a CUDA device (one DMA per piece, one synchronize at the end), plain host memory otherwise. The
+    caller must not stage again while a write of the previous snapshot is still reading the buffers."""
+
+    def __init__(self):
+        self.buffers: dict[tuple, torch.Tensor] = {}
+        self.allocations = 0  # buffers allocated so far (a steady run allocates only for its first save)
+
+    def _buffer(self, key: str, offsets, src: torch.Tensor) -> torch.Tensor:
+        index = (key, tuple(offsets))
+        buf = self.buffers.get(index)
+        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+            buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.device.type == "cuda")
+            self.buffers[index] = buf
+            self.allocations += 1
+        return buf
+
+    def stage(self, entries: dict) -> None:
+        """Copy every piece of the :class:`Sharded` entries into its staging buffer and substitute the buffer."""
+        on_device = False
+        with torch.no_grad():
+            for key, entry in entries.items():
+                if not isinstance(entry, Sharded):
+                    continue
+                for piece in entry.pieces:
+                    src = piece.tensor.detach()
+                    buf = self._buffer(key, piece.offsets, src)
+                    on_device |= src.device.type != "cpu"
+                    buf.copy_(src, non_blocking=src.device.type == "cuda")
+                    piece.tensor = buf
+        if on_device:
+            device.synchronize()  # the copies are complete before the training step changes the sources
 
 
 def named_params(models) -> list[tuple[str, torch.nn.Parameter]]:
@@ -105,19 +138,18 @@ def named_params(models) -> list[tuple[str, torch.nn.Parameter]]:
     return [(name, p) for m in models for name, p in m.named_global_parameters()]
 
 
-def model_entries(named, parallel, *, stage: bool = False, entries: Entries | None = None) -> Entries:
+def model_entries(named, parallel, *, entries: Entries | None = None) -> Entries:
     """``parallel``: the run's ParallelContext (which slice of each tensor this rank holds)."""
     entries = Entries() if entries is None else entries
     for name, p in named:
         desc = p.desc
-        pieces = [Piece(_staged(x.tensor, stage), x.offsets)
-                  for x in param_pieces(p, local_shard(p), desc, parallel)]
+        pieces = [Piece(x.tensor.detach(), x.offsets) for x in param_pieces(p, local_shard(p), desc, parallel)]
         entries.add(MODEL + name, Sharded(desc.global_shape, pieces, resizable_rows=desc.valid_rows is not None))
     return entries
 
 
 def optimizer_entries(param_state, names: dict[int, tuple[str, TensorDesc]], parallel, *,
-                      stage: bool = False, entries: Entries | None = None) -> Entries:
+                      entries: Entries | None = None) -> Entries:
     """``param_state``: ``[(param, {state key: tensor shaped like param})]`` (the optimizer contract)."""
     entries = Entries() if entries is None else entries
     for p, states in param_state:
@@ -127,7 +159,7 @@ def optimizer_entries(param_state, names: dict[int, tuple[str, TensorDesc]], par
             if tuple(t.shape) != shape:
                 raise ValueError(f"optimizer state {key} of {name} has shape {tuple(t.shape)}, the parameter "
                                  f"{shape}")
-            pieces = [Piece(_staged(x.tensor, stage), x.offsets) for x in param_pieces(p, t, desc, parallel)]
+            pieces = [Piece(x.tensor.detach(), x.offsets) for x in param_pieces(p, t, desc, parallel)]
             entries.add(f"{OPTIMIZER}{name}.{key}",
                         Sharded(desc.global_shape, pieces, resizable_rows=desc.valid_rows is not None))
     return entries
