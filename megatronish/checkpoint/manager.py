@@ -283,6 +283,14 @@ class Checkpointer:
         self._pending = (state.iteration, self._executor.submit(self._write, entries, iter_dir, state.iteration))
         _log(f"saving checkpoint {iter_dir} in the background")
 
+    def reserve_staging(self) -> None:
+        """``--async-save``: allocate the snapshot's staging buffers now (at set-up) rather than in the first save.
+        Collective for the distributed optimizer (its state is gathered to learn the shapes)."""
+        entries = model_entries(self.named, self.parallel)
+        if not self.ck.no_save_optim and self.opt is not None:
+            optimizer_entries(self.opt.sharded_param_state(), self.names, self.parallel, entries=entries)
+        self._staging.reserve(entries)
+
     def _write(self, entries, iter_dir: str, iteration: int) -> None:
         dcp_io.save(entries, iter_dir, process_group=self._group)
         if _rank() == 0:  # DCP's index is written only after every rank reported its files complete
@@ -333,4 +341,6 @@ def setup_checkpointing(cfg, models, optimizer, scheduler, state, *, parallel: P
     """Build the run's :class:`Checkpointer` and resume from ``--load`` into ``state`` (collective)."""
     ckpt = Checkpointer(cfg, models, optimizer, scheduler, parallel=parallel, fp8=fp8)
     ckpt.load(state)
+    if cfg.checkpoint.async_save and cfg.checkpoint.save:
+        ckpt.reserve_staging()
     return ckpt

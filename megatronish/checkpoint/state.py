@@ -116,6 +116,12 @@ class StagingBuffers:
             self.allocations += 1
         return buf
 
+    def reserve(self, entries: dict) -> None:
+        """Allocate the buffers of the entries' pieces now and copy the pieces in once (the pages are then
+        resident), so that no save pays for them. The entries keep their own tensors."""
+        self.stage({key: Sharded(e.global_shape, [Piece(p.tensor, p.offsets) for p in e.pieces])
+                    for key, e in entries.items() if isinstance(e, Sharded)})
+
     def stage(self, entries: dict) -> None:
         """Copy every piece of the :class:`Sharded` entries into its staging buffer and substitute the buffer."""
         on_device = False
