@@ -112,8 +112,8 @@ def _checkpointer_side(a, root, rank, world):
     and the LR schedule; the load goes into the same model (DCP plans, reads into the parameters and optimizer
     state). Returns (save, load, this rank's checkpoint bytes, check, description)."""
     tp = ["--tensor-model-parallel-size", str(world)] if world > 1 else []
-    cfg = configs_from_args(parse_args(flags(a, tp + ["--save", os.path.join(root, "ck"), "--load",
-                                                      os.path.join(root, "ck")])), world)
+    ck_root = os.path.join(root, f"ck_{world}")
+    cfg = configs_from_args(parse_args(flags(a, tp + ["--save", ck_root, "--load", ck_root])), world)
     groups.destroy_model_parallel()
     ctx = groups.initialize_model_parallel(cfg.parallel)
     models = build_model_chunks(cfg.model, ctx)
@@ -133,7 +133,8 @@ def _checkpointer_side(a, root, rank, world):
     def save(_):
         rep[0] += 1
         ck.save(TrainState(iteration=rep[0]))
-        return os.path.join(root, "ck", f"iter_{rep[0]:07d}")
+        dist.barrier()  # rank 0 writes the tracker after every rank's files are complete
+        return os.path.join(ck_root, f"iter_{rep[0]:07d}")
 
     def load(_):
         ck._on_disk = None
