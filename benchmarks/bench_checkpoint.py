@@ -306,7 +306,7 @@ def loop_blocking(a, root):
           f"wall overhead vs no saves: sync {ws - w0:+.2f} s, async {wa - w0:+.2f} s")
     if len(ca) > 1 and cs:
         print(f"  async save call after the first / sync save call (medians) {med(ca[1:saves]) / med(cs[:saves]):.3f} "
-              "(the first save's copy touches the staging buffers' pages for the first time since set-up)")
+              "(the first save of a run included in the line above)")
 
 
 def main():

@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import mmap
 import random
 
 import numpy as np
@@ -96,12 +97,27 @@ class Entries(dict):
                 have.pieces.append(p)
 
 
+def _host_buffer(src: torch.Tensor) -> torch.Tensor:
+    """An empty host tensor like ``src``: page-locked for a CUDA source; else its own anonymous mapping marked
+    ``MADV_DONTFORK``, so that processes forked later (data loader workers) do not share its pages and the first
+    copy after the fork is not a copy-on-write fault per page."""
+    if src.device.type == "cuda":
+        return torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+    nbytes = src.numel() * src.element_size()
+    if nbytes == 0 or not hasattr(mmap, "MADV_DONTFORK"):
+        return torch.empty(src.shape, dtype=src.dtype)
+    region = mmap.mmap(-1, nbytes)
+    region.madvise(mmap.MADV_DONTFORK)
+    return torch.frombuffer(region, dtype=torch.uint8).view(src.dtype).view(src.shape)
+
+
 class StagingBuffers:
     """Host copies of a rank's checkpoint pieces for asynchronous saves, allocated once and reused by every later
     save: :meth:`stage` copies each piece of the entries into its buffer (same key, offsets, shape and dtype; a
     piece whose shape or dtype changed gets a new one) and points the piece at it. Page-locked when the pieces
     live on a CUDA device (one DMA per piece, one synchronize at the end), plain host memory otherwise. The
-    caller must not stage again while a write of the previous snapshot is still reading the buffers."""
+    caller must not stage again while a write of the previous snapshot is still reading the buffers, and a process
+    forked after the buffers exist does not have them (see :func:`_host_buffer`)."""
 
     def __init__(self):
         self.buffers: dict[tuple, torch.Tensor] = {}
@@ -111,7 +127,7 @@ class StagingBuffers:
         index = (key, tuple(offsets))
         buf = self.buffers.get(index)
         if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-            buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.device.type == "cuda")
+            buf = _host_buffer(src)
             self.buffers[index] = buf
             self.allocations += 1
         return buf

@@ -1,9 +1,12 @@
 """Asynchronous saves snapshot into staging buffers allocated once: every later save reuses them (same memory, no
 new allocation) and writes the values of its own moment; a save while the previous one is still writing waits for
 it before touching the buffers; the stored tensors are byte-identical to a synchronous save's."""
+import mmap
 import os
+import resource
 import threading
 
+import pytest
 import torch
 
 from megatronish.arguments import configs_from_args, parse_args
@@ -54,6 +57,31 @@ def test_stage_copies_and_reuses_buffers():
     third = {"model.big": Sharded((9, 6), [Piece(torch.ones(9, 6), (0, 0))])}  # another shape: a new buffer
     staging.stage(third)
     assert staging.allocations == 5 and torch.equal(third["model.big"].pieces[0].tensor, torch.ones(9, 6))
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_DONTFORK"), reason="Linux madvise")
+def test_staging_buffers_are_not_shared_with_forked_processes():
+    """A process forked after set-up (data loader workers) would share the buffers' pages copy-on-write: the next
+    save's copy would fault on every page. The buffers are kept out of forked children."""
+    src = torch.randn(1 << 20)  # 4 MiB: 1024 pages
+    staging = StagingBuffers()
+    staging.reserve({"model.w": Sharded.whole(src)})
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a child that lives while the parent copies
+        os.read(r, 1)
+        os._exit(0)
+    try:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        entries = {"model.w": Sharded.whole(src * 2)}
+        after_alloc = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        staging.stage(entries)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - after_alloc
+    finally:
+        os.write(w, b"x")
+        os.waitpid(pid, 0)
+    assert staging.allocations == 1 and torch.equal(entries["model.w"].pieces[0].tensor, src * 2)
+    assert faults < 64, (faults, after_alloc - before)  # not one per page (1024)
 
 
 def _checkpointer(root, async_save):
