@@ -1,21 +1,22 @@
 #!/usr/bin/env python
 """Checkpoint throughput vs the disk, and training-loop time blocked by asynchronous vs synchronous saves.
 
-1. Save / load GB/s: one process (TP = PP = DP = 1) builds the model, an AdamW optimizer with state (one step)
-   and the LR schedule, then times ``Checkpointer.save`` (synchronous, fsync'd like DCP's writer) and
-   ``Checkpointer.load`` (into the same model: DCP plans, reads, copies into the parameters and optimizer
-   state). The limit is measured in the same run on the same disk: a raw sequential write of the same number
-   of bytes (one file, 8 MiB writes, fsync) and a raw sequential read of it. Before every read both the
-   checkpoint files and the raw file are dropped from the page cache (``posix_fadvise DONTNEED``), so both
-   reads come from the disk (or whatever cache the disk has below the OS). Median of ``--reps``.
-2. Storage on 1 and 4 ranks (``--ranks``): ``dcp_io.save`` / ``load`` alone on forked gloo processes, each holding a
-   row block of a ``--state-mb`` state, against every rank writing / reading a raw file of its bytes at once.
+1. Save / load GB/s on 1 and 4 ranks (``--ranks``, forked gloo processes), two ways:
+   ``Checkpointer.save`` (synchronous, fsync'd like DCP's writer) / ``Checkpointer.load`` of the model (TP = ranks;
+   the defaults give a 537 MB checkpoint), an AdamW optimizer with state (one step) and the LR schedule, loaded
+   into the same model (DCP plans, reads into the parameters and optimizer state), and ``dcp_io.save`` / ``load``
+   alone on a ``--state-mb`` state of fp32 row blocks. The limit is measured in the same run on the same disk:
+   every rank writing a raw file of its own checkpoint file's byte count at the same time (8 MiB writes, fsync)
+   and reading it back. Before every read both the checkpoint files and the raw files are dropped from the page
+   cache (``posix_fadvise DONTNEED``), so both reads come from the disk (or whatever cache the disk has below the
+   OS); the checkpoint and the raw file alternate which is timed first. Median of ``--reps``.
+2. (``--only throughput``: the Checkpointer rows only; ``--only ranks``: the ``dcp_io`` rows only.)
 3. Loop blocking: ``pretrain()`` three times on the same shape — no saves, ``--save-interval K`` synchronous,
    and the same with ``--async-save`` — timing the wall time of the loop and the time the loop spends inside
    the checkpoint calls (save, poll, final wait).
 
-    python benchmarks/bench_checkpoint.py [--layers 4] [--hidden 256] [--vocab 50304] [--seq 128]
-        [--micro-batch 2] [--iters 12] [--save-interval 4] [--reps 3] [--dir /tmp] [--ranks 1 4] [--state-mb 512]
+    python benchmarks/bench_checkpoint.py [--layers 6] [--hidden 512] [--vocab 50304] [--seq 128]
+        [--micro-batch 2] [--iters 12] [--save-interval 4] [--reps 4] [--dir /tmp] [--ranks 1 4] [--state-mb 512]
         [--only throughput|ranks|blocking]
 """
 import argparse
@@ -37,7 +38,7 @@ from megatronish.optim.lr_schedule import OptimizerParamScheduler, scheduler_ste
 from megatronish.optim.optimizer import build_optimizer
 from megatronish.parallel import groups
 from megatronish.training.exit import ExitPolicy
-from megatronish.training.pretrain import TrainState, init_distributed, pretrain
+from megatronish.training.pretrain import TrainState, pretrain
 
 os.environ.setdefault("MEGATRONISH_DEVICE", "cpu")  # read when a device is first asked for
 
@@ -46,15 +47,15 @@ CHUNK = 8 << 20
 
 def bench_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=6)  # with --hidden 512: 44.7 M parameters, a 537 MB checkpoint
+    p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--vocab", type=int, default=50304)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--iters", type=int, default=12)
     p.add_argument("--save-interval", type=int, default=4)
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=4)  # even: each order (checkpoint or raw first) timed equally often
     p.add_argument("--dir", default=None, help="where checkpoints and the raw file go (default: a temp dir)")
     p.add_argument("--only", choices=["throughput", "ranks", "blocking"], default=None, help="run one part")
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 4], help="process counts of the storage measurement")
@@ -106,135 +107,158 @@ def raw_read(path):
     return time.perf_counter() - t0
 
 
-def throughput(a, root):
-    cfg = configs_from_args(parse_args(flags(a, ["--save", os.path.join(root, "ck"), "--load",
-                                                 os.path.join(root, "ck")])), 1)
-    init_distributed("gloo", 10)
+def _checkpointer_side(a, root, rank, world):
+    """``Checkpointer.save`` / ``.load`` of the model (TP = ``world``), an AdamW optimizer with state (one step)
+    and the LR schedule; the load goes into the same model (DCP plans, reads into the parameters and optimizer
+    state). Returns (save, load, this rank's checkpoint bytes, check, description)."""
+    tp = ["--tensor-model-parallel-size", str(world)] if world > 1 else []
+    ck_root = os.path.join(root, f"ck_{world}")
+    cfg = configs_from_args(parse_args(flags(a, tp + ["--save", ck_root, "--load", ck_root])), world)
     groups.destroy_model_parallel()
     ctx = groups.initialize_model_parallel(cfg.parallel)
     models = build_model_chunks(cfg.model, ctx)
     for m in models:
         m.init_parameters(cfg.train.seed)
     opt = build_optimizer([(n, p) for m in models for n, p in m.named_parameters()], "adam", 1e-4, 0.01)
-    for p in (p for m in models for p in m.parameters()):
+    params = [p for m in models for p in m.parameters()]
+    for p in params:
         p.grad = torch.randn_like(p) * 1e-3
     opt.step()  # Adam state exists
     sched = OptimizerParamScheduler(opt, **scheduler_steps_from_config(cfg))
     ck = Checkpointer(cfg, models, opt, sched, parallel=ctx)
-    n_params = sum(p.numel() for m in models for p in m.parameters())
-    save_t, load_t, wr_t, rd_t = [], [], [], []
-    raw = os.path.join(root, "raw.bin")
-    for rep in range(a.reps):
-        state = TrainState(iteration=rep + 1)
-        t0 = time.perf_counter()
-        ck.save(state)
-        save_t.append(time.perf_counter() - t0)
-        it_dir = os.path.join(root, "ck", f"iter_{rep + 1:07d}")
-        nbytes = dir_bytes(it_dir)
-        wr_t.append(raw_write(raw, nbytes))
-        drop_cache(it_dir)
-        drop_cache(raw)
+    saved = [p.detach().clone() for p in params]
+    n_params = sum(p.numel() for p in params) * world
+    rep = [0]
+
+    def save(_):
+        rep[0] += 1
+        ck.save(TrainState(iteration=rep[0]))
+        dist.barrier()  # rank 0 writes the tracker after every rank's files are complete
+        return os.path.join(ck_root, f"iter_{rep[0]:07d}")
+
+    def load(_):
         ck._on_disk = None
-        t0 = time.perf_counter()
+        with torch.no_grad():
+            for p in params:
+                p.zero_()
         ck.load(TrainState())
-        load_t.append(time.perf_counter() - t0)
-        rd_t.append(raw_read(raw))
-        shutil.rmtree(it_dir)
-    gb = nbytes / 1e9
-    med = statistics.median
-    print(f"model {n_params / 1e6:.1f} M params; checkpoint {nbytes / 1e6:.1f} MB (model + Adam exp_avg, exp_avg_sq "
-          f"+ JSON state), {a.reps} reps, median")
-    print(f"  save  {gb / med(save_t):6.3f} GB/s   raw sequential write {gb / med(wr_t):6.3f} GB/s   "
-          f"ratio {med(wr_t) / med(save_t):.2f}")
-    print(f"  load  {gb / med(load_t):6.3f} GB/s   raw sequential read  {gb / med(rd_t):6.3f} GB/s   "
-          f"ratio {med(rd_t) / med(load_t):.2f}")
-    groups.destroy_model_parallel()
+
+    def check():
+        assert all(torch.equal(p, q) for p, q in zip(params, saved))
+
+    what = (f"Checkpointer, {n_params / 1e6:.1f} M-param model (TP {world}) + Adam exp_avg, exp_avg_sq + JSON "
+            "state")
+    return save, load, check, what
 
 
-def _rank_io(rank, world, port, root, state_mb, reps, out):
-    """One rank of the multi-rank storage measurement (see :func:`ranks_io`)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    rows = (state_mb << 20) // (4 * 4096 * 8)  # 8 global fp32 tensors of [rows, 4096]; each rank holds a row block
+def _storage_side(a, root, rank, world):
+    """``dcp_io.save`` / ``load`` alone: each rank holds a row block of ``--state-mb`` of fp32 tensors."""
+    rows = (a.state_mb << 20) // (4 * 4096 * 8)  # 8 global fp32 tensors of [rows, 4096]; each rank holds a row block
     per = rows // world
     g = torch.Generator().manual_seed(rank)
     mine = [torch.randn(per, 4096, generator=g) for _ in range(8)]
     state = {f"model.w{i}": dcp_io.Sharded((per * world, 4096), [dcp_io.Piece(t, (rank * per, 0))])
              for i, t in enumerate(mine)}
-    nbytes = sum(t.numel() * 4 for t in mine)
-    raw = os.path.join(root, f"raw_{rank}.bin")
-    times = {"save": [], "load": [], "write": [], "read": []}
     # loads go into tensors that already exist (a model's parameters), allocated once
     target = {k: dcp_io.Sharded(v.global_shape, [dcp_io.Piece(torch.zeros_like(v.pieces[0].tensor),
                                                               v.pieces[0].offsets)]) for k, v in state.items()}
+    rep = [0]
+
+    def save(_):
+        rep[0] += 1
+        path = os.path.join(root, f"ranks_{rep[0]}")
+        dcp_io.save(state, path)
+        return path
+
+    def load(path):
+        for t in target.values():
+            t.pieces[0].tensor.zero_()
+        dcp_io.load(target, path)
+
+    def check():
+        assert all(torch.equal(target[k].pieces[0].tensor, state[k].pieces[0].tensor) for k in state)
+
+    return save, load, check, "dcp_io alone, fp32 row blocks"
+
+
+def _rank_io(rank, world, port, root, a, side, out):
+    """One rank of a save / load measurement (see :func:`io_throughput`)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1 if world > 1 else max(1, os.cpu_count() or 1))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    save, load, check, what = side(a, root, rank, world)
+    raw = os.path.join(root, f"raw_{rank}.bin")
+    times = {"save": [], "load": [], "write": [], "read": []}
 
     def timed(key, fn):
         dist.barrier()
         t0 = time.perf_counter()
-        fn()
+        result = fn()
         dist.barrier()
         times[key].append(time.perf_counter() - t0)
+        return result
 
-    warm = os.path.join(root, "ranks_warm")  # one untimed round of each: lazy set-up is not the disk
-    dcp_io.save(state, warm)
+    warm = save(None)  # one untimed round of each: lazy set-up is not the disk
+    nbytes = os.path.getsize(os.path.join(warm, f"__{rank}_0.distcp"))
+    load(warm)
     raw_write(raw, nbytes)
     dist.barrier()
     if rank == 0:
         shutil.rmtree(warm)
-    for rep in range(reps):
-        ck = os.path.join(root, f"ranks_{rep}")
-        timed("save", lambda: dcp_io.save(state, ck))
-        timed("write", lambda: raw_write(raw, nbytes))
-        drop_cache(raw)
-        if rank == 0:
-            drop_cache(ck)
-        for t in target.values():
-            t.pieces[0].tensor.zero_()
-        timed("load", lambda: dcp_io.load(target, ck))
-        timed("read", lambda: raw_read(raw))
-        assert all(torch.equal(target[k].pieces[0].tensor, state[k].pieces[0].tensor) for k in state)
+    for rep in range(a.reps):
+        # the disk's own speed and ours alternate which goes first (a VM disk's host cache favours recent data)
+        first, second = (("save", "write"), ("load", "read")) if rep % 2 == 0 else (("write", "save"), ("read", "load"))
+        ck = None
+        for key in first:
+            result = timed(key, (lambda: save(None)) if key == "save" else (lambda: raw_write(raw, nbytes)))
+            ck = result if key == "save" else ck
+        for key in second:
+            drop_cache(raw)
+            if rank == 0:
+                drop_cache(ck)
+            timed(key, (lambda: load(ck)) if key == "load" else (lambda: raw_read(raw)))
+        check()
         dist.barrier()
         if rank == 0:
+            total = dir_bytes(ck)
             shutil.rmtree(ck)
     if rank == 0:
-        out.put((nbytes * world, {k: statistics.median(v) for k, v in times.items()}))
+        out.put((total, what, {k: statistics.median(v) for k, v in times.items()}))
     dist.destroy_process_group()
 
 
-def ranks_io(a, root):
-    """Storage layer alone on ``--ranks`` processes (gloo): each saves / loads its row block of a ``--state-mb`` state
-    through ``dcp_io`` (DCP plans, one file per rank); the limit is every rank writing / reading a raw file of its
-    byte count at the same time (8 MiB writes, fsync; page cache dropped before the reads). Wall time between
-    barriers, median of ``--reps`` after one untimed round of each."""
+def io_throughput(a, root, sides):
+    """Save / load on ``--ranks`` forked gloo processes against every rank writing / reading a raw file of its own
+    checkpoint file's byte count at the same time (8 MiB writes, fsync; page cache dropped before every read, of
+    the checkpoint files and the raw files alike). Wall time between barriers, median of ``--reps`` after one untimed
+    round of each; the checkpoint and the raw file alternate which is timed first."""
     import multiprocessing
     import socket
 
-    from megatronish.checkpoint import dcp_io
-    globals()["dcp_io"] = dcp_io
     ctx = multiprocessing.get_context("fork")
-    for world in a.ranks:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        out = ctx.Queue()
-        procs = [ctx.Process(target=_rank_io, args=(r, world, port, root, a.state_mb, a.reps, out))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        total, t = out.get(timeout=1800)
-        for p in procs:
-            p.join()
-        gb = total / 1e9
-        print(f"{world} rank(s), {total / 1e6:.0f} MB state, median of {a.reps}")
-        print(f"  save  {gb / t['save']:6.3f} GB/s   raw write, same bytes per rank {gb / t['write']:6.3f} GB/s   "
-              f"ratio {t['write'] / t['save']:.2f}")
-        print(f"  load  {gb / t['load']:6.3f} GB/s   raw read, same bytes per rank  {gb / t['read']:6.3f} GB/s   "
-              f"ratio {t['read'] / t['load']:.2f}")
+    for name, side in sides:
+        for world in a.ranks:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            out = ctx.Queue()
+            procs = [ctx.Process(target=_rank_io, args=(r, world, port, root, a, side, out)) for r in range(world)]
+            for p in procs:
+                p.start()
+            total, what, t = out.get(timeout=1800)
+            for p in procs:
+                p.join()
+            gb = total / 1e9
+            print(f"{name}: {world} rank(s), {total / 1e6:.0f} MB checkpoint ({what}), median of {a.reps}")
+            print(f"  save  {gb / t['save']:6.3f} GB/s   raw write, same bytes per rank {gb / t['write']:6.3f} GB/s   "
+                  f"ratio {t['write'] / t['save']:.2f}")
+            print(f"  load  {gb / t['load']:6.3f} GB/s   raw read, same bytes per rank  {gb / t['read']:6.3f} GB/s   "
+                  f"ratio {t['read'] / t['load']:.2f}")
 
 
 def loop_blocking(a, root):
     blocked = {"after_iteration": 0.0, "finish": 0.0}
+    save_calls = []  # each Checkpointer.save call's own time (inside after_iteration)
 
     def timed(name, fn):
         def wrapper(self, *args, **kw):
@@ -242,11 +266,15 @@ def loop_blocking(a, root):
             try:
                 return fn(self, *args, **kw)
             finally:
-                blocked[name] += time.perf_counter() - t0
+                if name in blocked:
+                    blocked[name] += time.perf_counter() - t0
+                else:
+                    save_calls.append(time.perf_counter() - t0)
         return wrapper
 
-    owners = {"after_iteration": ExitPolicy, "finish": Checkpointer}  # where the loop waits for saves
-    originals = {name: getattr(owners[name], name) for name in blocked}
+    # where the loop waits for saves, and the save calls themselves
+    owners = {"after_iteration": ExitPolicy, "finish": Checkpointer, "save": Checkpointer}
+    originals = {name: getattr(owners[name], name) for name in owners}
     for name, fn in originals.items():
         setattr(owners[name], name, timed(name, fn))
     results = {}
@@ -257,22 +285,28 @@ def loop_blocking(a, root):
                                        "--async-save"])):
             groups.destroy_model_parallel()
             blocked.update(after_iteration=0.0, finish=0.0)
+            save_calls.clear()
             cfg = configs_from_args(parse_args(flags(a, extra)), 1)
             t0 = time.perf_counter()
             pretrain(cfg)
-            results[mode] = (time.perf_counter() - t0, blocked["after_iteration"], blocked["finish"])
+            results[mode] = (time.perf_counter() - t0, blocked["after_iteration"], blocked["finish"], list(save_calls))
     finally:
         for name, fn in originals.items():
             setattr(owners[name], name, fn)
     saves = a.iters // a.save_interval
     print(f"training loop: {a.iters} iterations, a save every {a.save_interval} ({saves} saves; the last one, at the "
           "end of training, is waited for at exit)")
-    for mode, (wall, loop, end) in results.items():
+    for mode, (wall, loop, end, calls) in results.items():
         print(f"  {mode:5s}  wall {wall:7.2f} s   blocked in the loop {loop:6.2f} s "
-              f"({loop / max(saves, 1) * 1e3:7.1f} ms per save)   at exit {end:6.2f} s")
-    (ws, ls, es), (wa, la, ea), (w0, _, _) = results["sync"], results["async"], results["none"]
+              f"({loop / max(saves, 1) * 1e3:7.1f} ms per save)   at exit {end:6.2f} s   save calls (ms): "
+              + " ".join(f"{t * 1e3:.0f}" for t in calls[:saves]))
+    (ws, ls, es, cs), (wa, la, ea, ca), (w0, _, _, _) = results["sync"], results["async"], results["none"]
+    med = statistics.median
     print(f"  blocked in the loop async / sync {la / ls:.3f};  incl. the exit wait {(la + ea) / (ls + es):.3f};  "
           f"wall overhead vs no saves: sync {ws - w0:+.2f} s, async {wa - w0:+.2f} s")
+    if len(ca) > 1 and cs:
+        print(f"  async save call after the first / sync save call (medians) {med(ca[1:saves]) / med(cs[:saves]):.3f} "
+              "(the first save of a run included in the line above)")
 
 
 def main():
@@ -281,10 +315,10 @@ def main():
     root = tempfile.mkdtemp(prefix="bench_ckpt_", dir=a.dir)
     ckpt_manager._log = lambda msg: None  # quiet
     try:
-        if a.only in (None, "ranks"):
-            ranks_io(a, root)  # first: its forked ranks must not inherit this process's process group
-        if a.only in (None, "throughput"):
-            throughput(a, root)
+        sides = {"throughput": [("Checkpointer", _checkpointer_side)], "ranks": [("storage", _storage_side)],
+                 None: [("Checkpointer", _checkpointer_side), ("storage", _storage_side)]}.get(a.only)
+        if sides:
+            io_throughput(a, root, sides)  # first: its forked ranks must not inherit this process's process group
         if a.only in (None, "blocking"):
             loop_blocking(a, root)
     finally:

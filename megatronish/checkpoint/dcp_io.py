@@ -423,10 +423,16 @@ class Reader(FileSystemReader):
     or device destination, stream transforms) takes DCP's path: ``torch.load`` of the item, then a copy.
     """
 
+    def __init__(self, path: str, index: Metadata | None = None):
+        super().__init__(path)
+        self._index = index  # already read and checked by the caller
+
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        md = read_index(str(self.path))
+        md = self._index
+        if md is None:
+            md = read_index(str(self.path))
+            check_files(str(self.path), md)
         md.storage_meta.load_id = self.load_id
-        check_files(str(self.path), md)
         return md
 
     def read_data(self, plan: LoadPlan, planner) -> torch.futures.Future:
@@ -769,13 +775,14 @@ def save(state: dict, iter_dir: str, process_group=None, no_dist: bool = False) 
         raise CheckpointError(_first_failure(e, iter_dir, "saving")) from None
 
 
-def load(state: dict, iter_dir: str, process_group=None, no_dist: bool = False) -> dict:
-    """Fill every :class:`Sharded` piece of ``state`` in place; return the decoded :class:`Obj` entries."""
+def load(state: dict, iter_dir: str, process_group=None, no_dist: bool = False, index: Metadata | None = None) -> dict:
+    """Fill every :class:`Sharded` piece of ``state`` in place; return the decoded :class:`Obj` entries. ``index``:
+    the directory's index when the caller has already read it with :func:`read_index` and :func:`check_files`."""
     planner = LoadPlanner()
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.load(state, storage_reader=Reader(iter_dir), planner=planner, process_group=process_group,
+            dcp.load(state, storage_reader=Reader(iter_dir, index), planner=planner, process_group=process_group,
                      no_dist=no_dist)
     except dcp.api.CheckpointException as e:
         raise CheckpointError(_first_failure(e, iter_dir, "loading")) from None

@@ -4,11 +4,12 @@ first iteration, :meth:`Checkpointer.save` whenever the training loop decides (`
 conditions of :mod:`megatronish.training.exit`), :meth:`Checkpointer.finish` after the loop. When to save and
 when to stop is the training loop's business; this module only saves and loads.
 
-Asynchronous saves (``--async-save``): the rank's pieces are copied to CPU (the training loop then resumes)
-and a background thread writes them through DCP on the parallel context's gloo ``io`` group; rank 0 replaces
-the tracker once DCP reports every rank's files complete. Each iteration the ranks agree (one small all-reduce) whether
-the save finished or failed, so an error surfaces at the same iteration everywhere; the next save or the exit
-waits for the previous one.
+Asynchronous saves (``--async-save``): the rank's pieces are copied into host staging buffers allocated by the
+first save and reused by every later one (page-locked on CUDA; :class:`~.state.StagingBuffers`), the training
+loop then resumes, and a background thread writes them through DCP on the parallel context's gloo ``io`` group;
+rank 0 replaces the tracker once DCP reports every rank's files complete. Each iteration the ranks agree (one small
+all-reduce) whether the save finished or failed, so an error surfaces at the same iteration everywhere; the next
+save or the exit waits for the previous one (the staging buffers are not touched while a write reads them).
 """
 from __future__ import annotations
 
@@ -25,7 +26,15 @@ from ..parallel.context import ParallelContext
 from . import dcp_io, layout, megatron_format
 from .common import COMMON, FORMAT, FP8, MODEL, OPTIMIZER, check_model_config, common_state, jsonable, rng_key
 from .dcp_io import CheckpointError, Obj, Sharded
-from .state import capture_rng, model_entries, named_params, optimizer_entries, optimizer_state, restore_rng
+from .state import (
+    StagingBuffers,
+    capture_rng,
+    model_entries,
+    named_params,
+    optimizer_entries,
+    optimizer_state,
+    restore_rng,
+)
 
 
 def _rank() -> int:
@@ -79,6 +88,7 @@ class Checkpointer:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: tuple[int, concurrent.futures.Future] | None = None
         self._on_disk: str | None = None  # the iteration directory this run last loaded or saved
+        self._staging = StagingBuffers()  # --async-save: the snapshot's host buffers, reused by every save
 
     # ------------------------------------------------------------------------------------------------ load
     def load(self, state) -> bool:
@@ -131,7 +141,7 @@ class Checkpointer:
         for key, t in (fp8_targets or {}).items():
             entries.add(FP8 + key, Sharded.whole(t))
 
-        dcp_io.load(entries, iter_dir, process_group=self._group)
+        dcp_io.load(entries, iter_dir, process_group=self._group, index=md)
 
         if param_state is not None:
             loaded = {id(p): states for p, states in param_state}
@@ -226,11 +236,11 @@ class Checkpointer:
         stage = bool(ck.async_save)
         if self._finish_param_sync is not None:
             self._finish_param_sync()  # the entries below read the parameters
-        entries = model_entries(self.named, self.parallel, stage=stage)
+        entries = model_entries(self.named, self.parallel)
         opt_common = None
         if not ck.no_save_optim and self.opt is not None:
             param_state = self.opt.sharded_param_state()  # collective for the distributed optimizer
-            optimizer_entries(param_state, self.names, self.parallel, stage=stage, entries=entries)
+            optimizer_entries(param_state, self.names, self.parallel, entries=entries)
             keys = sorted({k for _, states in param_state for k in states})
             opt_common = {"class": type(getattr(self.opt, "optimizer", self.opt)).__name__,
                           "param_state_keys": keys, "scalars": self.opt.scalar_state_dict()}
@@ -239,7 +249,7 @@ class Checkpointer:
             sd = self.fp8.state_dict()
             for key, t in sd.items():
                 if isinstance(t, torch.Tensor):
-                    entries.add(FP8 + key, Sharded.whole(t.detach().to("cpu", copy=True)))
+                    entries.add(FP8 + key, Sharded.whole(t.detach()))
             fp8_common = {"recipe": sd.get("recipe")}
         if not ck.no_save_rng:
             entries[rng_key(_rank())] = Obj(capture_rng())
@@ -257,7 +267,9 @@ class Checkpointer:
         except OSError as e:
             raise self._save_failed(state.iteration, str(e)) from None
         self._on_disk = iter_dir
-        if not stage:
+        if stage:  # the training step may change the tensors once this returns: write from a snapshot
+            self._staging.stage(entries)
+        else:
             t0 = time.perf_counter()
             try:
                 self._write(entries, iter_dir, state.iteration)
@@ -270,6 +282,14 @@ class Checkpointer:
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
         self._pending = (state.iteration, self._executor.submit(self._write, entries, iter_dir, state.iteration))
         _log(f"saving checkpoint {iter_dir} in the background")
+
+    def reserve_staging(self) -> None:
+        """``--async-save``: allocate the snapshot's staging buffers now (at set-up) rather than in the first save.
+        Collective for the distributed optimizer (its state is gathered to learn the shapes)."""
+        entries = model_entries(self.named, self.parallel)
+        if not self.ck.no_save_optim and self.opt is not None:
+            optimizer_entries(self.opt.sharded_param_state(), self.names, self.parallel, entries=entries)
+        self._staging.reserve(entries)
 
     def _write(self, entries, iter_dir: str, iteration: int) -> None:
         dcp_io.save(entries, iter_dir, process_group=self._group)
@@ -321,4 +341,6 @@ def setup_checkpointing(cfg, models, optimizer, scheduler, state, *, parallel: P
     """Build the run's :class:`Checkpointer` and resume from ``--load`` into ``state`` (collective)."""
     ckpt = Checkpointer(cfg, models, optimizer, scheduler, parallel=parallel, fp8=fp8)
     ckpt.load(state)
+    if cfg.checkpoint.async_save and cfg.checkpoint.save:
+        ckpt.reserve_staging()
     return ckpt

@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import mmap
 import random
 
 import numpy as np
@@ -96,8 +97,62 @@ class Entries(dict):
                 have.pieces.append(p)
 
 
-def _staged(t: torch.Tensor, stage: bool) -> torch.Tensor:
-    return t.detach().to("cpu", copy=True) if stage else t.detach()
+def _host_buffer(src: torch.Tensor) -> torch.Tensor:
+    """An empty host tensor like ``src``: page-locked for a CUDA source; else its own anonymous mapping marked
+    ``MADV_DONTFORK``, so that processes forked later (data loader workers) do not share its pages and the first
+    copy after the fork is not a copy-on-write fault per page."""
+    if src.device.type == "cuda":
+        return torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+    nbytes = src.numel() * src.element_size()
+    if nbytes == 0 or not hasattr(mmap, "MADV_DONTFORK"):
+        return torch.empty(src.shape, dtype=src.dtype)
+    region = mmap.mmap(-1, nbytes)
+    region.madvise(mmap.MADV_DONTFORK)
+    return torch.frombuffer(region, dtype=torch.uint8).view(src.dtype).view(src.shape)
+
+
+class StagingBuffers:
+    """Host copies of a rank's checkpoint pieces for asynchronous saves, allocated once and reused by every later
+    save: :meth:`stage` copies each piece of the entries into its buffer (same key, offsets, shape and dtype; a
+    piece whose shape or dtype changed gets a new one) and points the piece at it. Page-locked when the pieces
+    live on a CUDA device (one DMA per piece, one synchronize at the end), plain host memory otherwise. The
+    caller must not stage again while a write of the previous snapshot is still reading the buffers, and a process
+    forked after the buffers exist does not have them (see :func:`_host_buffer`)."""
+
+    def __init__(self):
+        self.buffers: dict[tuple, torch.Tensor] = {}
+        self.allocations = 0  # buffers allocated so far (a steady run allocates only for its first save)
+
+    def _buffer(self, key: str, offsets, src: torch.Tensor) -> torch.Tensor:
+        index = (key, tuple(offsets))
+        buf = self.buffers.get(index)
+        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+            buf = _host_buffer(src)
+            self.buffers[index] = buf
+            self.allocations += 1
+        return buf
+
+    def reserve(self, entries: dict) -> None:
+        """Allocate the buffers of the entries' pieces now and copy the pieces in once (the pages are then
+        resident), so that no save pays for them. The entries keep their own tensors."""
+        self.stage({key: Sharded(e.global_shape, [Piece(p.tensor, p.offsets) for p in e.pieces])
+                    for key, e in entries.items() if isinstance(e, Sharded)})
+
+    def stage(self, entries: dict) -> None:
+        """Copy every piece of the :class:`Sharded` entries into its staging buffer and substitute the buffer."""
+        on_device = False
+        with torch.no_grad():
+            for key, entry in entries.items():
+                if not isinstance(entry, Sharded):
+                    continue
+                for piece in entry.pieces:
+                    src = piece.tensor.detach()
+                    buf = self._buffer(key, piece.offsets, src)
+                    on_device |= src.device.type != "cpu"
+                    buf.copy_(src, non_blocking=src.device.type == "cuda")
+                    piece.tensor = buf
+        if on_device:
+            device.synchronize()  # the copies are complete before the training step changes the sources
 
 
 def named_params(models) -> list[tuple[str, torch.nn.Parameter]]:
@@ -105,19 +160,18 @@ def named_params(models) -> list[tuple[str, torch.nn.Parameter]]:
     return [(name, p) for m in models for name, p in m.named_global_parameters()]
 
 
-def model_entries(named, parallel, *, stage: bool = False, entries: Entries | None = None) -> Entries:
+def model_entries(named, parallel, *, entries: Entries | None = None) -> Entries:
     """``parallel``: the run's ParallelContext (which slice of each tensor this rank holds)."""
     entries = Entries() if entries is None else entries
     for name, p in named:
         desc = p.desc
-        pieces = [Piece(_staged(x.tensor, stage), x.offsets)
-                  for x in param_pieces(p, local_shard(p), desc, parallel)]
+        pieces = [Piece(x.tensor.detach(), x.offsets) for x in param_pieces(p, local_shard(p), desc, parallel)]
         entries.add(MODEL + name, Sharded(desc.global_shape, pieces, resizable_rows=desc.valid_rows is not None))
     return entries
 
 
 def optimizer_entries(param_state, names: dict[int, tuple[str, TensorDesc]], parallel, *,
-                      stage: bool = False, entries: Entries | None = None) -> Entries:
+                      entries: Entries | None = None) -> Entries:
     """``param_state``: ``[(param, {state key: tensor shaped like param})]`` (the optimizer contract)."""
     entries = Entries() if entries is None else entries
     for p, states in param_state:
@@ -127,7 +181,7 @@ def optimizer_entries(param_state, names: dict[int, tuple[str, TensorDesc]], par
             if tuple(t.shape) != shape:
                 raise ValueError(f"optimizer state {key} of {name} has shape {tuple(t.shape)}, the parameter "
                                  f"{shape}")
-            pieces = [Piece(_staged(x.tensor, stage), x.offsets) for x in param_pieces(p, t, desc, parallel)]
+            pieces = [Piece(x.tensor.detach(), x.offsets) for x in param_pieces(p, t, desc, parallel)]
             entries.add(f"{OPTIMIZER}{name}.{key}",
                         Sharded(desc.global_shape, pieces, resizable_rows=desc.valid_rows is not None))
     return entries

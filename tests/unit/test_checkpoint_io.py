@@ -77,6 +77,25 @@ def test_round_trip_bit_exact_and_stock_readable(tmp_path):
         assert torch.equal(v, state[k].pieces[0].tensor.contiguous()), k
 
 
+def test_load_with_the_callers_index_reads_it_once(tmp_path, monkeypatch):
+    state = _state(2)
+    path = str(tmp_path / "ck")
+    dcp_io.save(state, path, no_dist=True)
+    md = dcp_io.read_index(path)
+    dcp_io.check_files(path, md)
+    reads = []
+    monkeypatch.setattr(dcp_io, "read_index", lambda *a: reads.append(a) or pytest.fail("index read again"))
+    target, plain = _empty_like(state), _empty_like(state)
+    dcp_io.load(target, path, no_dist=True, index=md)
+    monkeypatch.undo()
+    dcp_io.load(plain, path, no_dist=True)  # reads the index itself
+    assert not reads
+    for k, v in state.items():
+        if isinstance(v, Sharded):
+            assert torch.equal(target[k].pieces[0].tensor, v.pieces[0].tensor.contiguous()), k
+            assert torch.equal(target[k].pieces[0].tensor, plain[k].pieces[0].tensor), k
+
+
 @pytest.mark.parametrize("rows,cols", [((0, 300), (0, 1000)), ((40, 90), (0, 1000)), ((0, 300), (100, 350)),
                                        ((7, 8), (500, 1000)), ((13, 14), (0, 1000))])
 def test_block_reads(tmp_path, rows, cols):
