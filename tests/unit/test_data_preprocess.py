@@ -194,17 +194,19 @@ def test_interrupted_run_leaves_no_valid_index(tmp_path, monkeypatch):
     # a stale, valid dataset from an earlier run at the same prefix
     assert run_tool("--input", src, "--output-prefix", prefix, "--tokenizer-type", "NullTokenizer",
                     "--vocab-size", 10, "--workers", 1) == 0
+    monkeypatch.setattr(preprocess_data, "CHUNK_BYTES", 1024)  # many chunks
     calls = {"n": 0}
-    real = preprocess_data.Encoder.encode_chunk
+    real = preprocess_data._Progress.update
 
-    def interrupted(self, chunk):
+    def interrupted(self, *a):  # Ctrl-C while the main process appends the second chunk's results
         calls["n"] += 1
         if calls["n"] == 2:
             raise KeyboardInterrupt
-        return real(self, chunk)
+        return real(self, *a)
 
-    monkeypatch.setattr(preprocess_data.Encoder, "encode_chunk", interrupted)
+    monkeypatch.setattr(preprocess_data._Progress, "update", interrupted)
     assert run_tool("--input", src, "--output-prefix", prefix, "--tokenizer-type", "NullTokenizer",
                     "--vocab-size", 10, "--workers", 1) == 130
+    assert calls["n"] == 2
     assert not os.path.exists(f"{prefix}_text_document.idx")
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
