@@ -23,6 +23,7 @@ import gzip
 import json
 import multiprocessing
 import os
+import queue
 import re
 import sys
 import time
@@ -493,14 +494,17 @@ def process_segments(args, segments: Sequence[Segment], prefix: str, workers: in
 def _partition_main(args, segments, prefix, workers, index, errors) -> None:
     try:
         process_segments(args, segments, prefix, workers, label=f"[partition {index}] ")
-    except PreprocessError as err:
-        errors.put(str(err))
-        os._exit(1)
+        return
     except KeyboardInterrupt:
         os._exit(130)
+    except PreprocessError as err:
+        msg = str(err)
     except Exception as err:  # surfaced by the parent
-        errors.put(f"{type(err).__name__}: {err}")
-        os._exit(1)
+        msg = f"{type(err).__name__}: {err}"
+    errors.put((index, msg))
+    errors.close()
+    errors.join_thread()  # the message is in the pipe before the process ends
+    os._exit(1)
 
 
 def run(args) -> None:
@@ -529,9 +533,17 @@ def run(args) -> None:
     try:
         for p in procs:
             p.join()
-        if any(p.exitcode != 0 for p in procs):
-            msg = errors.get(timeout=5) if not errors.empty() else "a partition failed"
-            raise PreprocessError(msg)
+        failed = [i for i, p in enumerate(procs) if p.exitcode != 0]
+        if failed:
+            reported = {}
+            for _ in failed:
+                try:
+                    index, msg = errors.get(timeout=5)
+                except queue.Empty:
+                    break
+                reported[index] = msg
+            # the earliest partition's problem: the first bad line of the input, as without partitions
+            raise PreprocessError(reported[min(reported)] if reported else f"partition {failed[0]} failed")
         for key in args.json_keys:
             final = output_prefix_for(args.output_prefix, key, level)
             if os.path.exists(get_idx_path(final)):

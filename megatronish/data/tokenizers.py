@@ -210,20 +210,18 @@ def _gpt2_ranks(encoder: Dict[str, int], merges: str) -> Dict[bytes, int]:
     # encode (a latin-1 character that is not a symbol is first mapped to U+FFFD so it cannot pass as a byte).
     table = {c: "\ufffd" for c in range(256)}
     table.update((ord(sym), chr(b)) for sym, b in zip(symbols, order))
-
-    def raw(sym: str) -> bytes:
-        return sym.translate(table).encode("latin-1")
-
     ranks = {bytes([b]): i for i, b in enumerate(order)}
     lines = merges.split("\n")[1:]  # the first line is the version header
-    for line in lines:
-        if not line.strip():
-            continue
-        parts = line.split()
-        if len(parts) != 2:
-            raise ValueError(f"merge line {line[:40]!r} is not two symbols")
-        ranks.setdefault(raw(parts[0]) + raw(parts[1]), len(ranks))
-    vocab = {raw(k): int(v) for k, v in encoder.items() if k not in ("<|endoftext|>", "<|startoftext|>")}
+    pairs = [line.split() for line in lines]
+    bad = next((i for i, p in enumerate(pairs) if p and len(p) != 2), None)
+    if bad is not None:
+        raise ValueError(f"merge line {lines[bad][:40]!r} is not two symbols")
+    # a pair's token is its two symbols' bytes: translating the joined pair gives them at once
+    for token in ["".join(p).translate(table).encode("latin-1") for p in pairs if p]:
+        ranks.setdefault(token, len(ranks))
+    special = ("<|endoftext|>", "<|startoftext|>")
+    vocab = dict(zip([k.translate(table).encode("latin-1") for k in encoder if k not in special],
+                     [int(v) for k, v in encoder.items() if k not in special]))
     if vocab != ranks:
         diff = next((k for k in ranks if vocab.get(k) != ranks[k]), None) or next(k for k in vocab if k not in ranks)
         raise ValueError(f"token {diff!r} has id {vocab.get(diff)} in the vocabulary, {ranks.get(diff)} from the "

@@ -66,6 +66,16 @@ def test_tokenizer_round_trip(tok_dir):
             assert all(0 <= i < tok.vocab_size for i in ids), name
             assert tok.detokenize(ids) == text, name
         assert tok.tokenize_batch(texts_for(name)) == [tok.tokenize(t) for t in texts_for(name)], name
+        flat, lengths = tok.tokenize_batch_flat(texts_for(name))
+        ids = [tok.tokenize(t) for t in texts_for(name)]
+        assert lengths.tolist() == [len(x) for x in ids] and flat.tolist() == sum(ids, []), name
+    for name in ("GPT2BPETokenizer", "TikTokenizer"):  # tiktoken's arrays: specials as text, lone surrogates
+        tok = build_tokenizer(name, **dict((c[0], c[1]) for c in configs)[name])
+        texts = ["", "a <|endoftext|> b </s>", "lone \ud800 surrogate", "x"]
+        flat, lengths = tok.tokenize_batch_flat(texts)
+        want = [tok._enc.encode_ordinary(t) for t in texts]
+        assert lengths.tolist() == [len(x) for x in want] and flat.tolist() == sum(want, []), name
+        assert tok.tokenize_batch(texts) == want
 
 
 def test_bad_tokenizer_files(tmp_path):
@@ -76,6 +86,23 @@ def test_bad_tokenizer_files(tmp_path):
         build_tokenizer("GPT2BPETokenizer", vocab_file="/nope.json", merge_file=m)
     with pytest.raises(TokenizerError, match=r"--vocab-file '.*bad.json' is not a GPT-2 encoder.json"):
         build_tokenizer("GPT2BPETokenizer", vocab_file=str(bad), merge_file=m)
+    merges = open(m, encoding="utf-8").read()
+    (tmp_path / "three.bpe").write_text(merges + "a b c\n", encoding="utf-8")
+    with pytest.raises(TokenizerError, match="merge line 'a b c' is not two symbols"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=v, merge_file=str(tmp_path / "three.bpe"))
+    encoder = json.load(open(v, encoding="utf-8"))
+    for stray in ("\x00", "\xad", "\u2603"):  # a control byte, a non-printable latin-1 one, a non-byte character
+        # in a merge and in the vocabulary, consistently: still no GPT-2 byte symbol
+        (tmp_path / "stray.bpe").write_text(merges + f"a{stray} b\n", encoding="utf-8")
+        (tmp_path / "stray.json").write_text(json.dumps({**encoder, f"a{stray}b": len(encoder) - 1}))
+        with pytest.raises(TokenizerError, match="do not form a GPT-2 BPE vocabulary"):
+            build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "stray.json"),
+                            merge_file=str(tmp_path / "stray.bpe"))
+    # the same shapes with real symbols (bytes 0-3) pass
+    (tmp_path / "ok.bpe").write_text(merges + "\u0100\u0101 \u0102\u0103\n", encoding="utf-8")
+    (tmp_path / "ok.json").write_text(json.dumps({**encoder, "\u0100\u0101\u0102\u0103": len(encoder) - 1}))
+    assert build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "ok.json"),
+                           merge_file=str(tmp_path / "ok.bpe")).tokenize("Hello world") == [15496, 995]
     with pytest.raises(TokenizerError, match="needs --merge-file"):
         build_tokenizer("GPT2BPETokenizer", vocab_file=v)
     with pytest.raises(TokenizerError, match="is not a SentencePiece model"):
