@@ -1,6 +1,5 @@
 """Tokenizers and tools/preprocess_data.py: round trips, worker/partition invariance, bad input."""
 import gzip
-import importlib.util
 import json
 import os
 import subprocess
@@ -9,15 +8,14 @@ import sys
 import numpy as np
 import pytest
 
+import preprocess_tool
 import tokenizer_files as tf
 from megatronish.data.indexed_dataset import IndexedDataset
 from megatronish.data.tokenizers import TokenizerError, build_tokenizer
 from megatronish.testing import subprocess_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_spec = importlib.util.spec_from_file_location("preprocess_data", os.path.join(REPO, "tools", "preprocess_data.py"))
-preprocess_data = sys.modules["preprocess_data"] = importlib.util.module_from_spec(_spec)  # workers unpickle by name
-_spec.loader.exec_module(preprocess_data)
+preprocess_data = preprocess_tool.load()
 
 NULL_TEXTS = ["1 2 3", "999 0 5 5", "7"]
 

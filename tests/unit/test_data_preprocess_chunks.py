@@ -1,24 +1,18 @@
 """tools/preprocess_data.py with its chunks shrunk to a few bytes: byte ranges cut at line starts, output
 byte-identical for every worker/partition count and equal to a direct tokenization, exact line numbers."""
 import gzip
-import importlib.util
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
 
+import preprocess_tool
 import tokenizer_files as tf
 from megatronish.data.indexed_dataset import IndexedDataset
 from megatronish.data.tokenizers import build_tokenizer
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if "preprocess_data" not in sys.modules:  # the script under tools/, loaded as a module (workers unpickle by name)
-    _spec = importlib.util.spec_from_file_location("preprocess_data", os.path.join(REPO, "tools", "preprocess_data.py"))
-    sys.modules["preprocess_data"] = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(sys.modules["preprocess_data"])
-preprocess_data = sys.modules["preprocess_data"]
+preprocess_data = preprocess_tool.load()
 
 RUNS = [(1, 1), (2, 1), (3, 1), (2, 2), (3, 3)]  # (--workers, --partitions)
 

@@ -1,15 +1,10 @@
 """The preprocessing progress: a byte-counting tqdm bar on a terminal, log lines otherwise, one summary line."""
-import importlib.util
 import io
-import os
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if "preprocess_data" not in sys.modules:  # the script under tools/, loaded as a module (workers unpickle by name)
-    _spec = importlib.util.spec_from_file_location("preprocess_data", os.path.join(REPO, "tools", "preprocess_data.py"))
-    sys.modules["preprocess_data"] = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(sys.modules["preprocess_data"])
-preprocess_data = sys.modules["preprocess_data"]
+import preprocess_tool
+
+preprocess_data = preprocess_tool.load()
 
 
 class _Terminal(io.StringIO):
