@@ -35,7 +35,7 @@ from megatronish.data.indexed_dataset import DType, IndexedDatasetBuilder, get_b
 from megatronish.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
 from megatronish.errors import EXIT_USER_ERROR, TokenizerError, UserError
 
-CHUNK_BYTES = 1 << 20  # input bytes per worker task (a chunk always ends at a line end)
+CHUNK_BYTES = 1 << 18  # input bytes per worker task (a chunk always ends at a line end)
 _READ_BYTES = 1 << 22  # read size when counting newlines
 
 
