@@ -349,6 +349,12 @@ def _encode_task(task: Task) -> dict:
     return _WORKER.encode_task(task)
 
 
+def _set_worker(encoder: Encoder) -> None:
+    """Pool initializer: the encoder reaches the workers through fork, never pickled."""
+    global _WORKER
+    _WORKER = encoder
+
+
 def make_tokenizer(args):
     return build_tokenizer(
         args.tokenizer_type,
@@ -370,7 +376,8 @@ class _Progress:
     """A tqdm bar over the input bytes (done, rate, ETA) on a terminal; without one, a log line every
     ``interval`` documents. The summary line (documents, docs/s, tokens/s, MB/s) is printed at the end."""
 
-    def __init__(self, interval: int, label: str = "", total_bytes: Optional[int] = None) -> None:
+    def __init__(self, interval: int, label: str = "", total_bytes: Optional[int] = None,
+                 position: Optional[int] = None) -> None:
         self.interval = max(1, interval)
         self.label = label
         self.start = time.time()
@@ -381,7 +388,7 @@ class _Progress:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
-                            desc=label.strip() or "preprocess", dynamic_ncols=True)
+                            desc=label.strip() or "preprocess", dynamic_ncols=True, position=position)
 
     def update(self, docs: int, tokens: int, nbytes: int) -> None:
         self.docs += docs
@@ -426,10 +433,10 @@ class _LineNumbers:
                 self.at = (task.path, task.stop, self.at[2] + lines)
 
 
-def process_segments(args, segments: Sequence[Segment], prefix: str, workers: int, label: str = "") -> int:
+def process_segments(args, segments: Sequence[Segment], prefix: str, workers: int, label: str = "",
+                     position: Optional[int] = None) -> int:
     """Tokenize ``segments`` into ``{prefix}_{key}_{level}`` with ``workers`` worker processes while this process
     appends their results in order; returns the documents written."""
-    global _WORKER
     encoder = Encoder(args)
     encoder.initializer()
     level = "sentence" if args.split_sentences else "document"
@@ -439,7 +446,7 @@ def process_segments(args, segments: Sequence[Segment], prefix: str, workers: in
         if os.path.exists(get_idx_path(p)):
             os.remove(get_idx_path(p))  # a stale .idx must never pair with the new .bin
         builders[key] = IndexedDatasetBuilder(get_bin_path(p), dtype=Encoder.dtype)
-    progress = _Progress(args.log_interval, label, _segment_bytes(segments))
+    progress = _Progress(args.log_interval, label, _segment_bytes(segments), position)  # a bar per partition
     numbers = _LineNumbers()
     skipped = 0
     pool = None
@@ -461,8 +468,7 @@ def process_segments(args, segments: Sequence[Segment], prefix: str, workers: in
         progress.update(res["docs"], ntok, res["bytes"])
 
     try:
-        _WORKER = encoder
-        pool = multiprocessing.get_context("fork").Pool(workers)
+        pool = multiprocessing.get_context("fork").Pool(workers, initializer=_set_worker, initargs=(encoder,))
         pending: collections.deque = collections.deque()
         window = 2 * workers + 2  # tasks in flight: the workers never wait, the results held stay few
         for task in iter_tasks(segments):
@@ -493,7 +499,7 @@ def process_segments(args, segments: Sequence[Segment], prefix: str, workers: in
 
 def _partition_main(args, segments, prefix, workers, index, errors) -> None:
     try:
-        process_segments(args, segments, prefix, workers, label=f"[partition {index}] ")
+        process_segments(args, segments, prefix, workers, label=f"[partition {index}] ", position=index)
         return
     except KeyboardInterrupt:
         os._exit(130)
