@@ -93,6 +93,7 @@ def bench_preprocess(workers_list, out_dir, repeat=3):
         results[w] = (nbytes / ours / 1e6, nbytes / limit / 1e6)
         print(f"preprocess  workers={w}: tool {nbytes / ours / 1e6:6.2f} MB/s, raw batched encode "
               f"{nbytes / limit / 1e6:6.2f} MB/s  ->  ratio {limit / ours:.2f}", flush=True)
+    preprocess_breakdown(corpus, vocab, merges)
     if 1 in results:
         for w in sorted(results):
             if w > 1:
@@ -100,6 +101,36 @@ def bench_preprocess(workers_list, out_dir, repeat=3):
                       f"tool{w}/tool1 {results[w][0] / results[1][0]:.2f}, tool{w}/raw{w} "
                       f"{results[w][0] / results[w][1]:.2f}  (load average {os.getloadavg()[0]:.2f})")
     return os.path.join(out_dir, "bench1_text_document"), results
+
+
+def preprocess_breakdown(corpus, vocab, merges, repeat=3):
+    """One worker's stages over the whole corpus, in this process, best of ``repeat`` each: where the time of a
+    1-worker run goes next to the pure encode."""
+    argv = ["--input", corpus, "--output-prefix", corpus, "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
+            vocab, "--merge-file", merges, "--append-eod", "--workers", "1"]
+    args = preprocess_data.get_parser().parse_args(argv)
+    encoder = preprocess_data.Encoder(args)
+    encoder.initializer()
+    tasks = list(preprocess_data.iter_tasks(preprocess_data.plan_segments([corpus], 1)[0]))
+    datas = [encoder.read(t) for t in tasks]
+    docs = []
+    for data in datas:
+        part = []
+        for line in data.split(b"\n")[:-1]:
+            encoder._parse(line, part)
+        docs.append([d["text"] for d in part])
+    tok = preprocess_data.Encoder.tokenizer
+    t = {
+        "tokenizer build": best_of(lambda: preprocess_data.make_tokenizer(args), repeat),
+        "read + split lines": best_of(lambda: [encoder.read(x).split(b"\n") for x in tasks], repeat),
+        "JSON + checks": best_of(lambda: [encoder._parse(line, []) for d in datas for line in d.split(b"\n")[:-1]],
+                                 repeat),
+        "encode": best_of(lambda: [tok.tokenize_batch_flat([s[0] for s in d]) for d in docs], repeat),
+        "encode + eod/lengths assembly": best_of(lambda: [encoder._tokenize(d) for d in docs], repeat),
+        "whole tasks": best_of(lambda: [encoder.encode_task(x) for x in tasks], repeat),
+    }
+    print("preprocess  1-worker stages: " + ", ".join(f"{k} {v:.3f} s" for k, v in t.items()))
+    return t
 
 
 def make_corpus_dataset(out_dir):
