@@ -204,29 +204,38 @@ def _gpt2_byte_symbols() -> List[str]:
 
 def _gpt2_ranks(encoder: Dict[str, int], merges: str) -> Dict[bytes, int]:
     """tiktoken's mergeable ranks from GPT-2's encoder.json and vocab.bpe: the 256 one-byte tokens in GPT-2's byte
-    order, then one token per merge line in order; the encoder must give each exactly that id."""
+    order, then one token per merge line in order; the encoder must give each exactly that id.
+
+    The merges are checked against the encoder as symbol strings (each symbol stands for one byte, one to one),
+    then the tokens are turned into bytes once: str.translate + encode run in C. Any character that is not a
+    symbol fails the encode (a latin-1 character that is not a symbol is first mapped to U+FFFD so it cannot pass
+    as a byte)."""
     symbols, order = _gpt2_byte_symbols()
-    # symbol -> its byte as a latin-1 character; str.translate + encode run in C. Any other character fails the
-    # encode (a latin-1 character that is not a symbol is first mapped to U+FFFD so it cannot pass as a byte).
     table = {c: "\ufffd" for c in range(256)}
     table.update((ord(sym), chr(b)) for sym, b in zip(symbols, order))
-    ranks = {bytes([b]): i for i, b in enumerate(order)}
+
+    def raw(token: str) -> bytes:
+        return token.translate(table).encode("latin-1")
+
     lines = merges.split("\n")[1:]  # the first line is the version header
     pairs = [line.split() for line in lines]
     bad = next((i for i, p in enumerate(pairs) if p and len(p) != 2), None)
     if bad is not None:
         raise ValueError(f"merge line {lines[bad][:40]!r} is not two symbols")
-    # a pair's token is its two symbols' bytes: translating the joined pair gives them at once
-    for token in ["".join(p).translate(table).encode("latin-1") for p in pairs if p]:
+    ranks = dict(zip(symbols, range(len(symbols))))
+    for token in ["".join(p) for p in pairs if p]:  # a pair's token: its two symbols' bytes
         ranks.setdefault(token, len(ranks))
     special = ("<|endoftext|>", "<|startoftext|>")
-    vocab = dict(zip([k.translate(table).encode("latin-1") for k in encoder if k not in special],
-                     [int(v) for k, v in encoder.items() if k not in special]))
+    vocab = {k: int(v) for k, v in encoder.items() if k not in special}
     if vocab != ranks:
         diff = next((k for k in ranks if vocab.get(k) != ranks[k]), None) or next(k for k in vocab if k not in ranks)
-        raise ValueError(f"token {diff!r} has id {vocab.get(diff)} in the vocabulary, {ranks.get(diff)} from the "
+        try:
+            shown = raw(diff)
+        except UnicodeEncodeError:
+            shown = diff
+        raise ValueError(f"token {shown!r} has id {vocab.get(diff)} in the vocabulary, {ranks.get(diff)} from the "
                          "merges")
-    return ranks
+    return dict(zip([raw(k) for k in ranks], ranks.values()))
 
 
 def _load_sentencepiece(model_file: Optional[str], tokenizer_type: str):
