@@ -1,15 +1,16 @@
 #!/usr/bin/env python
 """Data pipeline measurements, each next to its limit or peer in the same run; prints ratios.
 
-1. preprocess throughput (tools/preprocess_data.py on the bundled corpus, JSON parsing and .bin/.idx
-   writing included) vs the same tokenizer's raw batched encode of the same texts held in memory,
-   with the same worker count (the limit), on the bundled corpus repeated 16 times;
+1. preprocess throughput (tools/preprocess_data.py on the bundled corpus repeated 16 times, JSON parsing and
+   .bin/.idx writing included) vs the same tokenizer's fastest batched encode (tokenize_batch_flat) of the same
+   texts already parsed and held by the same number of forked workers (the limit); limit and tool runs
+   alternate, best of --repeat each; then the 2-worker tool against the 1-worker limit, and one worker's stages;
 2. random sample reads through GPTDataset.get_batch (tokens, labels, masks; batches of 32) vs raw numpy.memmap
    reads of the same bytes into the same batch array: per-sample slices at random offsets, and one contiguous
    slice (the memory-bandwidth bound); also the per-sample dataset[i] path;
 3. sample-index build for 1e9 tokens: ours (C++) vs megatron-core's compiled helper (the peer).
 
-    python benchmarks/bench_data.py [--workers 1 2] [--seq-length 2048]
+    python benchmarks/bench_data.py [--workers 1 2] [--seq-length 2048] [--only preprocess] [--repeat 3]
 """
 import argparse
 import importlib.util
