@@ -1,10 +1,14 @@
 #!/usr/bin/env python
 """Tokenize JSON-lines text into indexed datasets: ``{output_prefix}_{key}_{document|sentence}.bin/.idx``.
 
-Same flags as Megatron-LM's tools/preprocess_data.py. Lines are read in order and tokenized in
-batches by ``--workers`` processes (fork); results are written in input order, so the output is the
-same for every worker and partition count. ``--partitions N`` splits the input into N contiguous
-line ranges processed side by side and merged in order.
+Same flags as Megatron-LM's tools/preprocess_data.py. Each input file is cut into chunks of about
+``CHUNK_BYTES`` that end at line ends (found by seeking, without a pass over the file); ``--workers``
+processes (fork) each read their chunk themselves, parse and tokenize it straight into arrays of the
+output dtype, and the main process only appends the results, in input order, to the .bin/.idx
+builders. The output is therefore the same for every worker and partition count. ``--partitions N``
+splits the input bytes into N contiguous ranges (at line starts) processed side by side, each with
+``--workers / N`` workers, and merges them in order. Compressed (.gz) inputs cannot be seeked: the main
+process reads their lines and hands the workers chunks of them, and partitions over them are line ranges.
 
 A line that is not JSON, not an object, or lacks a ``--json-keys`` key stops the run with its file
 and line number (``--skip-bad-lines`` skips such lines instead). The .idx is written last and
@@ -13,16 +17,17 @@ atomically: an interrupted run never leaves an .idx that looks valid.
 from __future__ import annotations
 
 import argparse
+import collections
 import glob
 import gzip
-import itertools
 import json
 import multiprocessing
 import os
+import queue
 import re
 import sys
 import time
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy
 
@@ -30,7 +35,8 @@ from megatronish.data.indexed_dataset import DType, IndexedDatasetBuilder, get_b
 from megatronish.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
 from megatronish.errors import EXIT_USER_ERROR, TokenizerError, UserError
 
-_CHUNK_LINES = 256
+CHUNK_BYTES = 1 << 18  # input bytes per worker task (a chunk always ends at a line end)
+_READ_BYTES = 1 << 22  # read size when counting newlines
 
 
 class PreprocessError(UserError):
@@ -47,10 +53,18 @@ def expand_inputs(pattern: str) -> List[str]:
     return files
 
 
+def _compressed(path: str) -> bool:
+    return path.endswith(".gz")
+
+
 def _open(path: str):
-    if path.endswith(".gz"):
+    if _compressed(path):
         return gzip.open(path, "rb")
     return open(path, "rb")
+
+
+def _read_error(path: str, err: BaseException) -> PreprocessError:
+    return PreprocessError(f"cannot read --input file '{path}': {err}")
 
 
 def iter_lines(files: Sequence[str], start: int = 0, stop: Optional[int] = None) -> Iterator[Tuple[str, int, bytes]]:
@@ -66,7 +80,7 @@ def iter_lines(files: Sequence[str], start: int = 0, stop: Optional[int] = None)
                         yield path, lineno, line
                     n += 1
         except (OSError, EOFError) as err:
-            raise PreprocessError(f"cannot read --input file '{path}': {err}") from None
+            raise _read_error(path, err) from None
 
 
 def count_lines(files: Sequence[str]) -> int:
@@ -76,6 +90,135 @@ def count_lines(files: Sequence[str]) -> int:
             for _ in f:
                 total += 1
     return total
+
+
+def _newlines_before(path: str, offset: int) -> int:
+    """Number of b'\n' in the first ``offset`` bytes of a plain file."""
+    n = 0
+    with open(path, "rb") as f:
+        while offset > 0:
+            data = f.read(min(_READ_BYTES, offset))
+            if not data:
+                break
+            n += data.count(b"\n")
+            offset -= len(data)
+    return n
+
+
+def _line_start_at_or_after(f, pos: int, size: int) -> int:
+    """The first line start >= ``pos`` in the open plain file ``f`` (``size`` at the end)."""
+    if pos <= 0:
+        return 0
+    if pos >= size:
+        return size
+    f.seek(pos - 1)
+    f.readline()
+    return min(f.tell(), size)
+
+
+class Segment(NamedTuple):
+    """A contiguous piece of one input file: bytes [start, stop) of a plain file (``lines`` False), or lines
+    [start, stop) (0-based, ``stop`` None = to the end) of any file."""
+
+    path: str
+    start: int
+    stop: Optional[int]
+    lines: bool
+
+
+def plan_segments(files: Sequence[str], partitions: int) -> List[List[Segment]]:
+    """The input cut into ``partitions`` contiguous parts, in order, each a list of segments. Plain files are cut
+    by bytes at line starts (a seek and one line read per cut); when a file is compressed, the cuts are line
+    ranges over all files (one counting pass, as compressed files cannot be seeked)."""
+    if partitions == 1:
+        return [[Segment(p, 0, None, True) if _compressed(p) else Segment(p, 0, os.path.getsize(p), False)
+                 for p in files]]
+    if any(_compressed(p) for p in files):
+        counts = [count_lines([path]) for path in files]
+        bounds = [sum(counts) * i // partitions for i in range(partitions + 1)]
+        parts: List[List[Segment]] = []
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            segs, first = [], 0
+            for path, n in zip(files, counts):
+                lo, hi = max(a, first), min(b, first + n)
+                if lo < hi:
+                    segs.append(Segment(path, lo - first, hi - first, True))
+                first += n
+            parts.append(segs)
+        return parts
+    sizes = [os.path.getsize(p) for p in files]
+    offsets = [0]
+    for size in sizes:
+        offsets.append(offsets[-1] + size)
+    total = offsets[-1]
+    cuts = [0]
+    for i in range(1, partitions):
+        g = max(total * i // partitions, cuts[-1])
+        k = max(j for j in range(len(files)) if offsets[j] <= g) if g < total else len(files) - 1
+        with open(files[k], "rb") as f:
+            cuts.append(offsets[k] + _line_start_at_or_after(f, g - offsets[k], sizes[k]))
+    cuts.append(total)
+    parts = []
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        segs = []
+        for path, lo_f, size in zip(files, offsets, sizes):
+            lo, hi = max(a, lo_f), min(b, lo_f + size)
+            if lo < hi:
+                segs.append(Segment(path, lo - lo_f, hi - lo_f, False))
+        parts.append(segs)
+    return parts
+
+
+class Task(NamedTuple):
+    """One worker's input: bytes [start, stop) of the plain file ``path`` (``data`` None: the worker reads
+    them), or ``data``, whole lines of ``path`` whose first is line ``start`` (1-based)."""
+
+    path: str
+    start: int
+    stop: int
+    data: Optional[bytes]
+
+
+def iter_tasks(segments: Sequence[Segment]) -> Iterator[Task]:
+    """The segments cut into tasks of about ``CHUNK_BYTES`` that end at line ends, in order."""
+    for seg in segments:
+        if seg.lines:
+            yield from _line_tasks(seg)
+            continue
+        try:
+            with open(seg.path, "rb") as f:
+                pos = seg.start
+                while pos < seg.stop:
+                    nxt = seg.stop
+                    if pos + CHUNK_BYTES < seg.stop:
+                        nxt = _line_start_at_or_after(f, pos + CHUNK_BYTES, seg.stop)
+                    yield Task(seg.path, pos, nxt, None)
+                    pos = nxt
+        except OSError as err:
+            raise _read_error(seg.path, err) from None
+
+
+def _line_tasks(seg: Segment) -> Iterator[Task]:
+    lines: List[bytes] = []
+    nbytes = 0
+    first = seg.start + 1
+    for _, lineno, line in iter_lines([seg.path], seg.start, seg.stop):
+        if not lines:
+            first = lineno
+        lines.append(line)
+        nbytes += len(line)
+        if nbytes >= CHUNK_BYTES:
+            yield Task(seg.path, first, first + len(lines), b"".join(lines))
+            lines, nbytes = [], 0
+    if lines:
+        yield Task(seg.path, first, first + len(lines), b"".join(lines))
+
+
+def _segment_bytes(segments: Sequence[Segment]) -> Optional[int]:
+    """Bytes the progress bar counts to (None with a compressed file: its text size is unknown)."""
+    if any(seg.lines for seg in segments):
+        return None
+    return sum(seg.stop - seg.start for seg in segments)
 
 
 # ------------------------------------------------------------------------------- sentences
@@ -100,7 +243,7 @@ def split_sentences(text: str, keep_newlines: bool) -> List[str]:
 
 # --------------------------------------------------------------------------------- encoding
 class Encoder:
-    """Turns a chunk of raw lines into token arrays per key (runs in the worker processes)."""
+    """Turns a task (a chunk of whole lines) into token arrays per key (runs in the worker processes)."""
 
     tokenizer = None
 
@@ -114,68 +257,102 @@ class Encoder:
             Encoder._built_for = self.args
         Encoder.dtype = DType.optimal_dtype(Encoder.tokenizer.vocab_size)
 
-    def encode_chunk(self, chunk: List[Tuple[str, int, bytes]]):
+    @staticmethod
+    def read(task: Task) -> bytes:
+        if task.data is not None:
+            return task.data
+        try:
+            with open(task.path, "rb") as f:
+                f.seek(task.start)
+                data = f.read(task.stop - task.start)
+        except OSError as err:
+            raise _read_error(task.path, err) from None
+        if len(data) != task.stop - task.start:
+            raise PreprocessError(f"--input file '{task.path}' changed while it was read")
+        return data
+
+    def encode_task(self, task: Task) -> dict:
+        """{"lines", "bytes", "docs", "skipped": [(line index in the task, message)], "keys": {key: (tokens,
+        sequence lengths, sequences per document)}} or, for a bad line without --skip-bad-lines,
+        {"lines", "bytes", "error": (line index, message)}."""
         args = self.args
-        tok = Encoder.tokenizer
-        nbytes = sum(len(line) for _, _, line in chunk)
-        bad: List[str] = []
+        data = self.read(task)
+        lines = data.split(b"\n")
+        if not lines[-1]:
+            lines.pop()  # the text after the last newline (empty unless the file ends without one)
+        bad: List[Tuple[int, str]] = []
         docs: List[Dict[str, List[str]]] = []
-        for path, lineno, line in chunk:
-            if not line.strip():
-                bad.append(f"{path}:{lineno}: empty line (expected a JSON object)")
+        for i, line in enumerate(lines):
+            msg = self._parse(line, docs)
+            if msg is None:
                 continue
-            try:
-                data = json.loads(line)
-            except (ValueError, UnicodeDecodeError) as err:
-                bad.append(f"{path}:{lineno}: invalid JSON ({err})")
-                continue
-            if not isinstance(data, dict):
-                bad.append(f"{path}:{lineno}: expected a JSON object, got {type(data).__name__}")
-                continue
-            missing = [k for k in args.json_keys if k not in data]
-            if missing:
-                bad.append(f"{path}:{lineno}: missing key(s) {missing} (--json-keys {' '.join(args.json_keys)})")
-                continue
-            doc: Dict[str, List[str]] = {}
-            for key in args.json_keys:
-                value = data[key]
-                if isinstance(value, list) and all(isinstance(v, str) for v in value):
-                    sentences = value
-                elif isinstance(value, str):
-                    sentences = split_sentences(value, args.keep_newlines) if args.split_sentences else [value]
-                else:
-                    bad.append(f"{path}:{lineno}: key '{key}' holds {type(value).__name__}, expected text")
-                    break
-                doc[key] = sentences
-            else:
-                docs.append(doc)
-        if bad and not args.skip_bad_lines:
-            return {"error": bad[0], "bytes": nbytes}
-        out = {"bytes": nbytes, "docs": len(docs), "skipped": bad, "keys": {}}
+            if msg.startswith("invalid JSON"):  # the message as for the line with its newline (positions)
+                msg = self._parse(line + b"\n" if i < len(lines) - 1 or data.endswith(b"\n") else line, [])
+            if not args.skip_bad_lines:
+                return {"lines": len(lines), "bytes": len(data), "error": (i, msg)}
+            bad.append((i, msg))
+        out = {"lines": len(lines), "bytes": len(data), "docs": len(docs), "skipped": bad, "keys": {}}
         for key in args.json_keys:
-            sentences = [s for doc in docs for s in doc[key]]
-            per_doc = [len(doc[key]) for doc in docs]
-            ids = tok.tokenize_batch(sentences) if sentences else []
-            tokens: List[List[int]] = []
-            lengths: List[int] = []
-            doc_counts: List[int] = []
-            k = 0
-            for n in per_doc:
-                count = 0
-                for s_ids in ids[k:k + n]:
-                    if len(s_ids) > 0:
-                        tokens.append(s_ids)
-                        lengths.append(len(s_ids))
-                        count += 1
-                k += n
-                if count and args.append_eod:
-                    tokens[-1] = list(tokens[-1]) + [tok.eod]
-                    lengths[-1] += 1
-                doc_counts.append(count)
-            flat = numpy.fromiter(itertools.chain.from_iterable(tokens), dtype=numpy.int64, count=sum(lengths))
-            out["keys"][key] = (flat.astype(Encoder.dtype), numpy.asarray(lengths, numpy.int64),
-                                numpy.asarray(doc_counts, numpy.int64))
+            out["keys"][key] = self._tokenize([doc[key] for doc in docs])
         return out
+
+    def _parse(self, line: bytes, docs: List[Dict[str, List[str]]]) -> Optional[str]:
+        """Appends the line's document to ``docs``; returns what is wrong with the line instead, if anything."""
+        args = self.args
+        if not line.strip():
+            return "empty line (expected a JSON object)"
+        try:
+            data = json.loads(line)
+        except (ValueError, UnicodeDecodeError) as err:
+            return f"invalid JSON ({err})"
+        if not isinstance(data, dict):
+            return f"expected a JSON object, got {type(data).__name__}"
+        missing = [k for k in args.json_keys if k not in data]
+        if missing:
+            return f"missing key(s) {missing} (--json-keys {' '.join(args.json_keys)})"
+        doc: Dict[str, List[str]] = {}
+        for key in args.json_keys:
+            value = data[key]
+            if isinstance(value, list) and all(isinstance(v, str) for v in value):
+                doc[key] = value
+            elif isinstance(value, str):
+                doc[key] = split_sentences(value, args.keep_newlines) if args.split_sentences else [value]
+            else:
+                return f"key '{key}' holds {type(value).__name__}, expected text"
+        docs.append(doc)
+        return None
+
+    def _tokenize(self, doc_sentences: List[List[str]]):
+        """(tokens in the output dtype, sequence lengths, sequences per document) for the documents' sentences:
+        empty sentences dropped, eod appended to each non-empty document with --append-eod."""
+        per_doc = numpy.fromiter(map(len, doc_sentences), dtype=numpy.int64, count=len(doc_sentences))
+        sentences = [s for doc in doc_sentences for s in doc]
+        if sentences:
+            flat, lengths = Encoder.tokenizer.tokenize_batch_flat(sentences)
+        else:
+            flat, lengths = numpy.zeros(0, numpy.int64), numpy.zeros(0, numpy.int64)
+        kept = lengths > 0
+        doc_of = numpy.repeat(numpy.arange(len(doc_sentences)), per_doc)
+        doc_counts = numpy.bincount(doc_of[kept], minlength=len(doc_sentences)).astype(numpy.int64)
+        lengths = lengths[kept]
+        if self.args.append_eod and lengths.size:
+            last = numpy.cumsum(doc_counts)[doc_counts > 0] - 1  # each document's last sequence
+            flat = numpy.insert(flat, numpy.cumsum(lengths)[last], Encoder.tokenizer.eod)
+            lengths[last] += 1
+        return flat.astype(Encoder.dtype), lengths, doc_counts
+
+
+_WORKER: Optional[Encoder] = None  # the encoder the forked workers run
+
+
+def _encode_task(task: Task) -> dict:
+    return _WORKER.encode_task(task)
+
+
+def _set_worker(encoder: Encoder) -> None:
+    """Pool initializer: the encoder reaches the workers through fork, never pickled."""
+    global _WORKER
+    _WORKER = encoder
 
 
 def make_tokenizer(args):
@@ -195,22 +372,12 @@ def output_prefix_for(prefix: str, key: str, level: str) -> str:
     return f"{prefix}_{key}_{level}"
 
 
-def _chunks(lines: Iterator[Tuple[str, int, bytes]], size: int):
-    chunk = []
-    for item in lines:
-        chunk.append(item)
-        if len(chunk) == size:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
-
-
 class _Progress:
     """A tqdm bar over the input bytes (done, rate, ETA) on a terminal; without one, a log line every
     ``interval`` documents. The summary line (documents, docs/s, tokens/s, MB/s) is printed at the end."""
 
-    def __init__(self, interval: int, label: str = "", total_bytes: Optional[int] = None) -> None:
+    def __init__(self, interval: int, label: str = "", total_bytes: Optional[int] = None,
+                 position: Optional[int] = None) -> None:
         self.interval = max(1, interval)
         self.label = label
         self.start = time.time()
@@ -221,7 +388,7 @@ class _Progress:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
-                            desc=label.strip() or "preprocess", dynamic_ncols=True)
+                            desc=label.strip() or "preprocess", dynamic_ncols=True, position=position)
 
     def update(self, docs: int, tokens: int, nbytes: int) -> None:
         self.docs += docs
@@ -243,16 +410,33 @@ class _Progress:
               flush=True)
 
 
-def _input_bytes(files: Sequence[str]) -> Optional[int]:
-    """Bytes the progress bar counts to (None when a file is compressed: its text size is unknown)."""
-    if any(f.endswith(".gz") for f in files):
-        return None
-    return sum(os.path.getsize(f) for f in files)
+class _LineNumbers:
+    """The 1-based line number of each task's first line. Results arrive in input order, so a task that starts
+    where the previous one ended continues its count; a byte range elsewhere (a partition's first) counts the
+    newlines before it, only when a message needs a line number."""
+
+    def __init__(self) -> None:
+        self.at: Optional[Tuple[str, int, int]] = None  # (path, byte offset, line number there)
+
+    def first_line(self, task: Task) -> int:
+        if task.data is not None:
+            return task.start
+        if self.at is None or self.at[:2] != (task.path, task.start):
+            self.at = (task.path, task.start, 1 + _newlines_before(task.path, task.start))
+        return self.at[2]
+
+    def advance(self, task: Task, lines: int) -> None:
+        if task.data is None:
+            if task.start == 0:
+                self.at = (task.path, 0, 1)
+            if self.at is not None and self.at[:2] == (task.path, task.start):
+                self.at = (task.path, task.stop, self.at[2] + lines)
 
 
-def process_range(args, files: Sequence[str], prefix: str, workers: int, start: int = 0,
-                  stop: Optional[int] = None, label: str = "") -> int:
-    """Tokenize lines [start, stop) of ``files`` into ``{prefix}_{key}_{level}``; returns docs written."""
+def process_segments(args, segments: Sequence[Segment], prefix: str, workers: int, label: str = "",
+                     position: Optional[int] = None) -> int:
+    """Tokenize ``segments`` into ``{prefix}_{key}_{level}`` with ``workers`` worker processes while this process
+    appends their results in order; returns the documents written."""
     encoder = Encoder(args)
     encoder.initializer()
     level = "sentence" if args.split_sentences else "document"
@@ -262,29 +446,39 @@ def process_range(args, files: Sequence[str], prefix: str, workers: int, start: 
         if os.path.exists(get_idx_path(p)):
             os.remove(get_idx_path(p))  # a stale .idx must never pair with the new .bin
         builders[key] = IndexedDatasetBuilder(get_bin_path(p), dtype=Encoder.dtype)
-    total = _input_bytes(files) if start == 0 and stop is None else None
-    progress = _Progress(args.log_interval, label, total)
+    progress = _Progress(args.log_interval, label, _segment_bytes(segments), position)  # a bar per partition
+    numbers = _LineNumbers()
+    skipped = 0
     pool = None
+
+    def take(task: Task, res: dict) -> None:
+        nonlocal skipped
+        if "error" in res:
+            i, msg = res["error"]
+            raise PreprocessError(f"{task.path}:{numbers.first_line(task) + i}: {msg}; fix the line or pass "
+                                  "--skip-bad-lines")
+        for i, msg in res["skipped"]:
+            print(f"warning: skipped {task.path}:{numbers.first_line(task) + i}: {msg}", file=sys.stderr)
+        skipped += len(res["skipped"])
+        numbers.advance(task, res["lines"])
+        ntok = 0
+        for key, (tokens, lengths, doc_counts) in res["keys"].items():
+            builders[key].add_documents(tokens, lengths, doc_counts)
+            ntok += tokens.shape[0]
+        progress.update(res["docs"], ntok, res["bytes"])
+
     try:
-        chunks = _chunks(iter_lines(files, start, stop), _CHUNK_LINES)
-        if workers > 1:
-            ctx = multiprocessing.get_context("fork")
-            pool = ctx.Pool(workers)
-            results = pool.imap(encoder.encode_chunk, chunks, 1)
-        else:
-            results = map(encoder.encode_chunk, chunks)
-        skipped = 0
-        for res in results:
-            if "error" in res:
-                raise PreprocessError(res["error"] + "; fix the line or pass --skip-bad-lines")
-            for msg in res["skipped"]:
-                print(f"warning: skipped {msg}", file=sys.stderr)
-            skipped += len(res["skipped"])
-            ntok = 0
-            for key, (tokens, lengths, doc_counts) in res["keys"].items():
-                builders[key].add_documents(tokens, lengths, doc_counts)
-                ntok += tokens.shape[0]
-            progress.update(res["docs"], ntok, res["bytes"])
+        pool = multiprocessing.get_context("fork").Pool(workers, initializer=_set_worker, initargs=(encoder,))
+        pending: collections.deque = collections.deque()
+        window = 2 * workers + 2  # tasks in flight: the workers never wait, the results held stay few
+        for task in iter_tasks(segments):
+            pending.append((task, pool.apply_async(_encode_task, (task,))))
+            if len(pending) >= window:
+                task, res = pending.popleft()
+                take(task, res.get())
+        while pending:
+            task, res = pending.popleft()
+            take(task, res.get())
         for key, p in out_prefixes.items():
             builders[key].finalize(get_idx_path(p))
         progress.report(final=True)
@@ -303,17 +497,20 @@ def process_range(args, files: Sequence[str], prefix: str, workers: int, start: 
             pool.join()
 
 
-def _partition_main(args, files, prefix, workers, start, stop, index, errors) -> None:
+def _partition_main(args, segments, prefix, workers, index, errors) -> None:
     try:
-        process_range(args, files, prefix, workers, start, stop, label=f"[partition {index}] ")
-    except PreprocessError as err:
-        errors.put(str(err))
-        os._exit(1)
+        process_segments(args, segments, prefix, workers, label=f"[partition {index}] ", position=index)
+        return
     except KeyboardInterrupt:
         os._exit(130)
+    except PreprocessError as err:
+        msg = str(err)
     except Exception as err:  # surfaced by the parent
-        errors.put(f"{type(err).__name__}: {err}")
-        os._exit(1)
+        msg = f"{type(err).__name__}: {err}"
+    errors.put((index, msg))
+    errors.close()
+    errors.join_thread()  # the message is in the pipe before the process ends
+    os._exit(1)
 
 
 def run(args) -> None:
@@ -325,29 +522,34 @@ def run(args) -> None:
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     if not os.path.isdir(out_dir):
         raise PreprocessError(f"--output-prefix directory '{out_dir}' does not exist")
+    parts = plan_segments(files, args.partitions)
     if args.partitions == 1:
-        process_range(args, files, args.output_prefix, args.workers)
+        process_segments(args, parts[0], args.output_prefix, args.workers)
         return
-    total = count_lines(files)
-    bounds = [total * i // args.partitions for i in range(args.partitions + 1)]
     ctx = multiprocessing.get_context("fork")
     errors = ctx.Queue()
     procs = []
     part_prefixes = [f"{args.output_prefix}_{i}" for i in range(args.partitions)]
     for i in range(args.partitions):
-        p = ctx.Process(target=_partition_main, args=(args, files, part_prefixes[i], args.workers // args.partitions,
-                                                      bounds[i], bounds[i + 1], i, errors))
+        p = ctx.Process(target=_partition_main, args=(args, parts[i], part_prefixes[i],
+                                                      args.workers // args.partitions, i, errors))
         p.start()
         procs.append(p)
     level = "sentence" if args.split_sentences else "document"
     try:
         for p in procs:
             p.join()
-        if any(p.exitcode != 0 for p in procs):
-            msg = errors.get(timeout=5) if not errors.empty() else "a partition failed"
-            raise PreprocessError(msg)
-        tmp = Encoder(args)
-        tmp.initializer()
+        failed = [i for i, p in enumerate(procs) if p.exitcode != 0]
+        if failed:
+            reported = {}
+            for _ in failed:
+                try:
+                    index, msg = errors.get(timeout=5)
+                except queue.Empty:
+                    break
+                reported[index] = msg
+            # the earliest partition's problem: the first bad line of the input, as without partitions
+            raise PreprocessError(reported[min(reported)] if reported else f"partition {failed[0]} failed")
         for key in args.json_keys:
             final = output_prefix_for(args.output_prefix, key, level)
             if os.path.exists(get_idx_path(final)):

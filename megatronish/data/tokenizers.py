@@ -1,7 +1,8 @@
 """Tokenizers selected by ``--tokenizer-type``, with Megatron-LM's names, attributes and eod/pad rules.
 
 Every tokenizer exposes ``vocab_size``, ``eod``, ``pad`` (``-1`` when it has none), ``tokenize(text)``,
-``detokenize(ids)`` and ``tokenize_batch(texts)`` (a batched encode where the backend has one).
+``detokenize(ids)``, ``tokenize_batch(texts)`` (a batched encode where the backend has one) and
+``tokenize_batch_flat(texts)`` (the same ids as one numpy array plus the length of each text's ids).
 Nothing is downloaded: every file is a local path.
 
 =========================  ========================================  ==============================
@@ -23,9 +24,12 @@ NullTokenizer              ``--vocab-size N``                        N (vocab_si
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import os
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy
 
 from megatronish.errors import TokenizerError
 
@@ -95,6 +99,13 @@ class MegatronTokenizer:
     def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
         return [self.tokenize(t) for t in texts]
 
+    def tokenize_batch_flat(self, texts: Sequence[str]) -> Tuple[numpy.ndarray, numpy.ndarray]:
+        """``tokenize_batch(texts)`` concatenated: (int64 ids, int64 length of each text's ids)."""
+        ids = self.tokenize_batch(texts)
+        lengths = numpy.fromiter(map(len, ids), dtype=numpy.int64, count=len(ids))
+        flat = numpy.fromiter(itertools.chain.from_iterable(ids), dtype=numpy.int64, count=int(lengths.sum()))
+        return flat, lengths
+
     @property
     def unique_identifiers(self) -> Dict[str, object]:
         return {"class": type(self).__name__, "vocab_size": self.vocab_size}
@@ -152,10 +163,35 @@ class GPT2BPETokenizer(MegatronTokenizer):
         return self._enc.encode_ordinary(text)
 
     def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
-        return self._enc.encode_ordinary_batch(list(texts), num_threads=1)
+        return _tiktoken_batch(self._enc, texts)
+
+    def tokenize_batch_flat(self, texts: Sequence[str]) -> Tuple[numpy.ndarray, numpy.ndarray]:
+        return _tiktoken_batch_flat(self._enc, texts)
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._enc.decode([int(i) for i in ids])
+
+
+def _tiktoken_batch(enc, texts: Sequence[str]) -> List[List[int]]:
+    """``enc.encode_ordinary`` of each text, in this thread (tiktoken's own batch call goes through a thread
+    pool even for one thread)."""
+    encode = enc.encode_ordinary
+    return [encode(t) for t in texts]
+
+
+def _tiktoken_batch_flat(enc, texts: Sequence[str]) -> Tuple[numpy.ndarray, numpy.ndarray]:
+    """The ids of ``encode_ordinary`` as uint32 arrays straight from tiktoken (no Python int lists), joined."""
+    encode = enc.encode_to_numpy
+    arrays = []
+    for text in texts:
+        try:
+            arrays.append(encode(text, disallowed_special=()))
+        except UnicodeEncodeError:  # lone surrogates: replaced exactly as encode_ordinary replaces them
+            arrays.append(encode(text.encode("utf-16", "surrogatepass").decode("utf-16", "replace"),
+                                 disallowed_special=()))
+    lengths = numpy.fromiter(map(len, arrays), dtype=numpy.int64, count=len(arrays))
+    flat = numpy.concatenate(arrays) if arrays else numpy.zeros(0, numpy.uint32)
+    return flat, lengths
 
 
 def _gpt2_byte_symbols() -> List[str]:
@@ -168,28 +204,38 @@ def _gpt2_byte_symbols() -> List[str]:
 
 def _gpt2_ranks(encoder: Dict[str, int], merges: str) -> Dict[bytes, int]:
     """tiktoken's mergeable ranks from GPT-2's encoder.json and vocab.bpe: the 256 one-byte tokens in GPT-2's byte
-    order, then one token per merge line in order; the encoder must give each exactly that id."""
+    order, then one token per merge line in order; the encoder must give each exactly that id.
+
+    The merges are checked against the encoder as symbol strings (each symbol stands for one byte, one to one),
+    then the tokens are turned into bytes once: str.translate + encode run in C. Any character that is not a
+    symbol fails the encode (a latin-1 character that is not a symbol is first mapped to U+FFFD so it cannot pass
+    as a byte)."""
     symbols, order = _gpt2_byte_symbols()
-    byte_of = dict(zip(symbols, order))
+    table = {c: "\ufffd" for c in range(256)}
+    table.update((ord(sym), chr(b)) for sym, b in zip(symbols, order))
 
-    def raw(sym: str) -> bytes:
-        return bytes(byte_of[ch] for ch in sym)
+    def raw(token: str) -> bytes:
+        return token.translate(table).encode("latin-1")
 
-    ranks = {bytes([b]): i for i, b in enumerate(order)}
     lines = merges.split("\n")[1:]  # the first line is the version header
-    for line in lines:
-        if not line.strip():
-            continue
-        parts = line.split()
-        if len(parts) != 2:
-            raise ValueError(f"merge line {line[:40]!r} is not two symbols")
-        ranks.setdefault(raw(parts[0]) + raw(parts[1]), len(ranks))
-    vocab = {raw(k): int(v) for k, v in encoder.items() if k not in ("<|endoftext|>", "<|startoftext|>")}
+    pairs = [line.split() for line in lines]
+    bad = next((i for i, p in enumerate(pairs) if p and len(p) != 2), None)
+    if bad is not None:
+        raise ValueError(f"merge line {lines[bad][:40]!r} is not two symbols")
+    ranks = dict(zip(symbols, range(len(symbols))))
+    for token in ["".join(p) for p in pairs if p]:  # a pair's token: its two symbols' bytes
+        ranks.setdefault(token, len(ranks))
+    special = ("<|endoftext|>", "<|startoftext|>")
+    vocab = {k: int(v) for k, v in encoder.items() if k not in special}
     if vocab != ranks:
         diff = next((k for k in ranks if vocab.get(k) != ranks[k]), None) or next(k for k in vocab if k not in ranks)
-        raise ValueError(f"token {diff!r} has id {vocab.get(diff)} in the vocabulary, {ranks.get(diff)} from the "
+        try:
+            shown = raw(diff)
+        except UnicodeEncodeError:
+            shown = diff
+        raise ValueError(f"token {shown!r} has id {vocab.get(diff)} in the vocabulary, {ranks.get(diff)} from the "
                          "merges")
-    return ranks
+    return dict(zip([raw(k) for k in ranks], ranks.values()))
 
 
 def _load_sentencepiece(model_file: Optional[str], tokenizer_type: str):
@@ -571,7 +617,10 @@ class TikTokenizer(MegatronTokenizer):
         return self._enc.encode_ordinary(text)
 
     def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
-        return self._enc.encode_ordinary_batch(list(texts), num_threads=1)
+        return _tiktoken_batch(self._enc, texts)
+
+    def tokenize_batch_flat(self, texts: Sequence[str]) -> Tuple[numpy.ndarray, numpy.ndarray]:
+        return _tiktoken_batch_flat(self._enc, texts)
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._enc.decode([int(i) for i in ids])

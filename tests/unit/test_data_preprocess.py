@@ -1,6 +1,5 @@
 """Tokenizers and tools/preprocess_data.py: round trips, worker/partition invariance, bad input."""
 import gzip
-import importlib.util
 import json
 import os
 import subprocess
@@ -9,15 +8,14 @@ import sys
 import numpy as np
 import pytest
 
+import preprocess_tool
 import tokenizer_files as tf
 from megatronish.data.indexed_dataset import IndexedDataset
 from megatronish.data.tokenizers import TokenizerError, build_tokenizer
 from megatronish.testing import subprocess_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_spec = importlib.util.spec_from_file_location("preprocess_data", os.path.join(REPO, "tools", "preprocess_data.py"))
-preprocess_data = sys.modules["preprocess_data"] = importlib.util.module_from_spec(_spec)  # workers unpickle by name
-_spec.loader.exec_module(preprocess_data)
+preprocess_data = preprocess_tool.load()
 
 NULL_TEXTS = ["1 2 3", "999 0 5 5", "7"]
 
@@ -66,6 +64,16 @@ def test_tokenizer_round_trip(tok_dir):
             assert all(0 <= i < tok.vocab_size for i in ids), name
             assert tok.detokenize(ids) == text, name
         assert tok.tokenize_batch(texts_for(name)) == [tok.tokenize(t) for t in texts_for(name)], name
+        flat, lengths = tok.tokenize_batch_flat(texts_for(name))
+        ids = [tok.tokenize(t) for t in texts_for(name)]
+        assert lengths.tolist() == [len(x) for x in ids] and flat.tolist() == sum(ids, []), name
+    for name in ("GPT2BPETokenizer", "TikTokenizer"):  # tiktoken's arrays: specials as text, lone surrogates
+        tok = build_tokenizer(name, **dict((c[0], c[1]) for c in configs)[name])
+        texts = ["", "a <|endoftext|> b </s>", "lone \ud800 surrogate", "x"]
+        flat, lengths = tok.tokenize_batch_flat(texts)
+        want = [tok._enc.encode_ordinary(t) for t in texts]
+        assert lengths.tolist() == [len(x) for x in want] and flat.tolist() == sum(want, []), name
+        assert tok.tokenize_batch(texts) == want
 
 
 def test_bad_tokenizer_files(tmp_path):
@@ -76,6 +84,23 @@ def test_bad_tokenizer_files(tmp_path):
         build_tokenizer("GPT2BPETokenizer", vocab_file="/nope.json", merge_file=m)
     with pytest.raises(TokenizerError, match=r"--vocab-file '.*bad.json' is not a GPT-2 encoder.json"):
         build_tokenizer("GPT2BPETokenizer", vocab_file=str(bad), merge_file=m)
+    merges = open(m, encoding="utf-8").read()
+    (tmp_path / "three.bpe").write_text(merges + "a b c\n", encoding="utf-8")
+    with pytest.raises(TokenizerError, match="merge line 'a b c' is not two symbols"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=v, merge_file=str(tmp_path / "three.bpe"))
+    encoder = json.load(open(v, encoding="utf-8"))
+    for stray in ("\x00", "\xad", "\u2603"):  # a control byte, a non-printable latin-1 one, a non-byte character
+        # in a merge and in the vocabulary, consistently: still no GPT-2 byte symbol
+        (tmp_path / "stray.bpe").write_text(merges + f"a{stray} b\n", encoding="utf-8")
+        (tmp_path / "stray.json").write_text(json.dumps({**encoder, f"a{stray}b": len(encoder) - 1}))
+        with pytest.raises(TokenizerError, match="do not form a GPT-2 BPE vocabulary"):
+            build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "stray.json"),
+                            merge_file=str(tmp_path / "stray.bpe"))
+    # the same shapes with real symbols (bytes 0-3) pass
+    (tmp_path / "ok.bpe").write_text(merges + "\u0100\u0101 \u0102\u0103\n", encoding="utf-8")
+    (tmp_path / "ok.json").write_text(json.dumps({**encoder, "\u0100\u0101\u0102\u0103": len(encoder) - 1}))
+    assert build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "ok.json"),
+                           merge_file=str(tmp_path / "ok.bpe")).tokenize("Hello world") == [15496, 995]
     with pytest.raises(TokenizerError, match="needs --merge-file"):
         build_tokenizer("GPT2BPETokenizer", vocab_file=v)
     with pytest.raises(TokenizerError, match="is not a SentencePiece model"):
@@ -194,17 +219,19 @@ def test_interrupted_run_leaves_no_valid_index(tmp_path, monkeypatch):
     # a stale, valid dataset from an earlier run at the same prefix
     assert run_tool("--input", src, "--output-prefix", prefix, "--tokenizer-type", "NullTokenizer",
                     "--vocab-size", 10, "--workers", 1) == 0
+    monkeypatch.setattr(preprocess_data, "CHUNK_BYTES", 1024)  # many chunks
     calls = {"n": 0}
-    real = preprocess_data.Encoder.encode_chunk
+    real = preprocess_data._Progress.update
 
-    def interrupted(self, chunk):
+    def interrupted(self, *a):  # Ctrl-C while the main process appends the second chunk's results
         calls["n"] += 1
         if calls["n"] == 2:
             raise KeyboardInterrupt
-        return real(self, chunk)
+        return real(self, *a)
 
-    monkeypatch.setattr(preprocess_data.Encoder, "encode_chunk", interrupted)
+    monkeypatch.setattr(preprocess_data._Progress, "update", interrupted)
     assert run_tool("--input", src, "--output-prefix", prefix, "--tokenizer-type", "NullTokenizer",
                     "--vocab-size", 10, "--workers", 1) == 130
+    assert calls["n"] == 2
     assert not os.path.exists(f"{prefix}_text_document.idx")
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]

@@ -1,15 +1,11 @@
 """The preprocessing progress: a byte-counting tqdm bar on a terminal, log lines otherwise, one summary line."""
-import importlib.util
 import io
 import os
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if "preprocess_data" not in sys.modules:  # the script under tools/, loaded as a module (workers unpickle by name)
-    _spec = importlib.util.spec_from_file_location("preprocess_data", os.path.join(REPO, "tools", "preprocess_data.py"))
-    sys.modules["preprocess_data"] = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(sys.modules["preprocess_data"])
-preprocess_data = sys.modules["preprocess_data"]
+import preprocess_tool
+
+preprocess_data = preprocess_tool.load()
 
 
 class _Terminal(io.StringIO):
@@ -41,3 +37,24 @@ def test_log_lines_without_a_terminal(monkeypatch):
     assert [line.split(" (")[0] for line in lines] == ["[partition 1] processed 3 documents",
                                                       "[partition 1] processed 6 documents",
                                                       "[partition 1] processed 7 documents"]
+
+
+def test_bar_counts_the_input_bytes_with_small_chunks(tmp_path, monkeypatch):
+    for i, (sep, end) in enumerate((("\n", "\n"), ("\r\n", "\r\n"), ("\n", ""))):  # the last: no final newline
+        (tmp_path / f"{i}.jsonl").write_bytes((sep.join(f'{{"text": "{k} {i}"}}' for k in range(40)) + end).encode())
+    total = sum(os.path.getsize(tmp_path / f"{i}.jsonl") for i in range(3))
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    monkeypatch.setattr(preprocess_data, "CHUNK_BYTES", 50)
+    seen = []
+    real = preprocess_data._Progress.report
+
+    def report(self, final=False):
+        if final:
+            seen.append((self.bar.n, self.bar.total, self.bytes, self.docs))
+        return real(self, final)
+
+    monkeypatch.setattr(preprocess_data._Progress, "report", report)
+    assert preprocess_data.main(["--input", str(tmp_path / "*.jsonl"), "--output-prefix", str(tmp_path / "o"),
+                                 "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--workers", "2"]) == 0
+    assert seen == [(total, total, total, 120)]
+    assert "100%" in sys.stderr.getvalue()
