@@ -1,16 +1,18 @@
 #!/usr/bin/env python
 """Data pipeline measurements, each next to its limit or peer in the same run; prints ratios.
 
-1. preprocess throughput (tools/preprocess_data.py on the bundled corpus repeated 16 times, JSON parsing and
-   .bin/.idx writing included) vs the same tokenizer's fastest batched encode (tokenize_batch_flat) of the same
-   texts already parsed and held by the same number of forked workers (the limit); limit and tool runs
-   alternate, best of --repeat each; then the 2-worker tool against the 1-worker limit, and one worker's stages;
+1. preprocess throughput (tools/preprocess_data.py on the bundled corpus repeated ``--corpus-repeat`` times (64:
+   124 MB), JSON parsing and .bin/.idx writing included) vs the same tokenizer's fastest batched encode
+   (tokenize_batch_flat) of the same texts already parsed and held by the same number of forked workers (the
+   limit); limit and tool runs alternate, best of --repeat each; then the 2-worker tool against the 1-worker
+   limit, and one worker's stages;
 2. random sample reads through GPTDataset.get_batch (tokens, labels, masks; batches of 32) vs raw numpy.memmap
    reads of the same bytes into the same batch array: per-sample slices at random offsets, and one contiguous
    slice (the memory-bandwidth bound); also the per-sample dataset[i] path;
 3. sample-index build for 1e9 tokens: ours (C++) vs megatron-core's compiled helper (the peer).
 
     python benchmarks/bench_data.py [--workers 1 2] [--seq-length 2048] [--only preprocess] [--repeat 3]
+        [--corpus-repeat 64]
 """
 import argparse
 import importlib.util
@@ -53,21 +55,21 @@ def best_of(fn, repeat=3):
     return min(times)
 
 
-def bench_preprocess(workers_list, out_dir, repeat=3):
+def bench_preprocess(workers_list, out_dir, repeat=3, corpus_repeat=64):
     global _TOK, _CHUNKS
     vocab, merges = gpt2_files()
     _TOK = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
-    # the bundled corpus repeated 16 times (~31 MB): the fixed start-up (tokenizer files parsed, ~0.2 s) then
-    # weighs a few percent, still far more than on a real multi-GB corpus
+    # the bundled corpus repeated 64 times by default (~125 MB): the fixed start-up (tokenizer files parsed, ~0.2 s)
+    # then weighs ~2% of a run (more than on a real multi-GB corpus; the stages line reports it on its own)
     corpus = os.path.join(out_dir, "corpus.jsonl")
     with open(CORPUS, encoding="utf-8") as f:
         lines = f.readlines()
     with open(corpus, "w", encoding="utf-8") as f:
-        f.writelines(lines * 16)
+        f.writelines(lines * corpus_repeat)
     # the limit: the same texts, already parsed and held by the (forked) workers, in chunks of the tool's
     # CHUNK_BYTES of input lines, through the tokenizer's fastest batched encode; nothing read, parsed or written
     _CHUNKS, chunk, size = [], [], 0
-    for line in lines * 16:
+    for line in lines * corpus_repeat:
         chunk.append(json.loads(line)["text"])
         size += len(line.encode("utf-8"))
         if size >= preprocess_data.CHUNK_BYTES:
@@ -236,12 +238,14 @@ def main():
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--seq-length", type=int, default=2048)
     parser.add_argument("--repeat", type=int, default=3, help="preprocess: alternating runs of limit and tool")
+    parser.add_argument("--corpus-repeat", type=int, default=64,
+                        help="preprocess: the bundled corpus (1.94 MB) repeated this many times")
     parser.add_argument("--only", choices=["preprocess", "reads", "index"], default=None,
                         help="run one part (reads still preprocess the corpus once, untimed when alone)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as out_dir:
         if args.only in (None, "preprocess"):
-            prefix, _ = bench_preprocess(args.workers, out_dir, args.repeat)
+            prefix, _ = bench_preprocess(args.workers, out_dir, args.repeat, args.corpus_repeat)
             if not os.path.exists(prefix + ".idx"):
                 prefix = os.path.join(out_dir, f"bench{args.workers[0]}_text_document")
         if args.only in (None, "reads"):

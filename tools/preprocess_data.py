@@ -27,7 +27,7 @@ import queue
 import re
 import sys
 import time
-from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy
 
@@ -275,9 +275,19 @@ class Encoder:
         """{"lines", "bytes", "docs", "skipped": [(line index in the task, message)], "keys": {key: (tokens,
         sequence lengths, sequences per document)}} or, for a bad line without --skip-bad-lines,
         {"lines", "bytes", "error": (line index, message)}."""
+        out, docs = self.parse_task(task)
+        if "error" not in out:
+            out["keys"] = self.tokenize_docs(docs)
+        return out
+
+    def parse_task(self, task: Task) -> Tuple[dict, List[Dict[str, List[str]]]]:
+        """The first half of :meth:`encode_task`: its dict without "keys", and the parsed documents."""
         args = self.args
         data = self.read(task)
-        lines = data.split(b"\n")
+        try:  # one decode for the whole task; a task with invalid UTF-8 is parsed line by line from its bytes
+            lines = data.decode("utf-8").split("\n")
+        except UnicodeDecodeError:
+            lines = data.split(b"\n")
         if not lines[-1]:
             lines.pop()  # the text after the last newline (empty unless the file ends without one)
         bad: List[Tuple[int, str]] = []
@@ -286,21 +296,25 @@ class Encoder:
             msg = self._parse(line, docs)
             if msg is None:
                 continue
-            if msg.startswith("invalid JSON"):  # the message as for the line with its newline (positions)
-                msg = self._parse(line + b"\n" if i < len(lines) - 1 or data.endswith(b"\n") else line, [])
+            if msg.startswith("invalid JSON"):  # the message as for the line's bytes with their newline (positions)
+                raw = line if isinstance(line, bytes) else line.encode("utf-8", "surrogatepass")
+                msg = self._parse(raw + b"\n" if i < len(lines) - 1 or data.endswith(b"\n") else raw, [])
             if not args.skip_bad_lines:
-                return {"lines": len(lines), "bytes": len(data), "error": (i, msg)}
+                return {"lines": len(lines), "bytes": len(data), "error": (i, msg)}, []
             bad.append((i, msg))
-        out = {"lines": len(lines), "bytes": len(data), "docs": len(docs), "skipped": bad, "keys": {}}
-        for key in args.json_keys:
-            out["keys"][key] = self._tokenize([doc[key] for doc in docs])
-        return out
+        return {"lines": len(lines), "bytes": len(data), "docs": len(docs), "skipped": bad}, docs
 
-    def _parse(self, line: bytes, docs: List[Dict[str, List[str]]]) -> Optional[str]:
+    def tokenize_docs(self, docs: List[Dict[str, List[str]]]) -> dict:
+        """The second half of :meth:`encode_task`: {key: (tokens, sequence lengths, sequences per document)}."""
+        return {key: self._tokenize([doc[key] for doc in docs]) for key in self.args.json_keys}
+
+    def _parse(self, line: Union[str, bytes], docs: List[Dict[str, List[str]]]) -> Optional[str]:
         """Appends the line's document to ``docs``; returns what is wrong with the line instead, if anything."""
         args = self.args
-        if not line.strip():
+        if not (line.strip(" \t\n\r\x0b\x0c") if isinstance(line, str) else line.strip()):  # ASCII space only
             return "empty line (expected a JSON object)"
+        if isinstance(line, str) and (line[:1] == "\ufeff" or "\x00" in line[:4]):
+            line = line.encode("utf-8")  # json's own encoding detection (a BOM, UTF-16/32) works on the bytes
         try:
             data = json.loads(line)
         except (ValueError, UnicodeDecodeError) as err:

@@ -163,3 +163,29 @@ def test_bad_line_numbers_exact_with_small_chunks(tmp_path, capfd, small_chunks)
         assert sorted(x for x in warned if "bad line(s)" not in x) == bad  # partitions print side by side
         ds = IndexedDataset(f"{prefix}_text_document")
         assert len(ds.document_indices) - 1 == 30 + 21 - 4
+
+
+def test_decoded_task_parses_like_each_lines_bytes(tmp_path):
+    """A task is decoded once and parsed as text; every line gets the verdict json gives its own bytes: a UTF-8
+    BOM, a UTF-16 line, non-ASCII whitespace only, a NUL, invalid UTF-8 (the task falls back to bytes), CRLF."""
+    args = preprocess_data.get_parser().parse_args(
+        ["--input", "x", "--output-prefix", "x", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+         "--workers", "1", "--skip-bad-lines"])
+    enc = preprocess_data.Encoder(args)
+    lines = [b'\xef\xbb\xbf{"text": "bom"}', '{"text": "utf16"}'.encode("utf-16-le"), "\u00a0\u2028".encode(),
+             b'{"text": "a\x00b"}', b'\x00{"text": 1}', b'{"text": "crlf"}\r', b'["list"]', b'{"text": "ok"}']
+    for invalid_utf8 in ([], [b'{"text": "bad \xff"}', '{"text": "bom16"}'.encode("utf-16")]):
+        chosen = lines + invalid_utf8
+        data = b"\n".join(chosen) + b"\n"
+        path = tmp_path / "t.jsonl"
+        path.write_bytes(data)
+        out, docs = enc.parse_task(preprocess_data.Task(str(path), 0, len(data), None))
+        expected_docs, expected_bad = [], []
+        for i, line in enumerate(chosen):
+            msg = enc._parse(line, expected_docs)
+            if msg is not None and msg.startswith("invalid JSON"):
+                msg = enc._parse(line + b"\n", [])
+            if msg is not None:
+                expected_bad.append((i, msg))
+        assert out["skipped"] == expected_bad and docs == expected_docs and out["lines"] == len(chosen)
+        assert len(expected_bad) >= 4  # the test covers rejected lines as well as accepted ones
