@@ -204,10 +204,13 @@ def profile(name, step, rows=15):
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprofile
     step()
-    with tprofile(activities=[ProfilerActivity.CPU]) as prof:
+    with tprofile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         step()
     print(f"\n--- profile: {name} (one fwd+bwd, top {rows} ops by self CPU time) ---")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=48))
+    print(f"--- profile: {name}, by input shapes ---")
+    print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=rows,
+                                                             max_name_column_width=32, max_shapes_column_width=60))
 
 
 # ---- main -------------------------------------------------------------------------------------------------
