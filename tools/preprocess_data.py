@@ -277,7 +277,7 @@ class Encoder:
         {"lines", "bytes", "error": (line index, message)}."""
         out, docs = self.parse_task(task)
         if "error" not in out:
-            out["keys"] = self.tokenize_docs(docs)
+            out["keys"] = {key: self._tokenize([doc[key] for doc in docs]) for key in self.args.json_keys}
         return out
 
     def parse_task(self, task: Task) -> Tuple[dict, List[Dict[str, List[str]]]]:
@@ -297,16 +297,12 @@ class Encoder:
             if msg is None:
                 continue
             if msg.startswith("invalid JSON"):  # the message as for the line's bytes with their newline (positions)
-                raw = line if isinstance(line, bytes) else line.encode("utf-8", "surrogatepass")
+                raw = line if isinstance(line, bytes) else line.encode("utf-8")
                 msg = self._parse(raw + b"\n" if i < len(lines) - 1 or data.endswith(b"\n") else raw, [])
             if not args.skip_bad_lines:
                 return {"lines": len(lines), "bytes": len(data), "error": (i, msg)}, []
             bad.append((i, msg))
         return {"lines": len(lines), "bytes": len(data), "docs": len(docs), "skipped": bad}, docs
-
-    def tokenize_docs(self, docs: List[Dict[str, List[str]]]) -> dict:
-        """The second half of :meth:`encode_task`: {key: (tokens, sequence lengths, sequences per document)}."""
-        return {key: self._tokenize([doc[key] for doc in docs]) for key in self.args.json_keys}
 
     def _parse(self, line: Union[str, bytes], docs: List[Dict[str, List[str]]]) -> Optional[str]:
         """Appends the line's document to ``docs``; returns what is wrong with the line instead, if anything."""

@@ -4,12 +4,13 @@ first iteration, :meth:`Checkpointer.save` whenever the training loop decides (`
 conditions of :mod:`megatronish.training.exit`), :meth:`Checkpointer.finish` after the loop. When to save and
 when to stop is the training loop's business; this module only saves and loads.
 
-Asynchronous saves (``--async-save``): the rank's pieces are copied into host staging buffers allocated by the
-first save and reused by every later one (page-locked on CUDA; :class:`~.state.StagingBuffers`), the training
-loop then resumes, and a background thread writes them through DCP on the parallel context's gloo ``io`` group;
-rank 0 replaces the tracker once DCP reports every rank's files complete. Each iteration the ranks agree (one small
-all-reduce) whether the save finished or failed, so an error surfaces at the same iteration everywhere; the next
-save or the exit waits for the previous one (the staging buffers are not touched while a write reads them).
+Asynchronous saves (``--async-save``): the rank's pieces are copied into host staging buffers allocated at
+set-up (or by the first save) and reused by every later one (page-locked on CUDA; :class:`~.state.StagingBuffers`),
+the training loop then resumes, and a background thread writes them through DCP on the parallel context's gloo
+``io`` group; rank 0 replaces the tracker once DCP reports every rank's files complete. Each iteration the ranks
+agree (one small all-reduce) whether the save finished or failed, so an error surfaces at the same iteration
+everywhere; the next save or the exit waits for the previous one (the staging buffers are not touched while a write
+reads them).
 """
 from __future__ import annotations
 

@@ -48,10 +48,10 @@ def vocab_partition(logits: torch.Tensor, vocab_size: int | None, group) -> tupl
 _CACHE_BYTES = 1 << 22  # a row chunk of the softmax buffer that stays in cache between its passes (4 MiB)
 
 
-def _cache_chunks(rows: int, part: int):
-    """Row ranges of about ``_CACHE_BYTES`` of fp32 logits each (one range under ``torch.compile``: inductor fuses
-    the passes itself, and a Python loop would be unrolled into the graph)."""
-    step = rows if torch.compiler.is_compiling() else max(1, _CACHE_BYTES // (4 * max(part, 1)))
+def _row_chunks(rows: int, part: int, elements: int):
+    """Row ranges of at most ``elements`` logits each (at least one row; one range under ``torch.compile``:
+    inductor fuses the passes itself, and a Python loop would be unrolled into the graph)."""
+    step = rows if torch.compiler.is_compiling() else max(1, elements // max(part, 1))
     for lo in range(0, rows, step):
         yield lo, min(rows, lo + step)
 
@@ -90,7 +90,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         sum_exp = torch.zeros_like(predicted)
         sum_logits = torch.zeros_like(predicted) if label_smoothing > 0 else None
         if n_valid > 0:
-            for lo, hi in _cache_chunks(rows, part):
+            for lo, hi in _row_chunks(rows, part, _CACHE_BYTES // 4):
                 x, buf, m = flat[lo:hi, :n_valid], exp[lo:hi, :n_valid], logits_max[lo:hi]
                 if world == 1:
                     m.copy_(x.amax(dim=-1))
@@ -141,12 +141,6 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
 _CHUNK_ELEMENTS = 1 << 22  # fp32 temporaries per step: at most this many logits (16 MiB)
 
 
-def _row_chunks(rows: int, part: int):
-    step = max(1, _CHUNK_ELEMENTS // max(part, 1))
-    for lo in range(0, rows, step):
-        yield lo, min(rows, lo + step)
-
-
 class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
     """Forward walks the tokens in chunks (fp32 temporaries of one chunk at a time) and keeps, per token, only the
     global max and sum of exponentials; backward recomputes the softmax chunk by chunk and writes the gradient
@@ -168,7 +162,7 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
         local_target = (tgt - start).masked_fill(outside, 0)
 
         logits_max = torch.empty(rows, dtype=torch.float32, device=logits.device)
-        for lo, hi in _row_chunks(rows, part):
+        for lo, hi in _row_chunks(rows, part, _CHUNK_ELEMENTS):
             x = flat[lo:hi].to(torch.float32, copy=True)
             if valid is not None:
                 x = x.masked_fill_(~valid, float("-inf"))
@@ -178,7 +172,7 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
         predicted = torch.empty(rows, dtype=torch.float32, device=logits.device)
         sum_exp = torch.empty_like(predicted)
         sum_logits = torch.empty_like(predicted) if label_smoothing > 0 else None
-        for lo, hi in _row_chunks(rows, part):
+        for lo, hi in _row_chunks(rows, part, _CHUNK_ELEMENTS):
             x = flat[lo:hi].to(torch.float32, copy=True).sub_(logits_max[lo:hi, None])
             if valid is not None:
                 x = x.masked_fill_(~valid, float("-inf"))
@@ -200,7 +194,7 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
         g = grad_loss.reshape(-1).float()
         hit = (~outside).float() * (1.0 - ctx.smoothing)
         delta = ctx.smoothing / ctx.total_vocab
-        for lo, hi in _row_chunks(grad.size(0), part):
+        for lo, hi in _row_chunks(grad.size(0), part, _CHUNK_ELEMENTS):
             x = grad[lo:hi].float().sub_(logits_max[lo:hi, None])
             if valid is not None:
                 x = x.masked_fill_(~valid, float("-inf"))
