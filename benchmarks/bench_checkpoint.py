@@ -6,7 +6,8 @@
    the defaults give a 537 MB checkpoint), an AdamW optimizer with state (one step) and the LR schedule, loaded
    into the same model (DCP plans, reads into the parameters and optimizer state), and ``dcp_io.save`` / ``load``
    alone on a ``--state-mb`` state of fp32 row blocks. The limit is measured in the same run on the same disk:
-   every rank writing a raw file of its own checkpoint file's byte count at the same time (8 MiB writes, fsync)
+   every rank writing a raw file of its own checkpoint file's byte count at the same time, two ways (``dd bs=8M
+   conv=fsync`` through the page cache, and the same with ``oflag=direct``; the save is compared with the faster)
    and reading it back. Before every read both the checkpoint files and the raw files are dropped from the page
    cache (``posix_fadvise DONTNEED``), so both reads come from the disk (or whatever cache the disk has below the
    OS); the checkpoint and the raw file alternate which is timed first. Median of ``--reps``.
@@ -20,6 +21,7 @@
         [--only throughput|ranks|blocking]
 """
 import argparse
+import mmap
 import os
 import shutil
 import statistics
@@ -89,6 +91,7 @@ def dir_bytes(path):
 
 
 def raw_write(path, nbytes):
+    """``dd bs=8M conv=fsync``: page-cache writes of one 8 MiB buffer, fsync."""
     buf = os.urandom(CHUNK)
     t0 = time.perf_counter()
     with open(path, "wb", buffering=0) as f:
@@ -96,6 +99,30 @@ def raw_write(path, nbytes):
         while left > 0:
             left -= f.write(memoryview(buf)[: min(CHUNK, left)])
         os.fsync(f.fileno())
+    return time.perf_counter() - t0
+
+
+def raw_direct_write(path, nbytes):
+    """``dd bs=8M oflag=direct conv=fsync``: O_DIRECT writes of one page-aligned 8 MiB buffer (the unaligned tail
+    through the page cache), fsync. None where the file system refuses O_DIRECT."""
+    buf = mmap.mmap(-1, CHUNK)
+    buf.write(os.urandom(CHUNK))
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        try:
+            direct = os.open(path, os.O_WRONLY | getattr(os, "O_DIRECT", 0))
+        except OSError:
+            return None
+        aligned, done = nbytes - nbytes % 4096, 0
+        while done < aligned:
+            done += os.pwrite(direct, memoryview(buf)[: min(CHUNK, aligned - done)], done)
+        os.close(direct)
+        while done < nbytes:
+            done += os.pwrite(fd, memoryview(buf)[: nbytes - done], done)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     return time.perf_counter() - t0
 
 
@@ -110,7 +137,7 @@ def raw_read(path):
 def _checkpointer_side(a, root, rank, world):
     """``Checkpointer.save`` / ``.load`` of the model (TP = ``world``), an AdamW optimizer with state (one step)
     and the LR schedule; the load goes into the same model (DCP plans, reads into the parameters and optimizer
-    state). Returns (save, load, this rank's checkpoint bytes, check, description)."""
+    state). Returns (save, clear (zeroes the values a load restores; untimed), load, check, description)."""
     tp = ["--tensor-model-parallel-size", str(world)] if world > 1 else []
     ck_root = os.path.join(root, f"ck_{world}")
     cfg = configs_from_args(parse_args(flags(a, tp + ["--save", ck_root, "--load", ck_root])), world)
@@ -136,11 +163,13 @@ def _checkpointer_side(a, root, rank, world):
         dist.barrier()  # rank 0 writes the tracker after every rank's files are complete
         return os.path.join(ck_root, f"iter_{rep[0]:07d}")
 
-    def load(_):
+    def clear():  # untimed: the load must put the values back
         ck._on_disk = None
         with torch.no_grad():
             for p in params:
                 p.zero_()
+
+    def load(_):
         ck.load(TrainState())
 
     def check():
@@ -148,7 +177,7 @@ def _checkpointer_side(a, root, rank, world):
 
     what = (f"Checkpointer, {n_params / 1e6:.1f} M-param model (TP {world}) + Adam exp_avg, exp_avg_sq + JSON "
             "state")
-    return save, load, check, what
+    return save, clear, load, check, what
 
 
 def _storage_side(a, root, rank, world):
@@ -170,15 +199,17 @@ def _storage_side(a, root, rank, world):
         dcp_io.save(state, path)
         return path
 
-    def load(path):
+    def clear():
         for t in target.values():
             t.pieces[0].tensor.zero_()
+
+    def load(path):
         dcp_io.load(target, path)
 
     def check():
         assert all(torch.equal(target[k].pieces[0].tensor, state[k].pieces[0].tensor) for k in state)
 
-    return save, load, check, "dcp_io alone, fp32 row blocks"
+    return save, clear, load, check, "dcp_io alone, fp32 row blocks"
 
 
 def _rank_io(rank, world, port, root, a, side, out):
@@ -186,16 +217,17 @@ def _rank_io(rank, world, port, root, a, side, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1 if world > 1 else max(1, os.cpu_count() or 1))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    save, load, check, what = side(a, root, rank, world)
+    save, clear, load, check, what = side(a, root, rank, world)
     raw = os.path.join(root, f"raw_{rank}.bin")
-    times = {"save": [], "load": [], "write": [], "read": []}
+    times = {"save": [], "load": [], "write": [], "dwrite": [], "read": []}
 
     def timed(key, fn):
         dist.barrier()
         t0 = time.perf_counter()
         result = fn()
         dist.barrier()
-        times[key].append(time.perf_counter() - t0)
+        if not (key == "dwrite" and result is None):  # None: O_DIRECT refused by the file system
+            times[key].append(time.perf_counter() - t0)
         return result
 
     warm = save(None)  # one untimed round of each: lazy set-up is not the disk
@@ -207,12 +239,16 @@ def _rank_io(rank, world, port, root, a, side, out):
         shutil.rmtree(warm)
     for rep in range(a.reps):
         # the disk's own speed and ours alternate which goes first (a VM disk's host cache favours recent data)
-        first, second = (("save", "write"), ("load", "read")) if rep % 2 == 0 else (("write", "save"), ("read", "load"))
+        first, second = (("save", "write", "dwrite"), ("load", "read")) if rep % 2 == 0 else \
+            (("dwrite", "write", "save"), ("read", "load"))
         ck = None
+        writers = {"write": raw_write, "dwrite": raw_direct_write}
         for key in first:
-            result = timed(key, (lambda: save(None)) if key == "save" else (lambda: raw_write(raw, nbytes)))
+            result = timed(key, (lambda: save(None)) if key == "save" else (lambda: writers[key](raw, nbytes)))
             ck = result if key == "save" else ck
         for key in second:
+            if key == "load":
+                clear()
             drop_cache(raw)
             if rank == 0:
                 drop_cache(ck)
@@ -223,7 +259,7 @@ def _rank_io(rank, world, port, root, a, side, out):
             total = dir_bytes(ck)
             shutil.rmtree(ck)
     if rank == 0:
-        out.put((total, what, {k: statistics.median(v) for k, v in times.items()}))
+        out.put((total, what, {k: statistics.median(v) if v else None for k, v in times.items()}))
     dist.destroy_process_group()
 
 
@@ -250,8 +286,10 @@ def io_throughput(a, root, sides):
                 p.join()
             gb = total / 1e9
             print(f"{name}: {world} rank(s), {total / 1e6:.0f} MB checkpoint ({what}), median of {a.reps}")
-            print(f"  save  {gb / t['save']:6.3f} GB/s   raw write, same bytes per rank {gb / t['write']:6.3f} GB/s   "
-                  f"ratio {t['write'] / t['save']:.2f}")
+            disk = min(t["write"], t.get("dwrite") or t["write"])  # the faster of the two raw writes
+            direct = f"{gb / t['dwrite']:6.3f}" if t.get("dwrite") else "   n/a"
+            print(f"  save  {gb / t['save']:6.3f} GB/s   raw write, same bytes per rank: page cache "
+                  f"{gb / t['write']:6.3f} GB/s, O_DIRECT {direct} GB/s   ratio to the faster {disk / t['save']:.2f}")
             print(f"  load  {gb / t['load']:6.3f} GB/s   raw read, same bytes per rank  {gb / t['read']:6.3f} GB/s   "
                   f"ratio {t['read'] / t['load']:.2f}")
 

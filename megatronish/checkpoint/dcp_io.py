@@ -25,13 +25,16 @@ import errno
 import io
 import json
 import math
+import mmap
 import os
 import pickle
 import queue
 import signal
+import struct
 import threading
 import time
 import warnings
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -464,16 +467,18 @@ _LAYOUTS: dict[bytes, tuple | None] = {}
 
 
 def _stored_layout(pickled: bytes):
-    """``(dtype, shape)`` of the tensor an item's ``data.pkl`` describes when it is contiguous, starts at offset 0
-    and fills its one storage exactly; else None. Unpickled weights-only onto the meta device (no data read)."""
+    """``(dtype, shape, storage key)`` of the tensor an item's ``data.pkl`` describes when it is contiguous, starts
+    at offset 0 and fills its one storage exactly; else None. Unpickled weights-only onto the meta device (no data
+    read)."""
     if pickled in _LAYOUTS:
         return _LAYOUTS[pickled]
-    sizes = []
+    sizes, keys = [], []
 
     def persistent_load(saved_id):
-        _, storage_type, _key, _location, numel = saved_id
+        _, storage_type, key, _location, numel = saved_id
         dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
         sizes.append(numel * dtype.itemsize)
+        keys.append(str(key))
         return torch.storage.TypedStorage(wrap_storage=torch.UntypedStorage(numel * dtype.itemsize, device="meta"),
                                           dtype=dtype, _internal=True)
 
@@ -484,25 +489,68 @@ def _stored_layout(pickled: bytes):
         t = unpickler.load()
         if isinstance(t, torch.Tensor) and len(sizes) == 1 and t.is_contiguous() and t.storage_offset() == 0 \
                 and sizes[0] == t.numel() * t.element_size():
-            layout = (t.dtype, tuple(t.shape))
+            layout = (t.dtype, tuple(t.shape), keys[0])
     except Exception:
         layout = None
     _LAYOUTS[pickled] = layout
     return layout
 
 
+_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # a zip local file header (30 bytes)
+_DESCRIPTOR = struct.Struct("<4sIII")  # the data descriptor after a record whose local header has no sizes
+
+
+def _head_records(head: bytes) -> dict[str, tuple[int, int | None]]:
+    """``{name: (data offset, size or None)}`` of the stored zip records whose local headers lie in ``head``, the
+    first bytes of a ``torch.save`` archive, walked in order. ``torch.save`` puts each record's sizes in a data
+    descriptor after its data; a descriptor is taken only where its sizes equal the distance from the data and its
+    CRC-32 matches the bytes (so a chance ``PK\\x07\\x08`` inside the data is skipped). The size is None for the
+    record whose descriptor lies past ``head`` (the walk stops there). Empty for a compressed record."""
+    out, pos = {}, 0
+    while pos + _LOCAL_HEADER.size <= len(head):
+        sig, _ver, flags, method, _t, _d, crc, csize, _usize, nlen, elen = _LOCAL_HEADER.unpack_from(head, pos)
+        if sig != b"PK\x03\x04":
+            break
+        if method != 0:
+            return {}
+        start = pos + _LOCAL_HEADER.size
+        name = head[start:start + nlen].decode("utf-8", "replace")
+        data = start + nlen + elen
+        if data > len(head):
+            break
+        if not flags & 0x08:  # sizes in the local header
+            out[name] = (data, csize)
+            pos = data + csize
+            continue
+        q = head.find(b"PK\x07\x08", data)
+        while q >= 0 and q + _DESCRIPTOR.size <= len(head):
+            _, crc, csize, usize = _DESCRIPTOR.unpack_from(head, q)
+            if csize == usize == q - data and zlib.crc32(head[data:q]) == crc:
+                break
+            q = head.find(b"PK\x07\x08", q + 1)
+        else:
+            out[name] = (data, None)
+            break
+        out[name] = (data, q - data)
+        pos = q + _DESCRIPTOR.size
+    return out
+
+
 def _read_into(f, info, item: ReadItem, target: torch.Tensor) -> bool:
     """Read the requested block of a stored chunk straight into ``target``; False when it is not one contiguous
-    byte range of a plain contiguous chunk (the caller then takes the general path)."""
+    byte range of a plain contiguous chunk (the caller then takes the general path). The archive's records are
+    found from its first 4 KiB (its local headers) when they are all there, so the file is read front to back;
+    else from its central directory at the end."""
     if target.device.type != "cpu" or not target.is_contiguous():
         return False
-    archive = torch._C.PyTorchFileReader(_EndsView(f.fileno(), info.offset, info.length))
-    records = [r for r in archive.get_all_records() if r.startswith("data/")]
-    if len(records) != 1 or not archive.has_record("data.pkl"):
+    head = _pread_exact(f.fileno(), info.offset, min(info.length, _EndsView.END))
+    found = _from_head(head, info.length)
+    if found is None:
+        found = _from_directory(_EndsView(f.fileno(), info.offset, info.length, head))
+    if found is None:
         return False
-    layout = _stored_layout(archive.get_record("data.pkl"))
-    if layout is None or layout[0] != target.dtype or archive.get_record_size(records[0]) \
-            != math.prod(layout[1]) * target.element_size():
+    layout, data_offset, data_size = found
+    if layout[0] != target.dtype or data_size != math.prod(layout[1]) * target.element_size():
         return False
     shape, starts, lengths = layout[1], list(item.storage_offsets), list(item.lengths)
     if len(shape) != len(lengths) or tuple(lengths) != tuple(target.shape):
@@ -514,22 +562,54 @@ def _read_into(f, info, item: ReadItem, target: torch.Tensor) -> bool:
     first = sum(starts[d] * math.prod(shape[d + 1:]) for d in range(len(shape)))
     nbytes = target.numel() * target.element_size()
     if nbytes:
-        offset = info.offset + archive.get_record_offset(records[0]) + first * target.element_size()
+        offset = info.offset + data_offset + first * target.element_size()
         _preadv_exact(f.fileno(), memoryview(target.reshape(-1).view(torch.uint8).numpy()), offset)
     return True
+
+
+def _from_head(head: bytes, length: int):
+    """``(layout, data offset, data size)`` from the archive's local headers in ``head`` (see :func:`_read_into`),
+    or None."""
+    records = _head_records(head)
+    pickles = [n for n in records if n.endswith("/data.pkl")]
+    if len(pickles) != 1:
+        return None
+    start, size = records[pickles[0]]
+    if size is None:
+        return None
+    layout = _stored_layout(head[start:start + size])
+    if layout is None:
+        return None
+    data = records.get(pickles[0][:-len("data.pkl")] + "data/" + layout[2])
+    nbytes = math.prod(layout[1]) * layout[0].itemsize
+    if data is None or data[1] not in (None, nbytes) or data[0] + nbytes > length:
+        return None
+    return layout, data[0], nbytes
+
+
+def _from_directory(view: "_EndsView"):
+    """``(layout, data offset, data size)`` through the archive's central directory, or None."""
+    archive = torch._C.PyTorchFileReader(view)
+    records = [r for r in archive.get_all_records() if r.startswith("data/")]
+    if len(records) != 1 or not archive.has_record("data.pkl"):
+        return None
+    layout = _stored_layout(archive.get_record("data.pkl"))
+    if layout is None:
+        return None
+    return layout, archive.get_record_offset(records[0]), archive.get_record_size(records[0])
 
 
 class _EndsView(io.RawIOBase):
     """One stored item as a seekable file whose first and last 4 KiB (the zip records ``torch.load`` parses) are
     read with one read each; other ranges are read from the file when asked."""
 
-    _END = 4096
+    END = 4096
 
-    def __init__(self, fd: int, offset: int, length: int):
+    def __init__(self, fd: int, offset: int, length: int, head: bytes | None = None):
         super().__init__()
         self.fd, self.offset, self.length, self.pos = fd, offset, length, 0
-        n = min(length, self._END)
-        self.head = _pread_exact(fd, offset, n)
+        n = min(length, self.END)
+        self.head = _pread_exact(fd, offset, n) if head is None else head
         self.tail_start = length - n
         self.tail = _pread_exact(fd, offset + self.tail_start, n)
 
@@ -629,38 +709,171 @@ def _inject_fault(kind: str) -> None:
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
+DIRECT_IO = True  # write checkpoint files with O_DIRECT where the file system allows it (tests turn it off)
+_ALIGN = 4096  # O_DIRECT: buffer address, file offset and length in multiples of this
+
+
+class _BouncePool:
+    """Page-aligned host blocks that O_DIRECT writes go out of, allocated on first use and kept for every later
+    save of the process (their pages stay resident: a first touch of fresh memory costs a page fault per page, and
+    in a virtual machine that returns freed memory to its host, one on the host as well). A process forked later
+    shares them copy-on-write, which costs one fault per page of these 16 MiB at the first save after the fork
+    (marking them ``MADV_DONTFORK`` instead would leave a forked child with pool objects whose memory it does not
+    have)."""
+
+    COUNT = 4
+
+    def __init__(self, block: int = 4 << 20):
+        self.block = block  # a multiple of _ALIGN
+        self.lock = threading.Lock()
+        self.free: list[mmap.mmap] = []
+
+    def take(self, n: int) -> list:
+        with self.lock:
+            got, self.free = self.free[:n], self.free[n:]
+        while len(got) < n:
+            # private: a forked process gets its own copy of a page when either side writes it
+            block = mmap.mmap(-1, self.block, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            block.write(bytes(self.block))  # resident now, not in the middle of a save
+            got.append(block)
+        return got
+
+    def give(self, blocks: list) -> None:
+        with self.lock:
+            self.free.extend(blocks)
+
+
+_BOUNCE = _BouncePool()
+
+
+def _open_direct(path: str) -> int | None:
+    """A second descriptor of ``path`` opened with ``O_DIRECT``, or None where that is off, unknown to the OS, or
+    refused by the file system (tmpfs, some FUSE and network mounts)."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not DIRECT_IO or not flag:
+        return None
+    try:
+        return os.open(path, os.O_WRONLY | flag)
+    except OSError:
+        return None
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> int:
+    """Write ``view`` at ``offset``; returns the bytes written (all of them, or fewer only when a write of an
+    O_DIRECT descriptor stopped at a point the rest cannot continue from)."""
+    done = 0
+    while done < len(view):
+        n = os.pwrite(fd, view[done:], offset + done)
+        if n <= 0:
+            raise OSError(errno.EIO, f"write returned {n}")
+        done += n
+    return done
+
+
 class _OrderedFile:
-    """A write-only file whose writes happen in order on one background thread.
+    """A write-only file whose bytes reach the disk in order on background threads, with one fsync at the end.
 
-    Writes of at least ``DIRECT`` bytes that lie inside a tensor handed to :meth:`lend` are queued as they are (no
-    copy; the tensor is kept until :meth:`sync`); smaller writes are gathered into ``GATHER``-byte blocks."""
+    Writes of at least ``LENT`` bytes that lie inside a tensor handed to :meth:`lend` are queued as they are (no
+    copy; the tensor is kept until :meth:`sync`); smaller writes are gathered into ``GATHER``-byte blocks. Where
+    the file system takes ``O_DIRECT``, one thread copies the queued bytes into page-aligned blocks
+    (:class:`_BouncePool`) and a second writes each full block with ``O_DIRECT`` (the disk reads it by DMA; no
+    page-cache page is allocated or copied into); the last partial block's unaligned tail goes through the page
+    cache. Elsewhere one thread writes the queued bytes through the page cache. The copy into a block takes the
+    place of the kernel's copy into the page cache: no byte is copied more often than with plain writes."""
 
-    DIRECT = 1 << 18
+    LENT = 1 << 18
     GATHER = 1 << 22
 
     def __init__(self, path: str):
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.direct_fd = _open_direct(path)
         self.pos = 0
         self.small = bytearray()
         self.lent: list[torch.Tensor] = []
         self.queue: queue.Queue = queue.Queue(maxsize=64)
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._drain, name="checkpoint-file-writer", daemon=True)
-        self.thread.start()
+        if self.direct_fd is None:
+            self.threads = [threading.Thread(target=self._drain, name="checkpoint-file-writer", daemon=True)]
+        else:
+            self.pool = _BOUNCE
+            self.blocks = self.pool.take(_BouncePool.COUNT)
+            self.empty: queue.Queue = queue.Queue()
+            for block in self.blocks:
+                self.empty.put(block)
+            self.full: queue.Queue = queue.Queue()
+            self.threads = [threading.Thread(target=self._fill, name="checkpoint-file-copier", daemon=True),
+                            threading.Thread(target=self._write_blocks, name="checkpoint-file-writer",
+                                             daemon=True)]
+        for t in self.threads:
+            t.start()
 
     def _drain(self) -> None:
+        """Page-cache writes of the queued bytes, in order."""
+        offset = 0
         while True:
             buf = self.queue.get()
             if buf is None:
                 return
-            if self.error is not None:
-                continue
+            view = memoryview(buf).cast("B")
+            if self.error is None:
+                try:
+                    _pwrite_all(self.fd, view, offset)
+                except BaseException as e:
+                    self.error = e
+            offset += len(view)
+
+    def _fill(self) -> None:
+        """Copy the queued bytes into aligned blocks, in order; hand each full block (and the last) to the
+        writer thread."""
+        block, fill, offset, size = None, 0, 0, 0
+        while True:
+            buf = self.queue.get()
+            if buf is None:
+                break
+            src = np.frombuffer(buf, dtype=np.uint8)
+            i = 0
+            while i < len(src) and self.error is None:
+                if block is None:
+                    block, fill = self.empty.get(), 0
+                    dst = np.frombuffer(block, dtype=np.uint8)
+                    size = len(dst)
+                n = min(size - fill, len(src) - i)
+                dst[fill:fill + n] = src[i:i + n]
+                fill, i = fill + n, i + n
+                if fill == size:
+                    self.full.put((block, size, offset))
+                    offset += size
+                    block = None
+        if block is not None:
+            self.full.put((block, fill, offset))
+        self.full.put(None)
+
+    def _write_blocks(self) -> None:
+        """``O_DIRECT`` writes of the full blocks; a block's unaligned tail (only the last block has one) through
+        the page cache. A file system that refuses an ``O_DIRECT`` write gets this and every later block through
+        the page cache."""
+        while True:
+            item = self.full.get()
+            if item is None:
+                return
+            block, n, offset = item
             try:
-                view, done = memoryview(buf).cast("B"), 0
-                while done < len(view):
-                    done += os.write(self.fd, view[done:])
+                if self.error is None:
+                    view = memoryview(block)[:n]
+                    done = 0
+                    if self.direct_fd is not None:
+                        try:
+                            done = _pwrite_all(self.direct_fd, view[: n - n % _ALIGN], offset)
+                        except OSError as e:
+                            if e.errno != errno.EINVAL:
+                                raise
+                            os.close(self.direct_fd)
+                            self.direct_fd = None
+                    _pwrite_all(self.fd, view[done:], offset + done)
             except BaseException as e:
                 self.error = e
+            finally:
+                self.empty.put(block)
 
     def lend(self, tensor: torch.Tensor) -> None:
         self.lent.append(tensor)
@@ -676,7 +889,7 @@ class _OrderedFile:
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
         n = len(view)
-        if n >= self.DIRECT and self._inside_lent(view):
+        if n >= self.LENT and self._inside_lent(view):
             self._flush_small()
             self.queue.put(view)
         else:
@@ -697,24 +910,32 @@ class _OrderedFile:
     def flush(self) -> None:
         """Called by ``torch.save`` after each archive; small records keep gathering across archives."""
 
+    def _stop(self) -> None:
+        self.queue.put(None)
+        for t in self.threads:
+            t.join()
+
     def sync(self) -> None:
         """Write everything, fsync, and raise the first write error."""
         self._flush_small()
-        self.queue.put(None)
-        self.thread.join()
+        self._stop()
         if self.error is not None:
             raise self.error
-        os.fsync(self.fd)
+        os.fsync(self.fd)  # the inode: data written either way, and the metadata
 
     def __enter__(self) -> "_OrderedFile":
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.thread.is_alive():  # an exception before sync(): stop the thread, keep the first error
+        if any(t.is_alive() for t in self.threads):  # an exception before sync(): stop the threads, keep the error
             self.small = bytearray()
-            self.queue.put(None)
-            self.thread.join()
+            self.error = self.error or CheckpointError("write abandoned")
+            self._stop()
         self.lent.clear()
+        if self.direct_fd is not None:
+            os.close(self.direct_fd)
+        if hasattr(self, "blocks"):
+            self.pool.give(self.blocks)
         os.close(self.fd)
 
 
@@ -777,15 +998,35 @@ def save(state: dict, iter_dir: str, process_group=None, no_dist: bool = False) 
 
 def load(state: dict, iter_dir: str, process_group=None, no_dist: bool = False, index: Metadata | None = None) -> dict:
     """Fill every :class:`Sharded` piece of ``state`` in place; return the decoded :class:`Obj` entries. ``index``:
-    the directory's index when the caller has already read it with :func:`read_index` and :func:`check_files`."""
+    the directory's index when the caller has already read it with :func:`read_index` and :func:`check_files`.
+
+    Each rank plans and reads its own pieces (a load plan depends only on the rank's entries and the index; DCP's
+    gather and scatter of every rank's plan would add nothing): DCP runs per rank, and over ``process_group`` the
+    ranks then agree in one small all-reduce whether every rank succeeded. On failure every rank raises the same
+    error, the lowest failing rank's."""
     planner = LoadPlanner()
+    error = None
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.load(state, storage_reader=Reader(iter_dir, index), planner=planner, process_group=process_group,
-                     no_dist=no_dist)
+            dcp.load(state, storage_reader=Reader(iter_dir, index), planner=planner, no_dist=True)
     except dcp.api.CheckpointException as e:
-        raise CheckpointError(_first_failure(e, iter_dir, "loading")) from None
+        error = _first_failure(e, iter_dir, "loading")
+    except CheckpointError as e:
+        error = str(e)
+    except Exception as e:  # anything else a rank hit is reported by every rank
+        text = str(e).strip().splitlines()
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        error = f"loading checkpoint {iter_dir} failed on rank {rank}: {type(e).__name__}: {text[-1] if text else ''}"
+    if not no_dist and dist.is_initialized() and dist.get_world_size(process_group) > 1:
+        failed = torch.tensor([0 if error is None else 1], dtype=torch.int64)
+        dist.all_reduce(failed, group=process_group)
+        if failed.item():
+            errors = [None] * dist.get_world_size(process_group)
+            dist.all_gather_object(errors, error, group=process_group)
+            error = next(e for e in errors if e is not None)
+    if error is not None:
+        raise CheckpointError(error)
     return planner.objects
 
 

@@ -106,7 +106,7 @@ def _host_buffer(src: torch.Tensor) -> torch.Tensor:
     nbytes = src.numel() * src.element_size()
     if nbytes == 0 or not hasattr(mmap, "MADV_DONTFORK"):
         return torch.empty(src.shape, dtype=src.dtype)
-    region = mmap.mmap(-1, nbytes)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     region.madvise(mmap.MADV_DONTFORK)
     return torch.frombuffer(region, dtype=torch.uint8).view(src.dtype).view(src.shape)
 

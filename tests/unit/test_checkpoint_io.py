@@ -1,5 +1,7 @@
 """The checkpoint storage layer against DCP's own: the same bytes on disk, bit-exact round trips, and reads of
 any block (row blocks read in place, column blocks and odd layouts through torch.load)."""
+import errno
+import fcntl
 import os
 import warnings
 
@@ -43,7 +45,27 @@ def _empty_like(state):
             for k, v in state.items()}
 
 
-def test_same_bytes_as_dcp_writer(tmp_path):
+def _is_direct(fd):
+    return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0))
+
+
+@pytest.fixture(params=["direct", "page-cache", "direct-small-blocks"])
+def write_mode(request, monkeypatch):
+    """The file writer's paths: O_DIRECT out of aligned blocks (the default where the file system takes it; with
+    8 KiB blocks every tensor spans many, and the last block has an unaligned tail), and page-cache writes."""
+    if request.param == "page-cache":
+        monkeypatch.setattr(dcp_io, "DIRECT_IO", False)
+    elif request.param == "direct-small-blocks":
+        monkeypatch.setattr(dcp_io, "_BOUNCE", dcp_io._BouncePool(block=8192))
+    opened = []
+    real_open = dcp_io._open_direct
+    monkeypatch.setattr(dcp_io, "_open_direct", lambda path: opened.append(real_open(path)) or opened[-1])
+    yield request.param
+    if request.param != "page-cache" and getattr(os, "O_DIRECT", 0):
+        assert opened and all(fd is not None for fd in opened), "O_DIRECT refused here: the direct path is untested"
+
+
+def test_same_bytes_as_dcp_writer(tmp_path, write_mode):
     state = _state()
     dcp_io.save(state, str(tmp_path / "ours"), no_dist=True)
     _save_stock(state, str(tmp_path / "stock"))
@@ -55,7 +77,7 @@ def test_same_bytes_as_dcp_writer(tmp_path):
     assert md_ours.storage_data == md_stock.storage_data
 
 
-def test_round_trip_bit_exact_and_stock_readable(tmp_path):
+def test_round_trip_bit_exact_and_stock_readable(tmp_path, write_mode):
     state = _state(1)
     path = str(tmp_path / "ck")
     dcp_io.save(state, path, no_dist=True)
@@ -123,18 +145,46 @@ def test_split_pieces_from_two_stored_chunks(tmp_path):
     assert torch.equal(piece, full[2:8])
 
 
-def test_failed_write_raises_and_closes(tmp_path, monkeypatch):
+def test_failed_write_raises_and_closes(tmp_path, monkeypatch, write_mode):
     path = str(tmp_path / "ck")
     calls = []
 
-    def failing_write(fd, data):
+    def failing_write(fd, data, offset):
         calls.append(len(data))
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(dcp_io.os, "write", failing_write)
+    monkeypatch.setattr(dcp_io.os, "pwrite", failing_write)
     with pytest.raises(dcp_io.CheckpointError, match="No space left on device"):
         dcp_io.save(_state(), path, no_dist=True)
     assert calls and not os.path.exists(os.path.join(path, dcp_io.METADATA_FILE))
+    # the blocks went back to the pool, and the next save works
+    monkeypatch.undo()
+    dcp_io.save(_state(), path, no_dist=True)
+    assert os.path.exists(os.path.join(path, dcp_io.METADATA_FILE))
+
+
+def test_refused_direct_write_falls_back_to_the_page_cache(tmp_path, monkeypatch):
+    """A file system that opens with O_DIRECT but refuses the writes (EINVAL) after the first block: the rest of
+    the file goes through the page cache, and the bytes are still DCP's."""
+    monkeypatch.setattr(dcp_io, "_BOUNCE", dcp_io._BouncePool(block=8192))
+    real = os.pwrite
+    direct = []
+
+    def pwrite(fd, data, offset):
+        if _is_direct(fd):
+            direct.append(offset)
+            if len(direct) > 1:
+                raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(dcp_io.os, "pwrite", pwrite)
+    state = _state()
+    dcp_io.save(state, str(tmp_path / "ours"), no_dist=True)
+    _save_stock(state, str(tmp_path / "stock"))
+    if getattr(os, "O_DIRECT", 0):
+        assert direct[:2] == [0, 8192]
+    with open(tmp_path / "ours" / "__0_0.distcp", "rb") as a, open(tmp_path / "stock" / "__0_0.distcp", "rb") as b:
+        assert a.read() == b.read()
 
 
 def test_whole_chunks_and_row_blocks_skip_torch_load(tmp_path, monkeypatch):
@@ -153,3 +203,34 @@ def test_whole_chunks_and_row_blocks_skip_torch_load(tmp_path, monkeypatch):
     rows = torch.zeros(50, 1000)
     dcp_io.load({"model.big": Sharded((300, 1000), [Piece(rows, (100, 0))])}, path, no_dist=True)
     assert torch.equal(rows, state["model.big"].pieces[0].tensor[100:150])
+
+
+def _two_rank_worker(rank, world, root):
+    """Each rank saves its row block (collective save), then loads the other rank's block (each rank plans and
+    reads alone), then one rank asks for a tensor of the wrong shape: both ranks raise its error."""
+    import torch.distributed as dist
+
+    g = torch.Generator().manual_seed(rank)
+    mine = torch.randn(3, 5, generator=g)
+    dcp_io.save({"model.w": Sharded((6, 5), [Piece(mine, (3 * rank, 0))]),
+                 f"rng.{rank}": Obj({"rank": rank})}, root, process_group=dist.group.WORLD)
+    other = torch.zeros(3, 5)
+    objects = dcp_io.load({"model.w": Sharded((6, 5), [Piece(other, (3 * (1 - rank), 0))]),
+                           f"rng.{1 - rank}": Obj()}, root, process_group=dist.group.WORLD)
+    shape = (6, 5) if rank == 0 else (6, 4)
+    try:
+        dcp_io.load({"model.w": Sharded(shape, [Piece(torch.zeros(3, shape[1]), (0, 0))])}, root,
+                    process_group=dist.group.WORLD)
+        error = None
+    except dcp_io.CheckpointError as e:
+        error = str(e)
+    return mine.tolist(), other.tolist(), objects[f"rng.{1 - rank}"], error
+
+
+def test_ranks_load_alone_and_fail_together(tmp_path):
+    from megatronish.testing import run_distributed
+
+    (m0, o0, r0, e0), (m1, o1, r1, e1) = run_distributed(_two_rank_worker, 2, str(tmp_path / "ck"))
+    assert o0 == m1 and o1 == m0
+    assert r0 == {"rank": 1} and r1 == {"rank": 0}
+    assert e0 == e1 and "global shape [6, 5], this run's model needs [6, 4]" in e0
