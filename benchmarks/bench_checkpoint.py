@@ -14,7 +14,7 @@
 2. (``--only throughput``: the Checkpointer rows only; ``--only ranks``: the ``dcp_io`` rows only.)
 3. Loop blocking: ``pretrain()`` three times on the same shape — no saves, ``--save-interval K`` synchronous,
    and the same with ``--async-save`` — timing the wall time of the loop and the time the loop spends inside
-   the checkpoint calls (save, poll, final wait).
+   the checkpoint calls (save, poll, the wait for an async save's copies before the next update, final wait).
 
     python benchmarks/bench_checkpoint.py [--layers 6] [--hidden 512] [--vocab 50304] [--seq 128]
         [--micro-batch 2] [--iters 12] [--save-interval 4] [--reps 4] [--dir /tmp] [--ranks 1 4] [--state-mb 512]
@@ -295,7 +295,9 @@ def io_throughput(a, root, sides):
 
 
 def loop_blocking(a, root):
-    blocked = {"after_iteration": 0.0, "finish": 0.0}
+    # the loop is blocked inside the exit policy's per-iteration call (the save and poll), in the wait for the
+    # snapshot's copies before each update (--async-save), and in the final wait
+    blocked = {"after_iteration": 0.0, "wait_for_snapshot": 0.0, "finish": 0.0}
     save_calls = []  # each Checkpointer.save call's own time (inside after_iteration)
 
     def timed(name, fn):
@@ -311,7 +313,8 @@ def loop_blocking(a, root):
         return wrapper
 
     # where the loop waits for saves, and the save calls themselves
-    owners = {"after_iteration": ExitPolicy, "finish": Checkpointer, "save": Checkpointer}
+    owners = {"after_iteration": ExitPolicy, "wait_for_snapshot": Checkpointer, "finish": Checkpointer,
+              "save": Checkpointer}
     originals = {name: getattr(owners[name], name) for name in owners}
     for name, fn in originals.items():
         setattr(owners[name], name, timed(name, fn))
@@ -322,23 +325,25 @@ def loop_blocking(a, root):
                             ("async", ["--save", os.path.join(root, "async"), "--save-interval", str(a.save_interval),
                                        "--async-save"])):
             groups.destroy_model_parallel()
-            blocked.update(after_iteration=0.0, finish=0.0)
+            blocked.update(after_iteration=0.0, wait_for_snapshot=0.0, finish=0.0)
             save_calls.clear()
             cfg = configs_from_args(parse_args(flags(a, extra)), 1)
             t0 = time.perf_counter()
             pretrain(cfg)
-            results[mode] = (time.perf_counter() - t0, blocked["after_iteration"], blocked["finish"], list(save_calls))
+            results[mode] = (time.perf_counter() - t0, blocked["after_iteration"] + blocked["wait_for_snapshot"],
+                             blocked["finish"], list(save_calls), blocked["wait_for_snapshot"])
     finally:
         for name, fn in originals.items():
             setattr(owners[name], name, fn)
     saves = a.iters // a.save_interval
     print(f"training loop: {a.iters} iterations, a save every {a.save_interval} ({saves} saves; the last one, at the "
           "end of training, is waited for at exit)")
-    for mode, (wall, loop, end, calls) in results.items():
+    for mode, (wall, loop, end, calls, snap) in results.items():
         print(f"  {mode:5s}  wall {wall:7.2f} s   blocked in the loop {loop:6.2f} s "
-              f"({loop / max(saves, 1) * 1e3:7.1f} ms per save)   at exit {end:6.2f} s   save calls (ms): "
+              f"({loop / max(saves, 1) * 1e3:7.1f} ms per save, of which waiting for the snapshot "
+              f"{snap / max(saves, 1) * 1e3:.1f})   at exit {end:6.2f} s   save calls (ms): "
               + " ".join(f"{t * 1e3:.0f}" for t in calls[:saves]))
-    (ws, ls, es, cs), (wa, la, ea, ca), (w0, _, _, _) = results["sync"], results["async"], results["none"]
+    (ws, ls, es, cs, _), (wa, la, ea, ca, _), w0 = results["sync"], results["async"], results["none"][0]
     med = statistics.median
     print(f"  blocked in the loop async / sync {la / ls:.3f};  incl. the exit wait {(la + ea) / (ls + es):.3f};  "
           f"wall overhead vs no saves: sync {ws - w0:+.2f} s, async {wa - w0:+.2f} s")

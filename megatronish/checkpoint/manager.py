@@ -5,18 +5,21 @@ conditions of :mod:`megatronish.training.exit`), :meth:`Checkpointer.finish` aft
 when to stop is the training loop's business; this module only saves and loads.
 
 Asynchronous saves (``--async-save``): the rank's pieces are copied into host staging buffers allocated at
-set-up (or by the first save) and reused by every later one (page-locked on CUDA; :class:`~.state.StagingBuffers`),
-the training loop then resumes, and a background thread writes them through DCP on the parallel context's gloo
-``io`` group; rank 0 replaces the tracker once DCP reports every rank's files complete. Each iteration the ranks
-agree (one small all-reduce) whether the save finished or failed, so an error surfaces at the same iteration
-everywhere; the next save or the exit waits for the previous one (the staging buffers are not touched while a write
-reads them).
+set-up (or by the first save) and reused by every later one (page-locked on CUDA; :class:`~.state.StagingBuffers`)
+and a background thread writes them through DCP on the parallel context's gloo ``io`` group. The save call
+itself copies only the small pieces and returns; the model and optimizer tensors are copied by the background
+thread while the next forward and backward run (they change only in the next update, and the training loop calls
+:meth:`Checkpointer.wait_for_snapshot` before it). Rank 0 replaces the tracker once DCP reports every rank's
+files complete. Each iteration the ranks agree (one small all-reduce) whether the save finished or failed, so an
+error surfaces at the same iteration everywhere; the next save or the exit waits for the previous one (the staging
+buffers are not touched while a write reads them).
 """
 from __future__ import annotations
 
 import concurrent.futures
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -90,6 +93,7 @@ class Checkpointer:
         self._pending: tuple[int, concurrent.futures.Future] | None = None
         self._on_disk: str | None = None  # the iteration directory this run last loaded or saved
         self._staging = StagingBuffers()  # --async-save: the snapshot's host buffers, reused by every save
+        self._snapshot: threading.Event | None = None  # set once a pending async save's deferred copies are done
 
     # ------------------------------------------------------------------------------------------------ load
     def load(self, state) -> bool:
@@ -269,7 +273,10 @@ class Checkpointer:
             raise self._save_failed(state.iteration, str(e)) from None
         self._on_disk = iter_dir
         if stage:  # the training step may change the tensors once this returns: write from a snapshot
-            self._staging.stage(entries)
+            # the model and optimizer tensors change only in the next update (the loop waits for the copies
+            # before it: wait_for_snapshot), so they are copied on the writer thread during the next forward and
+            # backward; everything else (FP8 histories change in the forward) is copied now
+            copies = self._staging.stage(entries, defer=lambda key: key.startswith((MODEL, OPTIMIZER)))
         else:
             t0 = time.perf_counter()
             try:
@@ -281,8 +288,25 @@ class Checkpointer:
             return
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
-        self._pending = (state.iteration, self._executor.submit(self._write, entries, iter_dir, state.iteration))
+        self._snapshot = threading.Event()
+        self._pending = (state.iteration, self._executor.submit(self._snapshot_and_write, copies, self._snapshot,
+                                                                entries, iter_dir, state.iteration))
         _log(f"saving checkpoint {iter_dir} in the background")
+
+    def _snapshot_and_write(self, copies, taken: threading.Event, entries, iter_dir: str, iteration: int) -> None:
+        try:
+            copies.run()
+        finally:
+            taken.set()  # a failed copy fails the write below, reported by poll(); the loop must not hang
+        self._write(entries, iter_dir, iteration)
+
+    def wait_for_snapshot(self) -> None:
+        """Block until the pending asynchronous save's copies of the model and optimizer tensors are taken. The
+        training loop calls this before anything changes them (each iteration, after the forward and backward);
+        without a pending save it returns at once."""
+        taken, self._snapshot = self._snapshot, None
+        if taken is not None:
+            taken.wait()
 
     def reserve_staging(self) -> None:
         """``--async-save``: allocate the snapshot's staging buffers now (at set-up) rather than in the first save.

@@ -9,8 +9,11 @@
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
+import os
 import random
+import weakref
 
 import numpy as np
 import torch
@@ -97,17 +100,44 @@ class Entries(dict):
                 have.pieces.append(p)
 
 
+_LIBC = None
+
+
+def _libc():
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = ctypes.CDLL(None, use_errno=True)
+        _LIBC.mmap.restype = ctypes.c_void_p
+        _LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                               ctypes.c_long]
+        _LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return _LIBC
+
+
+def _unmap(addr: int, nbytes: int, owner: int) -> None:
+    if os.getpid() == owner:  # a forked child never had the mapping; the address may hold another one there
+        _libc().munmap(addr, nbytes)
+
+
 def _host_buffer(src: torch.Tensor) -> torch.Tensor:
     """An empty host tensor like ``src``: page-locked for a CUDA source; else its own anonymous mapping marked
     ``MADV_DONTFORK``, so that processes forked later (data loader workers) do not share its pages and the first
-    copy after the fork is not a copy-on-write fault per page."""
+    copy after the fork is not a copy-on-write fault per page. The mapping is released only by the process that
+    made it (a forked child that frees the tensor must not unmap whatever its own allocator put at that address)."""
     if src.device.type == "cuda":
         return torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
     nbytes = src.numel() * src.element_size()
     if nbytes == 0 or not hasattr(mmap, "MADV_DONTFORK"):
         return torch.empty(src.shape, dtype=src.dtype)
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_DONTFORK)
+    libc = _libc()
+    addr = libc.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        err = ctypes.get_errno()
+        raise OSError(err, f"cannot map {nbytes} bytes for an async-save staging buffer: {os.strerror(err)}")
+    libc.madvise(addr, nbytes, mmap.MADV_DONTFORK)
+    region = (ctypes.c_uint8 * nbytes).from_address(addr)
+    weakref.finalize(region, _unmap, addr, nbytes, os.getpid())
     return torch.frombuffer(region, dtype=torch.uint8).view(src.dtype).view(src.shape)
 
 
@@ -138,21 +168,60 @@ class StagingBuffers:
         self.stage({key: Sharded(e.global_shape, [Piece(p.tensor, p.offsets) for p in e.pieces])
                     for key, e in entries.items() if isinstance(e, Sharded)})
 
-    def stage(self, entries: dict) -> None:
-        """Copy every piece of the :class:`Sharded` entries into its staging buffer and substitute the buffer."""
+    def stage(self, entries: dict, defer=None) -> "DeferredCopies":
+        """Substitute every piece of the :class:`Sharded` entries with its staging buffer and copy the piece in —
+        now, or, for the keys ``defer(key)`` accepts, later: those copies are returned, to be run (on any thread)
+        before the sources change."""
         on_device = False
+        later = []
         with torch.no_grad():
             for key, entry in entries.items():
                 if not isinstance(entry, Sharded):
                     continue
+                deferred = defer is not None and defer(key)
                 for piece in entry.pieces:
                     src = piece.tensor.detach()
                     buf = self._buffer(key, piece.offsets, src)
-                    on_device |= src.device.type != "cpu"
-                    buf.copy_(src, non_blocking=src.device.type == "cuda")
+                    if deferred:
+                        later.append((src, buf))
+                    else:
+                        on_device |= src.device.type != "cpu"
+                        buf.copy_(src, non_blocking=src.device.type == "cuda")
                     piece.tensor = buf
         if on_device:
             device.synchronize()  # the copies are complete before the training step changes the sources
+        return DeferredCopies(later)
+
+
+class DeferredCopies:
+    """Copies of live tensors into staging buffers, taken at one moment (the :meth:`StagingBuffers.stage` call) and
+    run later, on a background thread, while the sources do not change (the training loop waits for them before
+    its next update: :meth:`~megatronish.checkpoint.manager.Checkpointer.wait_for_snapshot`). Device sources are
+    copied on a side stream that first waits for the work queued before the snapshot moment."""
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.pairs = pairs
+        self.ready = None
+        if any(src.device.type == "cuda" for src, _ in pairs):
+            self.ready = torch.cuda.Event()
+            self.ready.record()  # the queued work (the last optimizer step) comes before the copies
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def run(self) -> None:
+        with torch.no_grad():
+            if self.ready is None:
+                for src, buf in self.pairs:
+                    buf.copy_(src)
+            else:
+                stream = torch.cuda.Stream(device=next(s.device for s, _ in self.pairs if s.device.type == "cuda"))
+                with torch.cuda.stream(stream):
+                    stream.wait_event(self.ready)
+                    for src, buf in self.pairs:
+                        buf.copy_(src, non_blocking=src.device.type == "cuda")
+                stream.synchronize()
+        self.pairs = []
 
 
 def named_params(models) -> list[tuple[str, torch.nn.Parameter]]:

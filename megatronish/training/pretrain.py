@@ -366,6 +366,8 @@ def compute_gradients(run: TrainContext, state: TrainState, timeline: PipelineTi
         moe_stats.start_step(run.models, run.optimizer.loss_scale / (1 if per_token else num_mb), per_token)
     with run.memory.measure(), timers("forward-backward"):  # saved-activation bytes / allocator peak, first iteration
         stats = run.schedule(run.forward_step, it, _model_arg(run), num_mb, timeline=timeline)
+    if run.checkpointer is not None:  # --async-save: the snapshot is taken before anything below changes the state
+        run.checkpointer.wait_for_snapshot()
     run.memory.report(print_fn=_print_rank0())
     if run.compiler is not None:
         run.compiler.report()  # the compile time, once

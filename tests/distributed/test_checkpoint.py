@@ -57,6 +57,13 @@ def _resume_worker(rank, world, root):
     argv = DROPOUT + ["--train-iters", "10"]
     out["async"] = _losses(argv + ["--save", d, "--save-interval", "5", "--async-save"], world)
     out["async_resumed"] = _losses(argv + ["--load", os.path.join(d, "iter_0000005")], world)
+    # the snapshot's copies run during the next forward and backward: sharded optimizer state, fp32 master copies
+    # of bf16 weights, FP8 histories (changed by the forward, copied at the save call)
+    for name in ("dp2_distributed_optimizer", "dp2_bf16_fp8"):
+        d = os.path.join(root, "async_" + name)
+        case = RESUME_CASES[name] + DROPOUT + ["--train-iters", "10"]
+        out["async_" + name] = (_losses(case + ["--save", d, "--save-interval", "5", "--async-save"], world),
+                                _losses(case + ["--load", os.path.join(d, "iter_0000005")], world))
     # a background write that fails: every rank raises at the next iteration, the tracker is not written
     real_save = dcp_io.save
 
@@ -105,6 +112,13 @@ def test_async_save_equals_sync(resume):
     assert opt and sorted(opt) == sorted(k for k in ma.state_dict_metadata if k.startswith("optimizer."))
     for k in opt:
         assert torch.equal(dcp_io.read_tensor(sync_dir, ms, k), dcp_io.read_tensor(async_dir, ma, k)), k
+
+
+@pytest.mark.parametrize("case", ["dp2_distributed_optimizer", "dp2_bf16_fp8"])
+def test_async_save_resumes_exactly(resume, case):
+    straight = resume[1][case][0]
+    trained, resumed = resume[1]["async_" + case]
+    assert trained == straight and resumed == straight[5:]
 
 
 def test_async_save_error_surfaces_on_every_rank(resume):
