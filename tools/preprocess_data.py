@@ -5,7 +5,10 @@ Same flags as Megatron-LM's tools/preprocess_data.py. Each input file is cut int
 ``CHUNK_BYTES`` that end at line ends (found by seeking, without a pass over the file); ``--workers``
 processes (fork) each read their chunk themselves, parse and tokenize it straight into arrays of the
 output dtype, and the main process only appends the results, in input order, to the .bin/.idx
-builders. The output is therefore the same for every worker and partition count. ``--partitions N``
+builders. Chunk ``i`` goes to worker ``i % workers`` over a pipe and its result comes back over another, read
+in order (no pool threads competing with the main process for the GIL). When the main process has a core of
+its own and feeds few workers (``--workers 1`` on two cores), it reads and parses the chunks itself and the
+workers only encode. The output is therefore the same for every worker and partition count. ``--partitions N``
 splits the input bytes into N contiguous ranges (at line starts) processed side by side, each with
 ``--workers / N`` workers, and merges them in order. Compressed (.gz) inputs cannot be seeked: the main
 process reads their lines and hands the workers chunks of them, and partitions over them are line ranges.
@@ -26,6 +29,7 @@ import os
 import queue
 import re
 import sys
+import threading
 import time
 from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -275,9 +279,17 @@ class Encoder:
         """{"lines", "bytes", "docs", "skipped": [(line index in the task, message)], "keys": {key: (tokens,
         sequence lengths, sequences per document)}} or, for a bad line without --skip-bad-lines,
         {"lines", "bytes", "error": (line index, message)}."""
+        return self.tokenize_task(*self.parse_columns(task))
+
+    def parse_columns(self, task: Task) -> Tuple[dict, Dict[str, List[List[str]]]]:
+        """:meth:`parse_task` with the documents as one column per key: {key: [each document's sentences]}."""
         out, docs = self.parse_task(task)
+        return out, {key: [doc[key] for doc in docs] for key in self.args.json_keys}
+
+    def tokenize_task(self, out: dict, columns: Dict[str, List[List[str]]]) -> dict:
+        """The second half of :meth:`encode_task`: the parsed documents' token arrays added to ``out``."""
         if "error" not in out:
-            out["keys"] = {key: self._tokenize([doc[key] for doc in docs]) for key in self.args.json_keys}
+            out["keys"] = {key: self._tokenize(columns[key]) for key in self.args.json_keys}
         return out
 
     def parse_task(self, task: Task) -> Tuple[dict, List[Dict[str, List[str]]]]:
@@ -352,17 +364,82 @@ class Encoder:
         return flat.astype(Encoder.dtype), lengths, doc_counts
 
 
-_WORKER: Optional[Encoder] = None  # the encoder the forked workers run
+def _worker_main(encoder: Encoder, tasks_in, results_out) -> None:
+    """A forked worker: tokenizes each task it receives — a :class:`Task` it reads and parses itself, or one the
+    main process parsed, ``(out, columns)`` — and sends the result back in the order the tasks came; an exception
+    goes back in place of its task's result. A second thread only receives (so the main process can always hand
+    over the next task, even while this one waits to send a result); parsing stays on this thread: tiktoken
+    releases the GIL for each text it encodes, and a parsing thread would make every encode wait to get it back."""
+    received: queue.Queue = queue.Queue()
+
+    def receive() -> None:
+        while True:
+            try:
+                item = tasks_in.recv()
+            except (EOFError, OSError):  # the main process is gone
+                item = None
+            received.put(item)
+            if item is None:
+                return
+
+    threading.Thread(target=receive, name="preprocess-receive", daemon=True).start()
+    while True:
+        item = received.get()
+        if item is None:
+            return
+        try:
+            result = encoder.tokenize_task(*(encoder.parse_columns(item) if isinstance(item, Task) else item))
+        except BaseException as err:  # handed to the main process in place of the task's result
+            result = err
+        results_out.send(result)
 
 
-def _encode_task(task: Task) -> dict:
-    return _WORKER.encode_task(task)
+class _Workers:
+    """``n`` forked worker processes, each with a task pipe and a result pipe; task ``i`` goes to worker
+    ``i % n`` and its result is read back from that worker in task order (no pool threads in this process)."""
 
+    def __init__(self, encoder: Encoder, n: int) -> None:
+        ctx = multiprocessing.get_context("fork")
+        self.procs, self.tasks, self.results = [], [], []
+        for _ in range(n):
+            task_r, task_w = ctx.Pipe(duplex=False)
+            res_r, res_w = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_worker_main, args=(encoder, task_r, res_w), daemon=True)
+            proc.start()
+            task_r.close()
+            res_w.close()
+            self.procs.append(proc)
+            self.tasks.append(task_w)
+            self.results.append(res_r)
 
-def _set_worker(encoder: Encoder) -> None:
-    """Pool initializer: the encoder reaches the workers through fork, never pickled."""
-    global _WORKER
-    _WORKER = encoder
+    def send(self, i: int, task: Task) -> None:
+        self.tasks[i % len(self.procs)].send(task)
+
+    def receive(self, i: int) -> dict:
+        try:
+            res = self.results[i % len(self.procs)].recv()
+        except EOFError:
+            proc = self.procs[i % len(self.procs)]
+            proc.join(1)
+            raise PreprocessError(f"a tokenizer worker process died (exit code {proc.exitcode}); nothing was "
+                                  "written") from None
+        if isinstance(res, BaseException):
+            raise res
+        return res
+
+    def close(self, finished: bool) -> None:
+        """``finished``: every result was read, the workers wait for their next task and exit on None; else
+        they are stopped (they may be blocked sending results nobody reads)."""
+        for conn in self.tasks:
+            if finished:
+                conn.send(None)
+            conn.close()
+        for proc in self.procs:
+            if not finished:
+                proc.terminate()
+            proc.join()
+        for conn in self.results:
+            conn.close()
 
 
 def make_tokenizer(args):
@@ -443,6 +520,17 @@ class _LineNumbers:
                 self.at = (task.path, task.stop, self.at[2] + lines)
 
 
+MAIN_PARSES_UP_TO = 4  # workers the main process can parse for (JSON runs ~10x faster than BPE encoding)
+
+
+def _main_parses(workers: int) -> bool:
+    """Whether this process reads and parses the tasks itself and hands the workers only the texts to encode:
+    when it has a core of its own (it would otherwise only wait and write) and feeds few enough workers to keep
+    up with them. The output is the same either way."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return workers < cpus and workers <= MAIN_PARSES_UP_TO
+
+
 def process_segments(args, segments: Sequence[Segment], prefix: str, workers: int, label: str = "",
                      position: Optional[int] = None) -> int:
     """Tokenize ``segments`` into ``{prefix}_{key}_{level}`` with ``workers`` worker processes while this process
@@ -477,18 +565,22 @@ def process_segments(args, segments: Sequence[Segment], prefix: str, workers: in
             ntok += tokens.shape[0]
         progress.update(res["docs"], ntok, res["bytes"])
 
+    finished = False
     try:
-        pool = multiprocessing.get_context("fork").Pool(workers, initializer=_set_worker, initargs=(encoder,))
+        pool = _Workers(encoder, workers)
         pending: collections.deque = collections.deque()
-        window = 2 * workers + 2  # tasks in flight: the workers never wait, the results held stay few
-        for task in iter_tasks(segments):
-            pending.append((task, pool.apply_async(_encode_task, (task,))))
+        window = 3 * workers  # tasks in flight: each worker has the next ones at hand while it encodes one
+        parse_here = _main_parses(workers)
+        for i, task in enumerate(iter_tasks(segments)):
+            pool.send(i, encoder.parse_columns(task) if parse_here else task)
+            pending.append((i, task))
             if len(pending) >= window:
-                task, res = pending.popleft()
-                take(task, res.get())
+                j, done = pending.popleft()
+                take(done, pool.receive(j))
         while pending:
-            task, res = pending.popleft()
-            take(task, res.get())
+            j, done = pending.popleft()
+            take(done, pool.receive(j))
+        finished = True
         for key, p in out_prefixes.items():
             builders[key].finalize(get_idx_path(p))
         progress.report(final=True)
@@ -503,8 +595,7 @@ def process_segments(args, segments: Sequence[Segment], prefix: str, workers: in
         raise
     finally:
         if pool is not None:
-            pool.terminate()
-            pool.join()
+            pool.close(finished)
 
 
 def _partition_main(args, segments, prefix, workers, index, errors) -> None:

@@ -235,3 +235,37 @@ def test_interrupted_run_leaves_no_valid_index(tmp_path, monkeypatch):
     assert calls["n"] == 2
     assert not os.path.exists(f"{prefix}_text_document.idx")
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_worker_failures_stop_the_run_cleanly(tmp_path, capsys, monkeypatch, workers):
+    """An error a worker hits (a file that changed under it) reaches the user as one line, as does a worker that
+    dies; nothing is left at the output prefix, and no worker outlives the run."""
+    src = tmp_path / "in.jsonl"
+    write_jsonl(src, ["1 2 3"] * 600)
+    prefix = tmp_path / "out"
+    monkeypatch.setattr(preprocess_data, "CHUNK_BYTES", 1024)  # many tasks, spread over the workers
+    real_read = preprocess_data.Encoder.read
+
+    def changed(task):  # the third task's bytes come up short, as for a file truncated while it is read
+        if task.start >= 2048 and task.data is None:
+            raise preprocess_data.PreprocessError(f"--input file '{task.path}' changed while it was read")
+        return real_read(task)
+
+    monkeypatch.setattr(preprocess_data.Encoder, "read", staticmethod(changed))
+    rc = run_tool("--input", src, "--output-prefix", prefix, "--tokenizer-type", "NullTokenizer",
+                  "--vocab-size", 10, "--workers", workers)
+    assert rc == 2 and f"--input file '{src}' changed while it was read" in capsys.readouterr().err
+    assert not [f for f in os.listdir(tmp_path) if f.startswith("out")]
+
+    def dies(self, out, columns):
+        os._exit(3)
+
+    monkeypatch.setattr(preprocess_data.Encoder, "read", staticmethod(real_read))
+    monkeypatch.setattr(preprocess_data.Encoder, "tokenize_task", dies)
+    rc = run_tool("--input", src, "--output-prefix", prefix, "--tokenizer-type", "NullTokenizer",
+                  "--vocab-size", 10, "--workers", workers)
+    assert rc == 2 and "a tokenizer worker process died (exit code 3)" in capsys.readouterr().err
+    assert not [f for f in os.listdir(tmp_path) if f.startswith("out")]
+    import multiprocessing
+    assert not multiprocessing.active_children()
