@@ -24,6 +24,7 @@ import base64
 import errno
 import io
 import json
+import logging
 import math
 import mmap
 import os
@@ -983,8 +984,24 @@ def read_tensor(iter_dir: str, md: Metadata, key: str) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------------
 # Save / load
 # ---------------------------------------------------------------------------------------------------------------
+def _skip_discarded_dcp_records() -> None:
+    """DCP logs a debug record at the start and end of every state-dict entry's ``state_dict()`` call (and of its
+    own steps) to its logger, whose only handler by default is a ``NullHandler``: records built only to be
+    discarded, two per entry. Raise that logger's level to INFO when nothing would see them (no other handler);
+    a logger given a real handler is left alone."""
+    try:
+        from torch.distributed.checkpoint import logger as dcp_logger
+    except ImportError:
+        return
+    lg = getattr(dcp_logger, "_dcp_logger", None)
+    if isinstance(lg, logging.Logger) and lg.level <= logging.DEBUG and not lg.propagate and lg.handlers \
+            and all(type(h) is logging.NullHandler for h in lg.handlers):
+        lg.setLevel(logging.INFO)
+
+
 def save(state: dict, iter_dir: str, process_group=None, no_dist: bool = False) -> None:
     """Write ``state`` (entries as above) to ``iter_dir``; collective over ``process_group`` unless ``no_dist``."""
+    _skip_discarded_dcp_records()
     os.makedirs(iter_dir, exist_ok=True)
     writer = Writer(iter_dir)
     try:
@@ -1004,6 +1021,7 @@ def load(state: dict, iter_dir: str, process_group=None, no_dist: bool = False, 
     gather and scatter of every rank's plan would add nothing): DCP runs per rank, and over ``process_group`` the
     ranks then agree in one small all-reduce whether every rank succeeded. On failure every rank raises the same
     error, the lowest failing rank's."""
+    _skip_discarded_dcp_records()
     planner = LoadPlanner()
     error = None
     try:

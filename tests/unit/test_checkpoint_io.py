@@ -234,3 +234,27 @@ def test_ranks_load_alone_and_fail_together(tmp_path):
     assert o0 == m1 and o1 == m0
     assert r0 == {"rank": 1} and r1 == {"rank": 0}
     assert e0 == e1 and "global shape [6, 5], this run's model needs [6, 4]" in e0
+
+
+def test_dcp_debug_records_skipped_only_where_discarded(monkeypatch):
+    import io
+    import logging
+
+    from torch.distributed.checkpoint import logger as dcp_logger
+
+    def fresh(handler):
+        lg = logging.Logger("dcp-test", logging.DEBUG)
+        lg.propagate = False
+        lg.addHandler(handler)
+        monkeypatch.setattr(dcp_logger, "_dcp_logger", lg)
+        return lg
+
+    discarded = fresh(logging.NullHandler())
+    dcp_io._skip_discarded_dcp_records()
+    assert discarded.level == logging.INFO
+    seen = io.StringIO()
+    watched = fresh(logging.StreamHandler(seen))
+    dcp_io._skip_discarded_dcp_records()
+    assert watched.level == logging.DEBUG  # someone reads these records: they stay
+    watched.debug("kept")
+    assert "kept" in seen.getvalue()
