@@ -523,12 +523,13 @@ class _LineNumbers:
 MAIN_PARSES_UP_TO = 4  # workers the main process can parse for (JSON runs ~10x faster than BPE encoding)
 
 
-def _main_parses(workers: int) -> bool:
+def _main_parses(workers: int, partitions: int = 1) -> bool:
     """Whether this process reads and parses the tasks itself and hands the workers only the texts to encode:
-    when it has a core of its own (it would otherwise only wait and write) and feeds few enough workers to keep
-    up with them. The output is the same either way."""
+    when it has a core of its own (every partition's main process and workers together fit the cores; it would
+    otherwise only wait and write) and feeds few enough workers to keep up with them. The output is the same
+    either way."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return workers < cpus and workers <= MAIN_PARSES_UP_TO
+    return partitions * (workers + 1) <= cpus and workers <= MAIN_PARSES_UP_TO
 
 
 def process_segments(args, segments: Sequence[Segment], prefix: str, workers: int, label: str = "",
@@ -570,7 +571,7 @@ def process_segments(args, segments: Sequence[Segment], prefix: str, workers: in
         pool = _Workers(encoder, workers)
         pending: collections.deque = collections.deque()
         window = 3 * workers  # tasks in flight: each worker has the next ones at hand while it encodes one
-        parse_here = _main_parses(workers)
+        parse_here = _main_parses(workers, getattr(args, "partitions", 1))
         for i, task in enumerate(iter_tasks(segments)):
             pool.send(i, encoder.parse_columns(task) if parse_here else task)
             pending.append((i, task))

@@ -269,3 +269,29 @@ def test_worker_failures_stop_the_run_cleanly(tmp_path, capsys, monkeypatch, wor
     assert not [f for f in os.listdir(tmp_path) if f.startswith("out")]
     import multiprocessing
     assert not multiprocessing.active_children()
+
+
+def test_main_process_parsing_gives_the_same_files(tmp_path, capsys, monkeypatch, tok_dir):
+    """Chunks parsed by the main process (a spare core) or by the workers: the same bytes, and the same first bad
+    line, whichever the machine picks."""
+    gpt2 = ["--tokenizer-type", "GPT2BPETokenizer"] + next(c[2] for c in tok_dir[1] if c[0] == "GPT2BPETokenizer")
+    src = tmp_path / "in.jsonl"
+    write_jsonl(src, [t for _ in range(40) for t in tf.TEXTS])
+    monkeypatch.setattr(preprocess_data, "CHUNK_BYTES", 700)
+    files = {}
+    for where in ("main", "workers"):
+        monkeypatch.setattr(preprocess_data, "_main_parses", lambda *a, where=where: where == "main")
+        prefix = tmp_path / where
+        assert run_tool("--input", src, "--output-prefix", prefix, *gpt2, "--append-eod",
+                        "--workers", 2) == 0
+        files[where] = [open(f"{prefix}_text_document.{ext}", "rb").read() for ext in ("bin", "idx")]
+    assert files["main"] == files["workers"] and len(files["main"][0]) > 0
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(src.read_text() + "{oops\n" + src.read_text())
+    capsys.readouterr()
+    errors = {}
+    for where in ("main", "workers"):
+        monkeypatch.setattr(preprocess_data, "_main_parses", lambda *a, where=where: where == "main")
+        assert run_tool("--input", bad, "--output-prefix", tmp_path / "bad", *gpt2, "--workers", 2) == 2
+        errors[where] = capsys.readouterr().err
+    assert errors["main"] == errors["workers"] and f"{bad}:{40 * len(tf.TEXTS) + 1}: invalid JSON" in errors["main"]
