@@ -412,8 +412,9 @@ class _Workers:
             self.tasks.append(task_w)
             self.results.append(res_r)
 
-    def send(self, i: int, task: Task) -> None:
-        self.tasks[i % len(self.procs)].send(task)
+    def send(self, i: int, item) -> None:
+        """Task ``i``: a :class:`Task`, or what :meth:`Encoder.parse_columns` made of it."""
+        self.tasks[i % len(self.procs)].send(item)
 
     def receive(self, i: int) -> dict:
         try:
@@ -520,7 +521,7 @@ class _LineNumbers:
                 self.at = (task.path, task.stop, self.at[2] + lines)
 
 
-MAIN_PARSES_UP_TO = 4  # workers the main process can parse for (JSON runs ~10x faster than BPE encoding)
+MAIN_PARSES_UP_TO = 4  # workers the main process parses for (bench_data's stages: JSON ~1/20 of the encode time)
 
 
 def _main_parses(workers: int, partitions: int = 1) -> bool:
@@ -571,7 +572,7 @@ def process_segments(args, segments: Sequence[Segment], prefix: str, workers: in
         pool = _Workers(encoder, workers)
         pending: collections.deque = collections.deque()
         window = 3 * workers  # tasks in flight: each worker has the next ones at hand while it encodes one
-        parse_here = _main_parses(workers, getattr(args, "partitions", 1))
+        parse_here = _main_parses(workers, args.partitions)
         for i, task in enumerate(iter_tasks(segments)):
             pool.send(i, encoder.parse_columns(task) if parse_here else task)
             pending.append((i, task))

@@ -509,7 +509,7 @@ def _head_records(head: bytes) -> dict[str, tuple[int, int | None]]:
     record whose descriptor lies past ``head`` (the walk stops there). Empty for a compressed record."""
     out, pos = {}, 0
     while pos + _LOCAL_HEADER.size <= len(head):
-        sig, _ver, flags, method, _t, _d, crc, csize, _usize, nlen, elen = _LOCAL_HEADER.unpack_from(head, pos)
+        sig, _ver, flags, method, _t, _d, _crc, csize, _usize, nlen, elen = _LOCAL_HEADER.unpack_from(head, pos)
         if sig != b"PK\x03\x04":
             break
         if method != 0:
@@ -759,16 +759,14 @@ def _open_direct(path: str) -> int | None:
         return None
 
 
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> int:
-    """Write ``view`` at ``offset``; returns the bytes written (all of them, or fewer only when a write of an
-    O_DIRECT descriptor stopped at a point the rest cannot continue from)."""
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    """Write all of ``view`` at ``offset``."""
     done = 0
     while done < len(view):
         n = os.pwrite(fd, view[done:], offset + done)
         if n <= 0:
             raise OSError(errno.EIO, f"write returned {n}")
         done += n
-    return done
 
 
 class _OrderedFile:
@@ -864,7 +862,8 @@ class _OrderedFile:
                     done = 0
                     if self.direct_fd is not None:
                         try:
-                            done = _pwrite_all(self.direct_fd, view[: n - n % _ALIGN], offset)
+                            _pwrite_all(self.direct_fd, view[: n - n % _ALIGN], offset)
+                            done = n - n % _ALIGN
                         except OSError as e:
                             if e.errno != errno.EINVAL:
                                 raise
@@ -1033,9 +1032,7 @@ def load(state: dict, iter_dir: str, process_group=None, no_dist: bool = False, 
     except CheckpointError as e:
         error = str(e)
     except Exception as e:  # anything else a rank hit is reported by every rank
-        text = str(e).strip().splitlines()
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        error = f"loading checkpoint {iter_dir} failed on rank {rank}: {type(e).__name__}: {text[-1] if text else ''}"
+        error = _failure_line("loading", iter_dir, dist.get_rank() if dist.is_initialized() else 0, e)
     if not no_dist and dist.is_initialized() and dist.get_world_size(process_group) > 1:
         failed = torch.tensor([0 if error is None else 1], dtype=torch.int64)
         dist.all_reduce(failed, group=process_group)
@@ -1054,7 +1051,10 @@ def _first_failure(e, iter_dir: str, what: str) -> str:
         inner = pair[0] if isinstance(pair, tuple) else pair
         if isinstance(inner, CheckpointError):
             return str(inner)
-        text = str(inner).strip().splitlines()
-        return f"{what} checkpoint {iter_dir} failed on rank {rank}: {type(inner).__name__}: " \
-               f"{text[-1] if text else ''}"
+        return _failure_line(what, iter_dir, rank, inner)
     return f"{what} checkpoint {iter_dir} failed"
+
+
+def _failure_line(what: str, iter_dir: str, rank: int, err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{what} checkpoint {iter_dir} failed on rank {rank}: {type(err).__name__}: {text[-1] if text else ''}"
