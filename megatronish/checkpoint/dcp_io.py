@@ -66,8 +66,10 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.planner_helpers import _create_read_item_for_byteio, create_read_items_for_chunk_list
+from torch.distributed.checkpoint.storage import WriteResult
 
 from ..errors import CheckpointError
+from . import tensor_archive
 
 METADATA_FILE = ".metadata"
 
@@ -669,6 +671,7 @@ class Writer(FileSystemWriter):
         name = f"{plan.storage_data.prefix}0.distcp"
         results: list = []
         fault = _test_fault(str(self.path))
+        plain = not self.transforms.extensions and self.serialization_format == dcp_fs.SerializationFormat.TORCH_SAVE
         with _OrderedFile(os.path.join(str(self.path), name)) as out:
             # DCP's order: the byte entries, then the tensors in plan order
             for i, item in enumerate(sorted(plan.items, key=lambda i: i.type != WriteItemType.BYTE_IO)):
@@ -679,6 +682,13 @@ class Writer(FileSystemWriter):
                 if item.type != WriteItemType.BYTE_IO:
                     data = data.detach() if data.device.type == "cpu" else data.detach().cpu()
                     out.lend(data)
+                    if plain:  # torch.save's bytes, checksummed without holding the GIL
+                        offset = out.tell()
+                        if tensor_archive.write(out, data):
+                            length = out.tell() - offset
+                            results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                                       storage_data=dcp_fs._StorageInfo(name, offset, length)))
+                            continue
                 # DCP's own item writer (torch.save of the tensor, or the raw bytes) into our file
                 results.append(dcp_fs._write_item(self.transforms, out, data, item, name, self.serialization_format))
             out.sync()

@@ -93,19 +93,22 @@ SLOW_WRITER = """
 import sys, time
 import torch.distributed.checkpoint.filesystem as fs
 import megatronish.checkpoint.dcp_io as dcp_io
+import megatronish.checkpoint.tensor_archive as tensor_archive
 saves, written = [0], [0]
-real_save, real_write = dcp_io.save, fs._write_item
+real_save, real_item, real_archive = dcp_io.save, fs._write_item, tensor_archive.write
 def save(*a, **k):
     saves[0] += 1
     written[0] = 0
     return real_save(*a, **k)
-def write_item(*a, **k):
-    written[0] += 1
-    if saves[0] >= 2 and written[0] == 4:
-        print("SLOW WRITE IN FLIGHT", flush=True)
-        time.sleep(600)
-    return real_write(*a, **k)
-dcp_io.save, fs._write_item = save, write_item
+def slow(real):
+    def write(*a, **k):
+        written[0] += 1
+        if saves[0] >= 2 and written[0] == 4:
+            print("SLOW WRITE IN FLIGHT", flush=True)
+            time.sleep(600)
+        return real(*a, **k)
+    return write
+dcp_io.save, fs._write_item, tensor_archive.write = save, slow(real_item), slow(real_archive)
 from megatronish.tools.pretrain_gpt import main
 main(sys.argv[1:])
 """
