@@ -8,7 +8,8 @@
    alone on a ``--state-mb`` state of fp32 row blocks. The limit is measured in the same run on the same disk:
    every rank writing a raw file of its own checkpoint file's byte count at the same time, two ways (``dd bs=8M
    conv=fsync`` through the page cache, and the same with ``oflag=direct``; the save is compared with the faster)
-   and reading it back. Before every read both the checkpoint files and the raw files are dropped from the page
+   and reading it back, again two ways (``dd bs=8M`` and the same with ``iflag=direct``; the load is compared with
+   the faster). Before every read both the checkpoint files and the raw files are dropped from the page
    cache (``posix_fadvise DONTNEED``), so both reads come from the disk (or whatever cache the disk has below the
    OS); the checkpoint and the raw file alternate which is timed first. Median of ``--reps``.
 2. (``--only throughput``: the Checkpointer rows only; ``--only ranks``: the ``dcp_io`` rows only.)
@@ -127,10 +128,35 @@ def raw_direct_write(path, nbytes):
 
 
 def raw_read(path):
+    """``dd bs=8M``: page-cache reads into one 8 MiB buffer."""
     t0 = time.perf_counter()
     with open(path, "rb", buffering=0) as f:
         while f.read(CHUNK):
             pass
+    return time.perf_counter() - t0
+
+
+def raw_direct_read(path):
+    """``dd bs=8M iflag=direct``: O_DIRECT reads into one page-aligned 8 MiB buffer. None where the file system
+    refuses O_DIRECT."""
+    buf = mmap.mmap(-1, CHUNK)
+    buf.write(bytes(CHUNK))
+    t0 = time.perf_counter()
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    except OSError:
+        return None
+    try:
+        offset = 0
+        while True:
+            n = os.preadv(fd, [buf], offset)
+            if n <= 0:
+                break
+            offset += n
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
     return time.perf_counter() - t0
 
 
@@ -219,14 +245,14 @@ def _rank_io(rank, world, port, root, a, side, out):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     save, clear, load, check, what = side(a, root, rank, world)
     raw = os.path.join(root, f"raw_{rank}.bin")
-    times = {"save": [], "load": [], "write": [], "dwrite": [], "read": []}
+    times = {"save": [], "load": [], "write": [], "dwrite": [], "read": [], "dread": []}
 
     def timed(key, fn):
         dist.barrier()
         t0 = time.perf_counter()
         result = fn()
         dist.barrier()
-        if not (key == "dwrite" and result is None):  # None: O_DIRECT refused by the file system
+        if not (key in ("dwrite", "dread") and result is None):  # None: O_DIRECT refused by the file system
             times[key].append(time.perf_counter() - t0)
         return result
 
@@ -239,8 +265,8 @@ def _rank_io(rank, world, port, root, a, side, out):
         shutil.rmtree(warm)
     for rep in range(a.reps):
         # the disk's own speed and ours alternate which goes first (a VM disk's host cache favours recent data)
-        first, second = (("save", "write", "dwrite"), ("load", "read")) if rep % 2 == 0 else \
-            (("dwrite", "write", "save"), ("read", "load"))
+        first, second = (("save", "write", "dwrite"), ("load", "read", "dread")) if rep % 2 == 0 else \
+            (("dwrite", "write", "save"), ("dread", "read", "load"))
         ck = None
         writers = {"write": raw_write, "dwrite": raw_direct_write}
         for key in first:
@@ -252,7 +278,8 @@ def _rank_io(rank, world, port, root, a, side, out):
             drop_cache(raw)
             if rank == 0:
                 drop_cache(ck)
-            timed(key, (lambda: load(ck)) if key == "load" else (lambda: raw_read(raw)))
+            readers = {"read": raw_read, "dread": raw_direct_read}
+            timed(key, (lambda: load(ck)) if key == "load" else (lambda: readers[key](raw)))
         check()
         dist.barrier()
         if rank == 0:
@@ -290,8 +317,10 @@ def io_throughput(a, root, sides):
             direct = f"{gb / t['dwrite']:6.3f}" if t.get("dwrite") else "   n/a"
             print(f"  save  {gb / t['save']:6.3f} GB/s   raw write, same bytes per rank: page cache "
                   f"{gb / t['write']:6.3f} GB/s, O_DIRECT {direct} GB/s   ratio to the faster {disk / t['save']:.2f}")
-            print(f"  load  {gb / t['load']:6.3f} GB/s   raw read, same bytes per rank  {gb / t['read']:6.3f} GB/s   "
-                  f"ratio {t['read'] / t['load']:.2f}")
+            dread = f"{gb / t['dread']:6.3f}" if t.get("dread") else "   n/a"
+            disk = min(t["read"], t.get("dread") or t["read"])
+            print(f"  load  {gb / t['load']:6.3f} GB/s   raw read, same bytes per rank:  page cache "
+                  f"{gb / t['read']:6.3f} GB/s, O_DIRECT {dread} GB/s   ratio to the faster {disk / t['load']:.2f}")
 
 
 def loop_blocking(a, root):
