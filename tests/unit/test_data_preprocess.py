@@ -295,3 +295,30 @@ def test_main_process_parsing_gives_the_same_files(tmp_path, capsys, monkeypatch
         assert run_tool("--input", bad, "--output-prefix", tmp_path / "bad", *gpt2, "--workers", 2) == 2
         errors[where] = capsys.readouterr().err
     assert errors["main"] == errors["workers"] and f"{bad}:{40 * len(tf.TEXTS) + 1}: invalid JSON" in errors["main"]
+
+
+ODD_LINES = [
+    '{"text": "plain"}', '{"text": ["two", "sentences"]}', '{"text": "a", "text": "dup"}', '  {"text": "pad"}  ',
+    '{"text": "\\ud800 lone surrogate"}', '{"text": NaN}', '{"text": 123456789012345678901234567890}',
+    '{"text": 1e400}', '\ufeff{"text": "bom"}', '{"text": "nul \\u0000"}', '{"text": "x"} trailing', "   ", "[1]",
+    '{"other": 1}', '{"text": ["a", 2]}', '{"text": null}', '{"text": ' + "[" * 3000 + "]" * 3000 + "}",
+    b'{"text": "\xff bad utf-8"}', '{"text": "emoji \U0001F600 and \\u00e9"}',
+]
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_fast_json_parser_agrees_with_json(monkeypatch, split):
+    """Lines parsed by orjson (when installed) or json: the same documents and the same message for every line,
+    including those only json accepts (NaN, lone surrogates) and those where orjson reads another value (a
+    30-digit integer: json's int, orjson's float)."""
+    pytest.importorskip("orjson")
+    assert preprocess_data._FAST_LOADS is not None
+    args = preprocess_data.get_parser().parse_args(["--input", "x", "--output-prefix", "y", "--tokenizer-type",
+                                                    "NullTokenizer", "--vocab-size", "10", "--workers", "1"]
+                                                   + (["--split-sentences"] if split else []))
+    enc = preprocess_data.Encoder(args)
+    fast = [(enc._parse(line, docs := []), docs) for line in ODD_LINES]
+    monkeypatch.setattr(preprocess_data, "_FAST_LOADS", None)
+    plain = [(enc._parse(line, docs := []), docs) for line in ODD_LINES]
+    assert fast == plain
+    assert sum(msg is None for msg, _ in plain) >= 8 and sum(msg is not None for msg, _ in plain) >= 8
