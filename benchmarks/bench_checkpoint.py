@@ -278,9 +278,10 @@ def _rank_io(rank, world, port, root, a, side, out):
             drop_cache(raw)
             if rank == 0:
                 drop_cache(ck)
-            readers = {"read": raw_read, "dread": raw_direct_read}
-            timed(key, (lambda: load(ck)) if key == "load" else (lambda: readers[key](raw)))
-        check()
+            readers = {"read": raw_read, "dread": raw_direct_read, "load": load}
+            timed(key, lambda: readers[key](raw if key in ("read", "dread") else ck))
+            if key == "load":
+                check()
         dist.barrier()
         if rank == 0:
             total = dir_bytes(ck)

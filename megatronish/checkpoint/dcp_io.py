@@ -441,38 +441,6 @@ class Reader(FileSystemReader):
         md.storage_meta.load_id = self.load_id
         return md
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
-        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
-        self._chunks = {MetadataIndex(key, c.offsets): (tuple(c.sizes), md.properties.dtype.itemsize)
-                        for key, md in metadata.state_dict_metadata.items()
-                        if isinstance(md, TensorStorageMetadata) for c in md.chunks}
-
-    def _streamed_bytes(self, item: ReadItem) -> int:
-        """The bytes ``item`` reads in one piece: a JSON entry, or a block of a stored chunk that is one contiguous
-        byte range of it (the in-place path of :func:`_read_into`); 0 for others (read through ``torch.load``)."""
-        info = self.storage_data[item.storage_index]
-        if item.type == LoadItemType.BYTE_IO:
-            return info.length
-        shape, itemsize = self._chunks.get(MetadataIndex(item.storage_index.fqn, item.storage_index.offset),
-                                           ((), 0))
-        if not itemsize or not _contiguous_range(shape, list(item.storage_offsets), list(item.lengths)):
-            return 0
-        return math.prod(item.lengths) * itemsize
-
-    def _stream(self, path: str, items: list[ReadItem]):
-        """A :class:`_DirectStream` over the part of the file that ``items`` read in one piece each, or None where
-        they read little (under ``MIN_BYTES``, or under 3/4 of the span they lie in: a load into another layout that
-        needs parts of a file) or the file system refuses ``O_DIRECT``."""
-        spans = [(info.offset, info.offset + info.length, n) for info, n in
-                 ((self.storage_data[r.storage_index], self._streamed_bytes(r)) for r in items) if n]
-        if not spans:
-            return None
-        start, end = min(a for a, _, _ in spans), max(b for _, b, _ in spans)
-        wanted = sum(n for _, _, n in spans)
-        if wanted < _DirectStream.MIN_BYTES or wanted * 4 < (end - start) * 3:
-            return None
-        return _DirectStream.open(path, start, end)
-
     def read_data(self, plan: LoadPlan, planner) -> torch.futures.Future:
         if any(self.storage_data[r.storage_index].transform_descriptors for r in plan.items):
             return super().read_data(plan, planner)
@@ -481,25 +449,18 @@ class Reader(FileSystemReader):
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         for relative_path, items in per_file.items():
             items.sort(key=lambda r: self.storage_data[r.storage_index].offset)  # one forward pass over the file
-            path = os.path.join(str(self.path), relative_path)
-            stream = self._stream(path, items)
-            try:
-                with open(path, "rb", buffering=0) as f:
-                    source = stream or _FileSource(f.fileno())
-                    for item in items:
-                        info = self.storage_data[item.storage_index]
-                        if item.type == LoadItemType.BYTE_IO:
-                            planner.load_bytes(item, io.BytesIO(source.read(info.offset, info.length)))
-                            continue
-                        target = planner.resolve_tensor(item).detach()
-                        if not _read_into(f, source, info, item, target):
-                            stored = torch.load(_create_file_view(f, info.offset, info.length), map_location="cpu",
-                                                weights_only=True)
-                            target.copy_(narrow(stored, item.storage_offsets, item.lengths))
-                        planner.commit_tensor(item, target)
-            finally:
-                if stream is not None:
-                    stream.close()
+            with open(os.path.join(str(self.path), relative_path), "rb", buffering=0) as f:
+                for item in items:
+                    info = self.storage_data[item.storage_index]
+                    if item.type == LoadItemType.BYTE_IO:
+                        planner.load_bytes(item, io.BytesIO(_pread_exact(f.fileno(), info.offset, info.length)))
+                        continue
+                    target = planner.resolve_tensor(item).detach()
+                    if not _read_into(f, info, item, target):
+                        stored = torch.load(_create_file_view(f, info.offset, info.length), map_location="cpu",
+                                            weights_only=True)
+                        target.copy_(narrow(stored, item.storage_offsets, item.lengths))
+                    planner.commit_tensor(item, target)
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(None)
         return fut
@@ -578,23 +539,14 @@ def _head_records(head: bytes) -> dict[str, tuple[int, int | None]]:
     return out
 
 
-def _contiguous_range(shape, starts, lengths) -> bool:
-    """Whether the block ``starts``/``lengths`` of a row-major array of ``shape`` is one contiguous byte range:
-    length 1 before some dim k, any length at k, whole dims after k."""
-    if len(shape) != len(lengths) or len(starts) != len(lengths):
-        return False
-    k = next((d for d in range(len(shape)) if lengths[d] != 1), len(shape))
-    return all(starts[d] == 0 and lengths[d] == shape[d] for d in range(k + 1, len(shape)))
-
-
-def _read_into(f, source, info, item: ReadItem, target: torch.Tensor) -> bool:
-    """Read the requested block of a stored chunk straight into ``target`` from ``source`` (the file, or a
-    :class:`_DirectStream` over it); False when it is not one contiguous byte range of a plain contiguous chunk (the
-    caller then takes the general path). The archive's records are found from its first 4 KiB (its local headers)
-    when they are all there, so the file is read front to back; else from its central directory at the end."""
+def _read_into(f, info, item: ReadItem, target: torch.Tensor) -> bool:
+    """Read the requested block of a stored chunk straight into ``target``; False when it is not one contiguous
+    byte range of a plain contiguous chunk (the caller then takes the general path). The archive's records are
+    found from its first 4 KiB (its local headers) when they are all there, so the file is read front to back;
+    else from its central directory at the end."""
     if target.device.type != "cpu" or not target.is_contiguous():
         return False
-    head = source.peek(info.offset, min(info.length, _EndsView.END))
+    head = _pread_exact(f.fileno(), info.offset, min(info.length, _EndsView.END))
     found = _from_head(head, info.length)
     if found is None:
         found = _from_directory(_EndsView(f.fileno(), info.offset, info.length, head))
@@ -604,169 +556,18 @@ def _read_into(f, source, info, item: ReadItem, target: torch.Tensor) -> bool:
     if layout[0] != target.dtype or data_size != math.prod(layout[1]) * target.element_size():
         return False
     shape, starts, lengths = layout[1], list(item.storage_offsets), list(item.lengths)
-    if tuple(lengths) != tuple(target.shape) or not _contiguous_range(shape, starts, lengths):
+    if len(shape) != len(lengths) or tuple(lengths) != tuple(target.shape):
+        return False
+    # one contiguous byte range: length 1 before some dim k, any length at k, whole dims after k
+    k = next((d for d in range(len(shape)) if lengths[d] != 1), len(shape))
+    if any(starts[d] != 0 or lengths[d] != shape[d] for d in range(k + 1, len(shape))):
         return False
     first = sum(starts[d] * math.prod(shape[d + 1:]) for d in range(len(shape)))
     nbytes = target.numel() * target.element_size()
     if nbytes:
         offset = info.offset + data_offset + first * target.element_size()
-        source.read_into(memoryview(target.reshape(-1).view(torch.uint8).numpy()), offset)
+        _preadv_exact(f.fileno(), memoryview(target.reshape(-1).view(torch.uint8).numpy()), offset)
     return True
-
-
-class _FileSource:
-    """Reads of a shard file through the page cache (the interface of :class:`_DirectStream`)."""
-
-    def __init__(self, fd: int):
-        self.fd = fd
-
-    def peek(self, offset: int, n: int) -> bytes:
-        return _pread_exact(self.fd, offset, n)
-
-    read = peek
-
-    def read_into(self, view: memoryview, offset: int) -> None:
-        _preadv_exact(self.fd, view, offset)
-
-
-class _DirectStream:
-    """One forward pass over ``[start, end)`` of a shard file with ``O_DIRECT``: ``THREADS`` threads read
-    page-aligned ``BLOCK``-byte blocks in order into reused resident buffers (no page-cache page is allocated or
-    copied from), and the loading thread copies each requested range out of them into its destination, the one
-    copy a page-cache read makes too. Requests come in file order; ``peek`` (an item's first 4 KiB) keeps the
-    blocks it touched, ``read``/``read_into`` release the blocks they finish, and any request releases the blocks
-    that end before it. A range the stream no longer holds (a request out of order) is read from the file."""
-
-    BLOCK = 4 << 20
-    COUNT = 6
-    THREADS = 2
-    MIN_BYTES = 8 << 20  # smaller reads are not worth the threads
-
-    @classmethod
-    def open(cls, path: str, start: int, end: int) -> "_DirectStream | None":
-        flag = getattr(os, "O_DIRECT", 0)
-        if not DIRECT_READS or not flag:
-            return None
-        try:
-            fd = os.open(path, os.O_RDONLY | flag)
-        except OSError:
-            return None
-        stream = cls(fd, path, start, end)
-        try:
-            stream._block(stream.first)
-        except OSError:  # refused at the first read (EINVAL): the file system does not take O_DIRECT reads
-            stream.close()
-            return None
-        return stream
-
-    def __init__(self, fd: int, path: str, start: int, end: int):
-        self.fd, self.path, self.end = fd, path, end
-        self.plain = os.open(path, os.O_RDONLY)
-        self.first = start // self.BLOCK
-        self.last = (end - 1) // self.BLOCK  # inclusive
-        self.next = self.first
-        self.released = self.first  # blocks below this index are released (or dropped when they arrive)
-        self.ready: dict[int, tuple] = {}  # block index -> (buffer, bytes read) or (None, error)
-        self.cond = threading.Condition()
-        self.pool = _READ_BLOCKS
-        self.buffers = self.pool.take(self.COUNT)
-        self.free: queue.Queue = queue.Queue()
-        for b in self.buffers:
-            self.free.put(b)
-        self.stopped = False
-        self.threads = [threading.Thread(target=self._reader, name="checkpoint-file-reader", daemon=True)
-                        for _ in range(self.THREADS)]
-        for t in self.threads:
-            t.start()
-
-    def _reader(self) -> None:
-        while True:
-            buf = self.free.get()  # a buffer first, then the next index: every index handed out has a buffer
-            with self.cond:
-                if buf is None or self.stopped or self.next > self.last:
-                    if buf is not None:
-                        self.free.put(buf)
-                    return
-                i = self.next
-                self.next += 1
-            try:
-                n = os.preadv(self.fd, [buf], i * self.BLOCK)
-                result = (buf, n)
-            except OSError as e:
-                self.free.put(buf)
-                result = (None, e)
-            with self.cond:
-                if i < self.released:  # skipped by the loading thread while in flight
-                    if result[0] is not None:
-                        self.free.put(result[0])
-                else:
-                    self.ready[i] = result
-                self.cond.notify_all()
-
-    def _block(self, i: int):
-        with self.cond:
-            while i not in self.ready:
-                self.cond.wait()
-            buf, n = self.ready[i]
-        if buf is None:
-            raise n
-        return buf, n
-
-    def _release_before(self, i: int) -> None:
-        with self.cond:
-            self.released = max(self.released, i)
-            done = [j for j in self.ready if j < i]
-            for j in done:
-                buf, _ = self.ready.pop(j)
-                if buf is not None:
-                    self.free.put(buf)
-
-    def _copy(self, view: memoryview, offset: int, keep: bool) -> None:
-        first = offset // self.BLOCK
-        if first < self.first or offset + len(view) > self.end:
-            _preadv_exact(self.plain, view, offset)  # outside the stream's range: from the file
-            return
-        if first < self.released:  # released by an earlier request (out of order): from the file
-            _preadv_exact(self.plain, view, offset)
-            return
-        self._release_before(first)
-        done = 0
-        while done < len(view):
-            i = (offset + done) // self.BLOCK
-            buf, n = self._block(i)
-            at = offset + done - i * self.BLOCK
-            take = min(len(view) - done, self.BLOCK - at)
-            if at + take > n:
-                raise CheckpointError(f"checkpoint shard {self.path} ended at byte {i * self.BLOCK + n} while "
-                                      f"reading up to {offset + len(view)}; the file is truncated")
-            view[done:done + take] = memoryview(buf)[at:at + take]
-            done += take
-            if not keep and at + take == self.BLOCK:
-                self._release_before(i + 1)
-
-    def peek(self, offset: int, n: int) -> bytes:
-        buf = bytearray(n)
-        self._copy(memoryview(buf), offset, keep=True)
-        return bytes(buf)
-
-    def read(self, offset: int, n: int) -> bytes:
-        buf = bytearray(n)
-        self._copy(memoryview(buf), offset, keep=False)
-        return bytes(buf)
-
-    def read_into(self, view: memoryview, offset: int) -> None:
-        self._copy(view, offset, keep=False)
-
-    def close(self) -> None:
-        with self.cond:
-            self.stopped = True
-        for _ in self.threads:
-            self.free.put(None)
-        for t in self.threads:
-            t.join()
-        self.pool.give(self.buffers)
-        os.close(self.fd)
-        os.close(self.plain)
 
 
 def _from_head(head: bytes, length: int):
@@ -920,7 +721,6 @@ def _inject_fault(kind: str) -> None:
 
 
 DIRECT_IO = True  # write checkpoint files with O_DIRECT where the file system allows it (tests turn it off)
-DIRECT_READS = True  # and read them so (see _DirectStream)
 _ALIGN = 4096  # O_DIRECT: buffer address, file offset and length in multiples of this
 
 
@@ -955,7 +755,6 @@ class _BouncePool:
 
 
 _BOUNCE = _BouncePool()
-_READ_BLOCKS = _BouncePool()
 
 
 def _open_direct(path: str) -> int | None:

@@ -1,11 +1,11 @@
 """``torch.save`` of one CPU tensor, byte for byte, without its CPU cost.
 
 A DCP shard file holds one ``torch.save`` archive per tensor. ``torch.save`` computes each record's CRC-32 with
-a table-driven loop at about 1 GB/s while holding the GIL; with several ranks sharing the cores, that checksum is
-most of a save's CPU time. :func:`write` writes the same archive (an uncompressed zip, ``archive/`` prefix, records
+a table-driven loop while holding the GIL; with several ranks sharing the cores, that checksum was a large part of a
+save's CPU time. :func:`write` writes the same archive (an uncompressed zip, ``archive/`` prefix, records
 padded to the storage alignment with an ``FB`` extra field, sizes in a data descriptor after each record's data,
 zip64 end records, ``.data/serialization_id`` from the record names and CRCs) with the data checksummed by
-``zlib.crc32``, which runs several times faster and releases the GIL. The tensor's data is handed to the output
+``zlib.crc32``, a faster implementation that releases the GIL. The tensor's data is handed to the output
 as a view of its memory.
 
 The records themselves (``data.pkl`` and the small ones) come from ``torch.serialization._save``, the function
