@@ -19,6 +19,7 @@ import io
 import pickle
 import struct
 import threading
+import zipfile
 import zlib
 
 import torch
@@ -151,8 +152,6 @@ def _learn(settings: tuple) -> _Format | None:
     if not crc_on:
         return None
     try:
-        import zipfile
-
         first = _reference(_PROBES[0]())
         with zipfile.ZipFile(io.BytesIO(first)) as z:
             names = [i.filename.removeprefix("archive/") for i in z.infolist()]
