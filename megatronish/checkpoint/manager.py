@@ -99,6 +99,10 @@ class Checkpointer:
     def load(self, state) -> bool:
         """Restore from ``--load`` into the model, optimizer, scheduler, RNG and ``state`` (iteration, consumed
         samples). Returns whether a checkpoint was loaded. Collective."""
+        with dcp_io.gc_paused():
+            return self._load(state)
+
+    def _load(self, state) -> bool:
         ck = self.ck
         if not ck.load:
             return False
@@ -233,6 +237,10 @@ class Checkpointer:
     # ------------------------------------------------------------------------------------------------ save
     def save(self, state) -> None:
         """Save ``state.iteration`` to ``--save`` (collective); asynchronous with ``--async-save``."""
+        with dcp_io.gc_paused():
+            self._save(state)
+
+    def _save(self, state) -> None:
         ck = self.ck
         self.wait()
         iter_dir = os.path.abspath(layout.checkpoint_dir(ck.save, state.iteration))

@@ -258,3 +258,75 @@ def test_dcp_debug_records_skipped_only_where_discarded(monkeypatch):
     assert watched.level == logging.DEBUG  # someone reads these records: they stay
     watched.debug("kept")
     assert "kept" in seen.getvalue()
+
+
+def test_reads_start_with_one_willneed_per_run_of_adjacent_items(tmp_path, monkeypatch):
+    """Before the first read the reader asks the kernel for every byte range it is about to read, one
+    ``POSIX_FADV_WILLNEED`` per run of adjacent stored items, so the disk works ahead of the copies and the
+    per-item bookkeeping. The empty tensor is not read, which splits the file's items into two runs."""
+    state = _state(3)
+    path = str(tmp_path / "ck")
+    dcp_io.save(state, path, no_dist=True)
+    md = dcp_io.read_index(path)
+    advice = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, how: (advice.append((off, n, how)),
+                                                                         real(fd, off, n, how))[1])
+    target = _empty_like(state)
+    dcp_io.load(target, path, no_dist=True, index=md)
+    info = {k.fqn: i for k, i in md.storage_data.items()}
+    assert [k for k, _ in sorted(info.items(), key=lambda x: x[1].offset)][-2:] == ["model.empty", "model.view"]
+    assert advice == [(0, info["model.empty"].offset, os.POSIX_FADV_WILLNEED),
+                      (info["model.view"].offset, info["model.view"].length, os.POSIX_FADV_WILLNEED)]
+    for k, v in state.items():
+        if isinstance(v, Sharded):
+            assert torch.equal(target[k].pieces[0].tensor, v.pieces[0].tensor.contiguous()), k
+
+
+def test_prefetch_merges_adjacent_ranges_only():
+    class Info:
+        def __init__(self, offset, length):
+            self.offset, self.length = offset, length
+
+    calls = []
+    real = os.posix_fadvise
+    try:
+        os.posix_fadvise = lambda fd, off, n, how: calls.append((off, n))
+        dcp_io._prefetch(-1, [Info(0, 10), Info(10, 5), Info(12, 1), Info(40, 8), Info(100, 0)])
+    finally:
+        os.posix_fadvise = real
+    assert calls == [(0, 15), (40, 8)]  # nothing for an empty range (length 0 is "to the end of the file")
+
+
+def test_loads_and_saves_pause_the_garbage_collector(tmp_path, monkeypatch):
+    """A save or load runs with Python's automatic collection off on the main thread (restored afterwards; left
+    alone where it is already off, and on other threads)."""
+    import gc
+    import threading
+
+    seen = []
+    read_data, write_data = dcp_io.Reader.read_data, dcp_io.Writer.write_data
+    monkeypatch.setattr(dcp_io.Reader, "read_data", lambda *a: (seen.append(gc.isenabled()), read_data(*a))[1])
+    monkeypatch.setattr(dcp_io.Writer, "write_data", lambda *a: (seen.append(gc.isenabled()), write_data(*a))[1])
+    state = _state(4)
+    path = str(tmp_path / "ck")
+    assert gc.isenabled()
+    dcp_io.save(state, path, no_dist=True)
+    dcp_io.load(_empty_like(state), path, no_dist=True)
+    assert seen == [False, False] and gc.isenabled()
+    gc.disable()
+    try:
+        with dcp_io.gc_paused():
+            pass
+        assert not gc.isenabled()  # already off (--manual-gc): left off
+    finally:
+        gc.enable()
+    inside = []
+    def on_a_thread():
+        with dcp_io.gc_paused():
+            inside.append(gc.isenabled())
+
+    worker = threading.Thread(target=on_a_thread)
+    worker.start()
+    worker.join()
+    assert inside == [True] and gc.isenabled()
