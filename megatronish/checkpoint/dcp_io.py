@@ -81,8 +81,8 @@ def gc_paused():
     """Python's automatic garbage collection off for the block, on the main thread (a no-op elsewhere, and where it
     is already off, e.g. ``--manual-gc``). A save or load allocates thousands of short-lived, acyclic objects (the
     index, plans, read and write items) that refcounting frees; with the collector on they trip a full collection
-    of the whole heap now and then (0.2 - 0.3 s in a training process of 300 k objects on a loaded 2-core host),
-    and in a collective save or load that one rank's pause holds up every rank."""
+    of the whole heap (a training process's hundreds of thousands of objects) now and then, and in a collective
+    save or load that one rank's pause holds up every rank."""
     if threading.current_thread() is not threading.main_thread() or not gc.isenabled():
         yield
         return
