@@ -283,18 +283,14 @@ def test_reads_start_with_one_willneed_per_run_of_adjacent_items(tmp_path, monke
             assert torch.equal(target[k].pieces[0].tensor, v.pieces[0].tensor.contiguous()), k
 
 
-def test_prefetch_merges_adjacent_ranges_only():
+def test_prefetch_merges_adjacent_ranges_only(monkeypatch):
     class Info:
         def __init__(self, offset, length):
             self.offset, self.length = offset, length
 
     calls = []
-    real = os.posix_fadvise
-    try:
-        os.posix_fadvise = lambda fd, off, n, how: calls.append((off, n))
-        dcp_io._prefetch(-1, [Info(0, 10), Info(10, 5), Info(12, 1), Info(40, 8), Info(100, 0)])
-    finally:
-        os.posix_fadvise = real
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, how: calls.append((off, n)))
+    dcp_io._prefetch(-1, [Info(0, 10), Info(10, 5), Info(12, 1), Info(40, 8), Info(100, 0)])
     assert calls == [(0, 15), (40, 8)]  # nothing for an empty range (length 0 is "to the end of the file")
 
 
@@ -322,6 +318,7 @@ def test_loads_and_saves_pause_the_garbage_collector(tmp_path, monkeypatch):
     finally:
         gc.enable()
     inside = []
+
     def on_a_thread():
         with dcp_io.gc_paused():
             inside.append(gc.isenabled())
