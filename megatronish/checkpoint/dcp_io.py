@@ -479,9 +479,10 @@ class Reader(FileSystemReader):
         for relative_path, items in per_file.items():
             items.sort(key=lambda r: self.storage_data[r.storage_index].offset)  # one forward pass over the file
             with open(os.path.join(str(self.path), relative_path), "rb", buffering=0) as f:
-                _prefetch(f.fileno(), [self.storage_data[r.storage_index] for r in items])
+                ahead = _ReadAhead(f.fileno(), [self.storage_data[r.storage_index] for r in items])
                 for item in items:
                     info = self.storage_data[item.storage_index]
+                    ahead.advance(info.offset)
                     if item.type == LoadItemType.BYTE_IO:
                         planner.load_bytes(item, io.BytesIO(_pread_exact(f.fileno(), info.offset, info.length)))
                         continue
@@ -496,24 +497,39 @@ class Reader(FileSystemReader):
         return fut
 
 
-def _prefetch(fd: int, infos) -> None:
-    """Ask the kernel to start reading the byte ranges of ``infos`` (sorted by offset) now, in the background
-    (``POSIX_FADV_WILLNEED`` on each run of adjacent ranges)."""
-    advise = getattr(os, "posix_fadvise", None)
-    if advise is None:
-        return
-    start = end = None
-    for info in [*infos, None]:
-        if info is not None and end is not None and info.offset <= end:
-            end = max(end, info.offset + info.length)
-            continue
-        if end is not None and end > start:  # (a length of 0 would mean "to the end of the file")
+class _ReadAhead:
+    """Asks the kernel to read the byte ranges of ``infos`` (sorted by offset) in the background, at most about
+    ``window`` bytes ahead of the reads (``POSIX_FADV_WILLNEED`` on runs of adjacent ranges, cut into pieces of at
+    most a window; a shard that fits in one is asked for with one call per run before the first read): the disk
+    works ahead of the copies and the per-item bookkeeping, and a rank's shard of any size never asks for more than
+    two windows of page cache ahead of its reads."""
+
+    def __init__(self, fd: int, infos, window: int = 256 << 20) -> None:
+        self.fd, self.window, self.pieces = fd, window, []
+        start = end = None
+        for info in [*infos, None]:
+            if info is not None and end is not None and info.offset <= end:
+                end = max(end, info.offset + info.length)
+                continue
+            if end is not None:
+                self.pieces += [(o, min(window, end - o)) for o in range(start, end, window)]  # none when empty
+            if info is not None:
+                start, end = info.offset, info.offset + info.length
+        self.pieces.reverse()  # popped from the end, lowest offset first
+        self.advance(self.pieces[-1][0] if self.pieces else 0)
+
+    def advance(self, offset: int) -> None:
+        """The reads have reached ``offset``: ask for every piece that starts less than a window beyond it."""
+        advise = getattr(os, "posix_fadvise", None)
+        while self.pieces and self.pieces[-1][0] < offset + self.window:
+            start, length = self.pieces.pop()
+            if advise is None:
+                continue
             try:
-                advise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
+                advise(self.fd, start, length, os.POSIX_FADV_WILLNEED)  # length > 0 (0 means "to the end")
             except OSError:
+                self.pieces.clear()
                 return
-        if info is not None:
-            start, end = info.offset, info.offset + info.length
 
 
 _LAYOUTS: dict[bytes, tuple | None] = {}

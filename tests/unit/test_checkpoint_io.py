@@ -261,9 +261,10 @@ def test_dcp_debug_records_skipped_only_where_discarded(monkeypatch):
 
 
 def test_reads_start_with_one_willneed_per_run_of_adjacent_items(tmp_path, monkeypatch):
-    """Before the first read the reader asks the kernel for every byte range it is about to read, one
-    ``POSIX_FADV_WILLNEED`` per run of adjacent stored items, so the disk works ahead of the copies and the
-    per-item bookkeeping. The empty tensor is not read, which splits the file's items into two runs."""
+    """Before the first read the reader asks the kernel for every byte range it is about to read (within its
+    read-ahead window), one ``POSIX_FADV_WILLNEED`` per run of adjacent stored items, so the disk works ahead of the
+    copies and the per-item bookkeeping. The empty tensor is not read, which splits the file's items into two
+    runs."""
     state = _state(3)
     path = str(tmp_path / "ck")
     dcp_io.save(state, path, no_dist=True)
@@ -283,15 +284,29 @@ def test_reads_start_with_one_willneed_per_run_of_adjacent_items(tmp_path, monke
             assert torch.equal(target[k].pieces[0].tensor, v.pieces[0].tensor.contiguous()), k
 
 
-def test_prefetch_merges_adjacent_ranges_only(monkeypatch):
+def test_read_ahead_merges_adjacent_ranges_and_stays_a_window_ahead(monkeypatch):
+    """Runs of adjacent ranges are asked for in pieces of at most a window, only as far as a window beyond the
+    reads, and never with length 0 (for ``posix_fadvise`` "to the end of the file")."""
     class Info:
         def __init__(self, offset, length):
             self.offset, self.length = offset, length
 
     calls = []
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, how: calls.append((off, n)))
-    dcp_io._prefetch(-1, [Info(0, 10), Info(10, 5), Info(12, 1), Info(40, 8), Info(100, 0)])
-    assert calls == [(0, 15), (40, 8)]  # nothing for an empty range (length 0 is "to the end of the file")
+    ahead = dcp_io._ReadAhead(-1, [Info(0, 10), Info(10, 5), Info(12, 1), Info(40, 8), Info(100, 0)], window=6)
+    assert calls == [(0, 6)]  # the first run's first piece: the second starts a window beyond offset 0
+    ahead.advance(4)
+    assert calls[1:] == [(6, 6)]  # starts within 6 of 4; (12, 3) does not
+    ahead.advance(7)
+    assert calls[2:] == [(12, 3)]
+    ahead.advance(30)
+    assert calls[3:] == []  # 40 is not within 6 of 30
+    ahead.advance(36)
+    assert calls[3:] == [(40, 6)]
+    ahead.advance(41)
+    assert calls[4:] == [(46, 2)]
+    ahead.advance(100)
+    assert len(calls) == 5  # nothing for the empty range
 
 
 def test_loads_and_saves_pause_the_garbage_collector(tmp_path, monkeypatch):
