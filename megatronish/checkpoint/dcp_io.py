@@ -506,6 +506,7 @@ class _ReadAhead:
 
     def __init__(self, fd: int, infos, window: int = 256 << 20) -> None:
         self.fd, self.window, self.pieces = fd, window, []
+        self.advise = getattr(os, "posix_fadvise", None)  # absent on some platforms: no read-ahead request
         start = end = None
         for info in [*infos, None]:
             if info is not None and end is not None and info.offset <= end:
@@ -520,13 +521,12 @@ class _ReadAhead:
 
     def advance(self, offset: int) -> None:
         """The reads have reached ``offset``: ask for every piece that starts less than a window beyond it."""
-        advise = getattr(os, "posix_fadvise", None)
         while self.pieces and self.pieces[-1][0] < offset + self.window:
             start, length = self.pieces.pop()
-            if advise is None:
+            if self.advise is None:
                 continue
             try:
-                advise(self.fd, start, length, os.POSIX_FADV_WILLNEED)  # length > 0 (0 means "to the end")
+                self.advise(self.fd, start, length, os.POSIX_FADV_WILLNEED)  # length > 0 (0 means "to the end")
             except OSError:
                 self.pieces.clear()
                 return
