@@ -506,6 +506,7 @@ class _ReadAhead:
 
     def __init__(self, fd: int, infos, window: int = 256 << 20) -> None:
         self.fd, self.window, self.pieces = fd, window, []
+        self.asked: list[tuple[int, int]] = []  # (offset, length) of each request made
         self.advise = getattr(os, "posix_fadvise", None)  # absent on some platforms: no read-ahead request
         start = end = None
         for info in [*infos, None]:
@@ -530,6 +531,29 @@ class _ReadAhead:
             except OSError:
                 self.pieces.clear()
                 return
+            self.asked.append((start, length))
+
+
+def read_ahead_own_shard(iter_dir: str, md: Metadata, rank: int, wanted) -> int:
+    """Ask the kernel to start reading, in the background, the records of ``wanted(name)`` entries in the data file
+    that rank ``rank`` wrote (``__{rank}_0.distcp``), at most one read-ahead window of them. For a load into the
+    layout that saved the checkpoint: each rank reads back exactly the pieces it wrote, so the disk can work while
+    the rank plans its load (the reads ask for the same ranges again; pages already read are not read twice).
+    Returns the bytes asked for; 0 where the file is not in the index or the platform has no ``posix_fadvise``."""
+    name = f"__{rank}_0.distcp"
+    infos = sorted((info for index, info in md.storage_data.items()
+                    if info.relative_path == name and wanted(index.fqn)), key=lambda info: info.offset)
+    if not infos or getattr(os, "posix_fadvise", None) is None:
+        return 0
+    try:
+        fd = os.open(os.path.join(iter_dir, name), os.O_RDONLY)
+    except OSError:
+        return 0  # the load reports a missing file itself
+    try:
+        ahead = _ReadAhead(fd, infos)
+        return sum(length for _, length in ahead.asked)
+    finally:
+        os.close(fd)
 
 
 _LAYOUTS: dict[bytes, tuple | None] = {}

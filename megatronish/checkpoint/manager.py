@@ -133,6 +133,10 @@ class Checkpointer:
         if load_optim and not common.get("optimizer"):
             raise CheckpointError(f"checkpoint {iter_dir} has no optimizer state (saved with --no-save-optim, or "
                                   "converted); pass --no-load-optim or --finetune")
+        if common.get("layout") == _layout(self.cfg):  # this rank reads back what it wrote: the disk starts now
+            kinds = (MODEL,) + ((OPTIMIZER,) if load_optim else ()) + ((FP8,) if self.fp8 is not None else ())
+            dcp_io.read_ahead_own_shard(iter_dir, md, _rank() if self._group is None else
+                                        dist.get_rank(self._group), lambda name: name.startswith(kinds))
 
         entries = model_entries(self.named, self.parallel)
         param_state = None

@@ -43,8 +43,24 @@ RESUME_CASES = {"dp2": [], "pp2_vp2": PP2_VP2, "dp2_distributed_optimizer": DIST
                 "dp2_bf16_fp8": ["--bf16", "--fp8-format", "hybrid"]}  # + fp32 master copies, FP8 amax history
 
 
+def _recording_read_ahead(calls):
+    """Wraps ``dcp_io.read_ahead_own_shard`` to note (iteration directory, rank, bytes asked for) of each call."""
+    real = dcp_io.read_ahead_own_shard
+
+    def record(iter_dir, md, rank, wanted):
+        asked = real(iter_dir, md, rank, wanted)
+        calls.append((os.path.relpath(iter_dir, calls_root[0]), rank, asked))
+        return asked
+
+    calls_root = [None]
+    dcp_io.read_ahead_own_shard = record
+    return calls_root
+
+
 def _resume_worker(rank, world, root):
     out = {}
+    out["read_ahead"] = []
+    _recording_read_ahead(out["read_ahead"])[0] = root
     for name, case in RESUME_CASES.items():
         d = os.path.join(root, name)
         argv = case + DROPOUT + ["--train-iters", "10"]
@@ -88,7 +104,8 @@ def _resume_worker(rank, world, root):
 @pytest.fixture(scope="module")
 def resume(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("resume"))
-    return root, run_distributed(_resume_worker, 2, root, timeout=300)[0]
+    results = run_distributed(_resume_worker, 2, root, timeout=300)
+    return root, results[0], [call for r in results for call in r["read_ahead"]]
 
 
 @pytest.mark.parametrize("case", sorted(RESUME_CASES))
@@ -98,8 +115,28 @@ def test_exact_resume_same_layout(resume, case):
     assert first + resumed == straight  # bitwise: model, optimizer, schedule, RNG (dropout on), data position
 
 
+def _own_records_bytes(iter_dir, rank, kinds):
+    md = dcp_io.read_index(iter_dir)
+    return sum(info.length for index, info in md.storage_data.items()
+               if info.relative_path == f"__{rank}_0.distcp" and index.fqn.startswith(kinds))
+
+
+def test_same_layout_loads_read_ahead_their_own_shard(resume):
+    """A load into the layout that saved the checkpoint asks the kernel early for the model, optimizer (and FP8)
+    records of the rank's own shard file, all of them (each is under the read-ahead window)."""
+    root, _, every_rank = resume
+    calls = {}
+    for iter_dir, rank, asked in every_rank:
+        calls.setdefault(iter_dir, {})[rank] = asked
+    for name in RESUME_CASES:
+        kinds = ("model.", "optimizer.") + (("fp8.",) if "fp8" in name else ())
+        want = {r: _own_records_bytes(os.path.join(root, name, "iter_0000005"), r, kinds) for r in range(2)}
+        assert calls[os.path.join(name, "iter_0000005")] == want, name
+        assert all(want.values()), want
+
+
 def test_async_save_equals_sync(resume):
-    root, out = resume
+    root, out, _ = resume
     straight = out["dp2"][0]
     assert out["async"] == straight
     assert out["async_resumed"] == straight[5:]
@@ -122,7 +159,7 @@ def test_async_save_resumes_exactly(resume, case):
 
 
 def test_async_save_error_surfaces_on_every_rank(resume):
-    root, out = resume
+    root, out, _ = resume
     assert out["async_error"].startswith(f"--save {os.path.join(root, 'failing')}: saving iteration 2 failed: "
                                          "asynchronous save: ") and "No space left on device" in out["async_error"]
     assert "no complete checkpoint in" in out["async_error"]
@@ -130,7 +167,7 @@ def test_async_save_error_surfaces_on_every_rank(resume):
 
 
 def test_exit_duration_saves_and_stops(resume):
-    root, out = resume
+    root, out, _ = resume
     assert out["duration"] == (1, "duration")
     assert read_checkpoint_meta(os.path.join(root, "duration"))["iteration"] == 1
 
@@ -148,6 +185,8 @@ def _source_dir(root, name):
 def _reshard_worker(rank, world, root):
     argv = NO_DROPOUT + ["--train-iters", str(END)]
     refs, got = {}, {}
+    calls = []
+    _recording_read_ahead(calls)[0] = root
     if world == 4:
         for name, src in SOURCES.items():  # the original layout: save at 5, continue to 8
             refs[name] = _losses(src + argv + ["--save", os.path.join(root, name), "--save-interval", str(SAVE_AT)],
@@ -157,7 +196,7 @@ def _reshard_worker(rank, world, root):
         for target, tgt in targets.items():
             if target != name:
                 got[(name, target)] = _losses(tgt + argv + ["--load", _source_dir(root, name)], world)
-    return refs, got
+    return refs, got, calls
 
 
 def _bad_checkpoints_worker(rank, world, root):
@@ -205,22 +244,28 @@ def _bad_checkpoints_worker(rank, world, root):
 @pytest.fixture(scope="module")
 def reshard(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("reshard"))
-    refs, got = run_distributed(_reshard_worker, 4, root, timeout=300)[0]
-    got.update(run_distributed(_reshard_worker, 1, root, timeout=300)[0][1])
+    refs, got, calls = run_distributed(_reshard_worker, 4, root, timeout=300)[0]
+    _, single, single_calls = run_distributed(_reshard_worker, 1, root, timeout=300)[0]
+    got.update(single)
     bad = run_distributed(_bad_checkpoints_worker, 1, root, timeout=300)[0]
-    return root, refs, got, bad
+    return root, refs, got, bad, calls + single_calls
 
 
 @pytest.mark.parametrize("source", sorted(SOURCES))
 def test_reshard_matrix(reshard, source):
     """A checkpoint saved at one layout, loaded at each other one and in one process, continues with the
     losses of the original layout."""
-    _, refs, got, _ = reshard
+    _, refs, got, _, _ = reshard
     targets = [t for (s, t) in got if s == source]
     assert sorted(targets) == sorted([t for t in SOURCES if t != source] + ["single"])
     for target in targets:
         torch.testing.assert_close(torch.tensor(got[(source, target)]), torch.tensor(refs[source]), rtol=1e-5,
                                    atol=0, msg=lambda m: f"{source} -> {target}: {m}")
+
+
+def test_loads_into_another_layout_do_not_read_ahead_a_shard(reshard):
+    """Every load of the reshard matrix goes into another layout: no rank guesses its reads before planning."""
+    assert reshard[4] == []
 
 
 def test_reshard_stores_global_tensors_once(reshard):

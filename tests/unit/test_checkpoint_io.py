@@ -309,6 +309,32 @@ def test_read_ahead_merges_adjacent_ranges_and_stays_a_window_ahead(monkeypatch)
     assert len(calls) == 5  # nothing for the empty range
 
 
+def test_read_ahead_of_the_own_shard_asks_for_the_wanted_records(tmp_path, monkeypatch):
+    """``read_ahead_own_shard`` asks for the records of the wanted entries in ``__{rank}_0.distcp`` (runs of
+    adjacent records merged), nothing for a rank whose file the index does not name."""
+    state = _state(5)
+    path = str(tmp_path / "ck")
+    dcp_io.save(state, path, no_dist=True)
+    md = dcp_io.read_index(path)
+    calls = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, how: calls.append((off, n, how)))
+    wanted = {"model.big", "model.bf16", "model.view"}
+    asked = dcp_io.read_ahead_own_shard(path, md, 0, lambda name: name in wanted)
+    ranges = sorted((i.offset, i.length) for k, i in md.storage_data.items() if k.fqn in wanted)
+    runs = []
+    for off, n in ranges:
+        if runs and runs[-1][0] + runs[-1][1] == off:
+            runs[-1] = (runs[-1][0], runs[-1][1] + n)
+        else:
+            runs.append((off, n))
+    assert calls == [(off, n, os.POSIX_FADV_WILLNEED) for off, n in runs] and len(runs) >= 2
+    assert asked == sum(n for _, n in ranges)
+    calls.clear()
+    assert dcp_io.read_ahead_own_shard(path, md, 1, lambda name: True) == 0  # no __1_0.distcp in this checkpoint
+    assert dcp_io.read_ahead_own_shard(path, md, 0, lambda name: False) == 0
+    assert calls == []
+
+
 def test_loads_and_saves_pause_the_garbage_collector(tmp_path, monkeypatch):
     """A save or load runs with Python's automatic collection off on the main thread (restored afterwards; left
     alone where it is already off, and on other threads)."""
