@@ -536,10 +536,11 @@ class _ReadAhead:
 
 def read_ahead_own_shard(iter_dir: str, md: Metadata, rank: int, wanted) -> int:
     """Ask the kernel to start reading, in the background, the records of ``wanted(name)`` entries in the data file
-    that rank ``rank`` wrote (``__{rank}_0.distcp``), at most one read-ahead window of them. For a load into the
-    layout that saved the checkpoint: each rank reads back exactly the pieces it wrote, so the disk can work while
-    the rank plans its load (the reads ask for the same ranges again; pages already read are not read twice).
-    Returns the bytes asked for; 0 where the file is not in the index or the platform has no ``posix_fadvise``."""
+    that rank ``rank`` wrote (``__{rank}_0.distcp``), as far as :class:`_ReadAhead` asks before the first read
+    (about one read-ahead window). For a load into the layout that saved the checkpoint: each rank reads back exactly
+    the pieces it wrote, so the disk can work while the rank plans its load (the reads ask for the same ranges
+    again; pages already read are not read twice). Returns the bytes asked for; 0 where the file is not in the
+    index or the platform has no ``posix_fadvise``."""
     name = f"__{rank}_0.distcp"
     infos = sorted((info for index, info in md.storage_data.items()
                     if info.relative_path == name and wanted(index.fqn)), key=lambda info: info.offset)

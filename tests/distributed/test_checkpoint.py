@@ -43,24 +43,23 @@ RESUME_CASES = {"dp2": [], "pp2_vp2": PP2_VP2, "dp2_distributed_optimizer": DIST
                 "dp2_bf16_fp8": ["--bf16", "--fp8-format", "hybrid"]}  # + fp32 master copies, FP8 amax history
 
 
-def _recording_read_ahead(calls):
-    """Wraps ``dcp_io.read_ahead_own_shard`` to note (iteration directory, rank, bytes asked for) of each call."""
+def _record_read_ahead(root, calls):
+    """Wraps ``dcp_io.read_ahead_own_shard`` (in this rank's process) to note (iteration directory under ``root``,
+    rank, bytes asked for) of each call in ``calls``."""
     real = dcp_io.read_ahead_own_shard
 
     def record(iter_dir, md, rank, wanted):
         asked = real(iter_dir, md, rank, wanted)
-        calls.append((os.path.relpath(iter_dir, calls_root[0]), rank, asked))
+        calls.append((os.path.relpath(iter_dir, root), rank, asked))
         return asked
 
-    calls_root = [None]
     dcp_io.read_ahead_own_shard = record
-    return calls_root
 
 
 def _resume_worker(rank, world, root):
     out = {}
     out["read_ahead"] = []
-    _recording_read_ahead(out["read_ahead"])[0] = root
+    _record_read_ahead(root, out["read_ahead"])
     for name, case in RESUME_CASES.items():
         d = os.path.join(root, name)
         argv = case + DROPOUT + ["--train-iters", "10"]
@@ -186,7 +185,7 @@ def _reshard_worker(rank, world, root):
     argv = NO_DROPOUT + ["--train-iters", str(END)]
     refs, got = {}, {}
     calls = []
-    _recording_read_ahead(calls)[0] = root
+    _record_read_ahead(root, calls)
     if world == 4:
         for name, src in SOURCES.items():  # the original layout: save at 5, continue to 8
             refs[name] = _losses(src + argv + ["--save", os.path.join(root, name), "--save-interval", str(SAVE_AT)],
