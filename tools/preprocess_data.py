@@ -415,6 +415,24 @@ def _worker_main(encoder: Encoder, tasks_in, results_out) -> None:
         results_out.send(result)
 
 
+PIPE_BYTES = 1 << 20  # the pipes' kernel buffer where Linux allows it (its default, 64 KiB, is a quarter of a task)
+
+
+def _widen(conn) -> None:
+    """Give the pipe under ``conn`` a :data:`PIPE_BYTES` kernel buffer (Linux; at most
+    ``/proc/sys/fs/pipe-max-size``; elsewhere, or where it is refused, the pipe stays as it is). A worker's result
+    (a chunk's token array) then fits in the pipe whole: the worker sends it and goes on encoding while the main
+    process is still parsing the next chunk, instead of waiting in its send until the main process reads."""
+    try:
+        import fcntl
+
+        with open("/proc/sys/fs/pipe-max-size") as f:
+            size = min(PIPE_BYTES, int(f.read()))
+        fcntl.fcntl(conn.fileno(), fcntl.F_SETPIPE_SZ, size)
+    except (ImportError, AttributeError, OSError, ValueError):
+        pass
+
+
 class _Workers:
     """``n`` forked worker processes, each with a task pipe and a result pipe; task ``i`` goes to worker
     ``i % n`` and its result is read back from that worker in task order (no pool threads in this process)."""
@@ -425,6 +443,8 @@ class _Workers:
         for _ in range(n):
             task_r, task_w = ctx.Pipe(duplex=False)
             res_r, res_w = ctx.Pipe(duplex=False)
+            _widen(task_w)
+            _widen(res_w)
             proc = ctx.Process(target=_worker_main, args=(encoder, task_r, res_w), daemon=True)
             proc.start()
             task_r.close()

@@ -271,6 +271,28 @@ def test_worker_failures_stop_the_run_cleanly(tmp_path, capsys, monkeypatch, wor
     assert not multiprocessing.active_children()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pipe buffer sizes are set on Linux only")
+def test_worker_pipes_hold_a_whole_result():
+    """The task and result pipes get a kernel buffer of PIPE_BYTES (or the system's maximum, if less): four times a
+    chunk's bytes, so a worker's result goes into its pipe whole, even while the main process is busy."""
+    import fcntl
+    import multiprocessing
+
+    with open("/proc/sys/fs/pipe-max-size") as f:
+        want = min(preprocess_data.PIPE_BYTES, int(f.read()))
+    assert preprocess_data.PIPE_BYTES >= 4 * preprocess_data.CHUNK_BYTES
+    workers = preprocess_data._Workers(preprocess_data.Encoder(None), 2)
+    try:
+        for conn in workers.tasks + workers.results:
+            assert fcntl.fcntl(conn.fileno(), fcntl.F_GETPIPE_SZ) == want
+    finally:
+        workers.close(finished=True)
+    r, w = multiprocessing.Pipe(duplex=False)
+    assert fcntl.fcntl(w.fileno(), fcntl.F_GETPIPE_SZ) < want  # not the default
+    r.close()
+    w.close()
+
+
 def test_main_process_parsing_gives_the_same_files(tmp_path, capsys, monkeypatch, tok_dir):
     """Chunks parsed by the main process (a spare core) or by the workers: the same bytes, and the same first bad
     line, whichever the machine picks."""
