@@ -302,10 +302,7 @@ class Encoder:
         """The first half of :meth:`encode_task`: its dict without "keys", and the parsed documents."""
         args = self.args
         data = self.read(task)
-        try:  # one decode for the whole task; a task with invalid UTF-8 is parsed line by line from its bytes
-            lines = data.decode("utf-8").split("\n")
-        except UnicodeDecodeError:
-            lines = data.split(b"\n")
+        lines = data.split(b"\n")  # each line parsed from its bytes: no decode of the whole task to str first
         if not lines[-1]:
             lines.pop()  # the text after the last newline (empty unless the file ends without one)
         bad: List[Tuple[int, str]] = []

@@ -339,8 +339,11 @@ def test_fast_json_parser_agrees_with_json(monkeypatch, split):
                                                     "NullTokenizer", "--vocab-size", "10", "--workers", "1"]
                                                    + (["--split-sentences"] if split else []))
     enc = preprocess_data.Encoder(args)
+    raw = [line.encode("utf-8") if isinstance(line, str) else line for line in ODD_LINES]  # as parse_task has them
     fast = [(enc._parse(line, docs := []), docs) for line in ODD_LINES]
+    fast_raw = [(enc._parse(line, docs := []), docs) for line in raw]
     monkeypatch.setattr(preprocess_data, "_FAST_LOADS", None)
     plain = [(enc._parse(line, docs := []), docs) for line in ODD_LINES]
-    assert fast == plain
+    plain_raw = [(enc._parse(line, docs := []), docs) for line in raw]
+    assert fast == plain and fast_raw == plain and plain_raw == plain  # a line's bytes parse as its text does
     assert sum(msg is None for msg, _ in plain) >= 8 and sum(msg is not None for msg, _ in plain) >= 8
