@@ -5,10 +5,10 @@ Same flags as Megatron-LM's tools/preprocess_data.py. Each input file is cut int
 ``CHUNK_BYTES`` that end at line ends (found by seeking, without a pass over the file); ``--workers``
 processes (fork) each read their chunk themselves, parse and tokenize it straight into arrays of the
 output dtype, and the main process only appends the results, in input order, to the .bin/.idx
-builders. Chunk ``i`` goes to worker ``i % workers`` over a pipe and its result comes back over another, read
-in order (no pool threads competing with the main process for the GIL). When the main process has a core of
-its own and feeds few workers (``--workers 1`` on two cores), it reads and parses the chunks itself and the
-workers only encode. The output is therefore the same for every worker and partition count. ``--partitions N``
+builders. Each chunk goes over a pipe to the worker with the fewest unread results, and its result comes back
+over another, read in order (no pool threads competing with the main process for the GIL). When the main process
+has a core of its own and feeds few workers (``--workers 1`` on two cores), it reads and parses the chunks itself
+and the workers only encode. The output is therefore the same for every worker and partition count. ``--partitions N``
 splits the input bytes into N contiguous ranges (at line starts) processed side by side, each with
 ``--workers / N`` workers, and merges them in order. Compressed (.gz) inputs cannot be seeked: the main
 process reads their lines and hands the workers chunks of them, and partitions over them are line ranges.
@@ -431,8 +431,10 @@ def _widen(conn) -> None:
 
 
 class _Workers:
-    """``n`` forked worker processes, each with a task pipe and a result pipe; task ``i`` goes to worker
-    ``i % n`` and its result is read back from that worker in task order (no pool threads in this process)."""
+    """``n`` forked worker processes, each with a task pipe and a result pipe; task ``i`` goes to the worker with
+    the fewest tasks whose results are still unread (ties: the next one after ``i % n``), and its result is read
+    back from that worker in task order (no pool threads in this process). A worker on a slower core (another
+    process on it, a busy host) is then handed fewer tasks instead of holding the others up by a fixed share."""
 
     def __init__(self, encoder: Encoder, n: int) -> None:
         ctx = multiprocessing.get_context("fork")
@@ -451,21 +453,28 @@ class _Workers:
             self.results.append(res_r)
         self.ready: List[collections.deque] = [collections.deque() for _ in range(n)]  # results read, in order
         self.dead: set = set()
+        self.unread = [0] * n  # per worker: tasks sent whose results have not been read yet
+        self.worker_of: Dict[int, int] = {}  # task -> the worker it went to, until its result is taken
 
     def send(self, i: int, item) -> None:
         """Task ``i``: a :class:`Task`, or what :meth:`Encoder.parse_columns` made of it."""
-        self.tasks[i % len(self.procs)].send(item)
+        n = len(self.procs)
+        w = min(range(n), key=lambda k: (self.unread[k], (k - i) % n))
+        self.worker_of[i] = w
+        self.unread[w] += 1
+        self.tasks[w].send(item)
 
     def receive(self, i: int) -> dict:
         """Task ``i``'s result. While it waits, every other worker's finished results are read too (and kept for
         their turn): a worker that is ahead never stops in its send for want of a reader."""
-        w = i % len(self.procs)
+        w = self.worker_of.pop(i)
         while not self.ready[w]:
             waiting = [conn for k, conn in enumerate(self.results) if k not in self.dead]
             for conn in multiprocessing.connection.wait(waiting):
                 k = self.results.index(conn)
                 try:
                     self.ready[k].append(conn.recv())
+                    self.unread[k] -= 1
                 except EOFError:
                     self.dead.add(k)
                     self.procs[k].join(1)

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -269,6 +270,44 @@ def test_worker_failures_stop_the_run_cleanly(tmp_path, capsys, monkeypatch, wor
     assert not [f for f in os.listdir(tmp_path) if f.startswith("out")]
     import multiprocessing
     assert not multiprocessing.active_children()
+
+
+def test_a_slow_worker_gets_fewer_chunks(tmp_path, monkeypatch):
+    """Chunks go to the worker with the fewest unread results: a worker that takes 40 ms a chunk gets a small share
+    of them (not every other one, as in turn), and the files are those of a single worker."""
+    import multiprocessing
+
+    src = tmp_path / "in.jsonl"
+    write_jsonl(src, [" ".join(str(j % 7) for j in range(i % 13 + 1)) for i in range(1200)])
+    null = ["--tokenizer-type", "NullTokenizer", "--vocab-size", 10, "--append-eod"]
+    monkeypatch.setattr(preprocess_data, "CHUNK_BYTES", 512)
+    assert run_tool("--input", src, "--output-prefix", tmp_path / "one", *null, "--workers", 1) == 0
+    order = multiprocessing.Value("i", 0)  # which worker started first: that one is slow
+    real_main, real_tokenize = preprocess_data._worker_main, preprocess_data.Encoder.tokenize_task
+
+    def worker_main(encoder, tasks_in, results_out):
+        with order.get_lock():
+            slow, order.value = order.value == 0, order.value + 1
+
+        def tokenize(self, out, columns):
+            if slow:
+                time.sleep(0.04)
+            return {**real_tokenize(self, out, columns), "pid": os.getpid()}
+
+        preprocess_data.Encoder.tokenize_task = tokenize
+        real_main(encoder, tasks_in, results_out)
+
+    pids = []
+    real_receive = preprocess_data._Workers.receive
+    monkeypatch.setattr(preprocess_data, "_worker_main", worker_main)
+    monkeypatch.setattr(preprocess_data._Workers, "receive", lambda self, i: (res := real_receive(self, i),
+                                                                               pids.append(res["pid"]))[0])
+    assert run_tool("--input", src, "--output-prefix", tmp_path / "two", *null, "--workers", 2) == 0
+    counts = sorted(pids.count(p) for p in set(pids))
+    assert len(pids) > 60 and len(counts) == 2 and counts[1] >= 1.5 * counts[0], counts  # round robin: equal
+    for ext in ("bin", "idx"):
+        assert open(f"{tmp_path}/one_text_document.{ext}", "rb").read() == \
+            open(f"{tmp_path}/two_text_document.{ext}", "rb").read()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pipe buffer sizes are set on Linux only")
