@@ -457,34 +457,49 @@ class _Workers:
         self.worker_of: Dict[int, int] = {}  # task -> the worker it went to, until its result is taken
 
     def send(self, i: int, item) -> None:
-        """Task ``i``: a :class:`Task`, or what :meth:`Encoder.parse_columns` made of it."""
+        """Task ``i``: a :class:`Task`, or what :meth:`Encoder.parse_columns` made of it. The results that have
+        arrived are read first, so the counts are those of now."""
         n = len(self.procs)
-        w = min(range(n), key=lambda k: (self.unread[k], (k - i) % n))
+        if n > 1:
+            self._read_arrived(timeout=0)
+        live = [k for k in range(n) if k not in self.dead] or [0]  # none left: the send below reports it
+        w = min(live, key=lambda k: (self.unread[k], (k - i) % n))
         self.worker_of[i] = w
         self.unread[w] += 1
-        self.tasks[w].send(item)
+        try:
+            self.tasks[w].send(item)
+        except OSError:  # the worker is gone (its end of the pipe is closed)
+            self.procs[w].join(1)
+            raise self._died(w) from None
 
     def receive(self, i: int) -> dict:
         """Task ``i``'s result. While it waits, every other worker's finished results are read too (and kept for
         their turn): a worker that is ahead never stops in its send for want of a reader."""
         w = self.worker_of.pop(i)
         while not self.ready[w]:
-            waiting = [conn for k, conn in enumerate(self.results) if k not in self.dead]
-            for conn in multiprocessing.connection.wait(waiting):
-                k = self.results.index(conn)
-                try:
-                    self.ready[k].append(conn.recv())
-                    self.unread[k] -= 1
-                except EOFError:
-                    self.dead.add(k)
-                    self.procs[k].join(1)
-                    self.ready[k].append(PreprocessError(
-                        f"a tokenizer worker process died (exit code {self.procs[k].exitcode}); nothing was "
-                        "written"))
+            self._read_arrived(timeout=None)
         res = self.ready[w].popleft()
         if isinstance(res, BaseException):
             raise res
         return res
+
+    def _read_arrived(self, timeout: Optional[float]) -> None:
+        """Read every result that has arrived, kept for its turn, waiting up to ``timeout`` seconds for one (None:
+        until one arrives). A worker that died leaves its error in its place."""
+        waiting = [conn for k, conn in enumerate(self.results) if k not in self.dead]
+        for conn in multiprocessing.connection.wait(waiting, timeout):
+            k = self.results.index(conn)
+            try:
+                self.ready[k].append(conn.recv())
+                self.unread[k] -= 1
+            except EOFError:
+                self.dead.add(k)
+                self.procs[k].join(1)
+                self.ready[k].append(self._died(k))
+
+    def _died(self, k: int) -> PreprocessError:
+        return PreprocessError(f"a tokenizer worker process died (exit code {self.procs[k].exitcode}); nothing was "
+                               "written")
 
     def close(self, finished: bool) -> None:
         """``finished``: every result was read, the workers wait for their next task and exit on None; else
