@@ -415,35 +415,50 @@ def _worker_main(encoder: Encoder, tasks_in, results_out) -> None:
 PIPE_BYTES = 1 << 20  # the pipes' kernel buffer where Linux allows it (its default, 64 KiB, is a quarter of a task)
 
 
-def _widen(conn) -> None:
-    """Give the pipe under ``conn`` a :data:`PIPE_BYTES` kernel buffer (Linux; at most
-    ``/proc/sys/fs/pipe-max-size``; elsewhere, or where it is refused, the pipe stays as it is). A worker's result
-    (a chunk's token array) then fits in the pipe whole: the worker sends it and goes on encoding while the main
-    process is still parsing the next chunk, instead of waiting in its send until the main process reads."""
+def _pipe_bytes() -> Optional[int]:
+    """:data:`PIPE_BYTES`, or the system's maximum if that is less; None where pipes cannot be resized (not Linux)."""
     try:
         import fcntl
-
+    except ImportError:
+        return None
+    if not hasattr(fcntl, "F_SETPIPE_SZ"):
+        return None
+    try:
         with open("/proc/sys/fs/pipe-max-size") as f:
-            size = min(PIPE_BYTES, int(f.read()))
-        fcntl.fcntl(conn.fileno(), fcntl.F_SETPIPE_SZ, size)
-    except (ImportError, AttributeError, OSError, ValueError):
-        pass
+            return min(PIPE_BYTES, int(f.read()))
+    except (OSError, ValueError):
+        return None
+
+
+def _widen(conn, size: Optional[int]) -> None:
+    """Give the pipe under ``conn`` a kernel buffer of ``size`` bytes (:func:`_pipe_bytes`; None, or a refusal,
+    leaves it as it is). A worker's result (a chunk's token array) then fits in the pipe whole: the worker sends it
+    and goes on encoding while the main process is still parsing the next chunk, instead of waiting in its send
+    until the main process reads."""
+    if size is not None:
+        import fcntl
+
+        try:
+            fcntl.fcntl(conn.fileno(), fcntl.F_SETPIPE_SZ, size)
+        except OSError:
+            pass
 
 
 class _Workers:
     """``n`` forked worker processes, each with a task pipe and a result pipe; task ``i`` goes to the worker with
-    the fewest tasks whose results are still unread (ties: the next one after ``i % n``), and its result is read
+    the fewest tasks whose results are still unread (ties: in turn, from worker ``i % n``), and its result is read
     back from that worker in task order (no pool threads in this process). A worker on a slower core (another
     process on it, a busy host) is then handed fewer tasks instead of holding the others up by a fixed share."""
 
     def __init__(self, encoder: Encoder, n: int) -> None:
         ctx = multiprocessing.get_context("fork")
         self.procs, self.tasks, self.results = [], [], []
+        pipe_bytes = _pipe_bytes()
         for _ in range(n):
             task_r, task_w = ctx.Pipe(duplex=False)
             res_r, res_w = ctx.Pipe(duplex=False)
-            _widen(task_w)
-            _widen(res_w)
+            _widen(task_w, pipe_bytes)
+            _widen(res_w, pipe_bytes)
             proc = ctx.Process(target=_worker_main, args=(encoder, task_r, res_w), daemon=True)
             proc.start()
             task_r.close()
