@@ -544,7 +544,7 @@ def read_ahead_own_shard(iter_dir: str, md: Metadata, rank: int, wanted) -> int:
     name = f"__{rank}_0.distcp"
     infos = sorted((info for index, info in md.storage_data.items()
                     if info.relative_path == name and wanted(index.fqn)), key=lambda info: info.offset)
-    if not infos or getattr(os, "posix_fadvise", None) is None:
+    if not infos:
         return 0
     try:
         fd = os.open(os.path.join(iter_dir, name), os.O_RDONLY)
