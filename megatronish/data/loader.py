@@ -4,7 +4,9 @@
 The order comes from the indices alone (:func:`~megatronish.data.sampler.global_batch_indices` from the consumed
 sample count), and every micro-batch is read from its indices the same way in a worker or in the training process,
 so the batches are identical for every worker count, and a resumed run (a new loader at the checkpoint's consumed
-samples) continues exactly. ``num_workers=0`` reads in the training process, one micro-batch at a time.
+samples) continues exactly. ``num_workers=0`` reads in the training process, one micro-batch at a time. Under
+``--rampup-batch-size`` the global batch size is a function of the consumed samples: each iteration's micro-batch
+count follows it (``global_batch_size`` given as that function).
 
 A user error raised in a worker (a damaged ``.bin``) is raised again in the training process as itself (one
 ``error:`` line), not as the loader's wrapped traceback.
@@ -44,31 +46,41 @@ class _Reader(Dataset):
 
 
 class _IndexLists(Sampler):
-    def __init__(self, consumed: int, micro_batch_size: int, dp_size: int, dp_rank: int, num_microbatches: int,
-                 global_batch_size: int, iterations: int):
-        self.args = (micro_batch_size, dp_size, dp_rank, num_microbatches)
-        self.consumed, self.gbs, self.iterations = consumed, global_batch_size, iterations
+    def __init__(self, consumed: int, micro_batch_size: int, dp_size: int, dp_rank: int,
+                 batch_size_at: Callable[[int], int], iterations: int):
+        self.args = (micro_batch_size, dp_size, dp_rank)
+        self.consumed, self.batch_size_at, self.iterations = consumed, batch_size_at, iterations
+
+    def steps(self) -> Iterator[tuple[int, int]]:
+        """``(consumed samples, micro-batches on this rank)`` of each iteration, in order."""
+        consumed, per_step = self.consumed, self.args[0] * self.args[1]
+        for _ in range(self.iterations):
+            gbs = self.batch_size_at(consumed)
+            yield consumed, gbs // per_step
+            consumed += gbs
 
     def __iter__(self) -> Iterator[list[int]]:
-        for i in range(self.iterations):
-            yield from global_batch_indices(self.consumed + i * self.gbs, *self.args)
+        for consumed, num_microbatches in self.steps():
+            yield from global_batch_indices(consumed, *self.args, num_microbatches)
 
     def __len__(self) -> int:
-        return self.iterations * self.args[3]
+        return sum(n for _, n in self.steps())
 
 
 class MicroBatchLoader:
     """The micro-batches of ``iterations`` training iterations from ``consumed`` samples on; :meth:`next_iteration`
-    returns one iteration's ``num_microbatches`` batches (dicts of CPU tensors). ``worker_init(worker_id)`` runs
-    first in each worker process."""
+    returns one iteration's batches (dicts of CPU tensors): ``global_batch_size // (micro_batch_size x dp_size)`` of
+    them, ``global_batch_size`` being a number or a function of the consumed samples (a ramp).
+    ``worker_init(worker_id)`` runs first in each worker process."""
 
     def __init__(self, read: Callable[[list[int]], dict], *, consumed: int, micro_batch_size: int, dp_size: int,
-                 dp_rank: int, num_microbatches: int, global_batch_size: int, iterations: int, num_workers: int,
-                 pin_memory: bool = False, timer=None, worker_init: Callable[[int], None] | None = None):
-        self.num_microbatches = num_microbatches
+                 dp_rank: int, global_batch_size: int | Callable[[int], int], iterations: int,
+                 num_workers: int, pin_memory: bool = False, timer=None,
+                 worker_init: Callable[[int], None] | None = None):
         self.timer = timer
-        sampler = _IndexLists(consumed, micro_batch_size, dp_size, dp_rank, num_microbatches, global_batch_size,
-                              iterations)
+        batch_size_at = global_batch_size if callable(global_batch_size) else (lambda consumed: global_batch_size)
+        sampler = _IndexLists(consumed, micro_batch_size, dp_size, dp_rank, batch_size_at, iterations)
+        self._steps = sampler.steps()
         # its own generator: the loader's seed draw must not advance the training RNG (dropout after a resume)
         kw = dict(num_workers=num_workers, batch_size=None, sampler=sampler, pin_memory=pin_memory,
                   generator=torch.Generator().manual_seed(0))
@@ -78,7 +90,8 @@ class MicroBatchLoader:
 
     def next_iteration(self) -> list[dict]:
         out = []
-        for _ in range(self.num_microbatches):
+        _, num_microbatches = next(self._steps)
+        for _ in range(num_microbatches):
             if self.timer is not None:
                 self.timer.start()
             batch = next(self._it)

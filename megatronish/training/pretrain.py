@@ -149,12 +149,11 @@ def _microbatches(dataset, consumed: int, mbs: int, num_mb: int, dev, parallel: 
 
 def _train_loader(run: "TrainContext", state: "TrainState", train_iters: int) -> MicroBatchLoader:
     """``--num-workers`` worker processes reading the training micro-batches ahead, from the consumed samples on
-    (the same batches for every worker count)."""
+    (the same batches for every worker count; under ``--rampup-batch-size`` each iteration's ramped batch)."""
     cfg = run.cfg
     return MicroBatchLoader(_batch_reader(run.train_ds), consumed=state.consumed_samples,
                             micro_batch_size=cfg.train.micro_batch_size, dp_size=run.parallel.dp_size,
-                            dp_rank=run.parallel.dp_rank, num_microbatches=cfg.num_microbatches,
-                            global_batch_size=cfg.train.global_batch_size,
+                            dp_rank=run.parallel.dp_rank, global_batch_size=cfg.global_batch_size_at,
                             iterations=max(0, train_iters - state.iteration), num_workers=cfg.data.num_workers,
                             pin_memory=run.device.type == "cuda", timer=run.timers("batch-generator"),
                             worker_init=watchdog.data_worker_init)
@@ -633,8 +632,8 @@ def pretrain(cfg) -> TrainState:
         gc.disable()
         gc.collect()
     num_mb = cfg.num_microbatches_at(state.consumed_samples)
-    # --num-workers: micro-batches read ahead (a constant batch; under --rampup-batch-size each step reads its own)
-    loader = None if cfg.train.rampup_batch_size else _train_loader(run, state, train_iters)
+    # --num-workers: micro-batches read ahead (under --rampup-batch-size, each iteration's ramped batch)
+    loader = _train_loader(run, state, train_iters)
     try:
         while state.iteration < train_iters:
             profiler.before_iteration(state.iteration)

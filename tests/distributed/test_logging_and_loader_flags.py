@@ -43,8 +43,8 @@ def _dataset(prefix):
 
 
 def _batches(read, workers, consumed=0, iterations=6):
-    loader = MicroBatchLoader(read, consumed=consumed, micro_batch_size=2, dp_size=2, dp_rank=1, num_microbatches=3,
-                              global_batch_size=12, iterations=iterations, num_workers=workers)
+    loader = MicroBatchLoader(read, consumed=consumed, micro_batch_size=2, dp_size=2, dp_rank=1, global_batch_size=12,
+                              iterations=iterations, num_workers=workers)
     out = [b for _ in range(iterations) for b in loader.next_iteration()]
     loader.close()
     return out

@@ -1,13 +1,15 @@
 """``--rampup-batch-size`` through ``pretrain()`` on DP 2: a run stopped in the middle of the ramp
 (``--exit-interval``) and resumed with ``--load`` gives exactly the uninterrupted run: losses, learning rates,
 batch sizes and consumed samples of every iteration (the checkpoint restores the consumed samples, which set the
-batch size, the data position and the LR schedule)."""
+batch size, the data position and the LR schedule). The interrupted and resumed runs read through ``--num-workers 2``
+worker processes, the uninterrupted one in the training process: the same batches."""
 import json
 
 from megatronish.arguments import configs_from_args, parse_args
 from megatronish.config import rampup_global_batch_size
 from megatronish.parallel import groups
 from megatronish.testing import run_distributed
+from megatronish.training import pretrain as pretrain_mod
 from megatronish.training.pretrain import pretrain
 
 ITERS = 10
@@ -21,8 +23,18 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
 
 def _run(rank, world, argv, metrics):
     groups.destroy_model_parallel()
-    state = pretrain(configs_from_args(parse_args(BASE + argv + ["--metrics-file", metrics]), world))
-    return state.iteration, state.consumed_samples
+    loaders, real = [], pretrain_mod.MicroBatchLoader
+
+    def recorded(*a, **kw):  # the loaders the run builds, by worker count
+        loaders.append(kw["num_workers"])
+        return real(*a, **kw)
+
+    pretrain_mod.MicroBatchLoader = recorded
+    try:
+        state = pretrain(configs_from_args(parse_args(BASE + argv + ["--metrics-file", metrics]), world))
+    finally:
+        pretrain_mod.MicroBatchLoader = real
+    return state.iteration, state.consumed_samples, loaders
 
 
 def _records(path):
@@ -32,13 +44,14 @@ def _records(path):
 def test_resume_in_the_middle_of_the_ramp_is_exact(tmp_path):
     full = str(tmp_path / "full.jsonl")
     run_distributed(_run, 2, [], full)
-    ckpt = ["--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt")]
+    ckpt = ["--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt"), "--num-workers", "2"]
     first, second = str(tmp_path / "first.jsonl"), str(tmp_path / "second.jsonl")
-    (stop, consumed), _ = run_distributed(_run, 2, ckpt + ["--exit-interval", "4"], first)
+    (stop, consumed, loaders), _ = run_distributed(_run, 2, ckpt + ["--exit-interval", "4"], first)
     assert stop == 4 and consumed == 10  # 2 + 2 + 2 + 4: the ramp has not reached 8 yet
     assert rampup_global_batch_size(consumed, 2, 2, 18, 8) == 4
-    (end, _), _ = run_distributed(_run, 2, ckpt, second)
-    assert end == ITERS
+    assert loaders == [2]  # the batches came through the worker processes
+    (end, _, loaders), _ = run_distributed(_run, 2, ckpt, second)
+    assert end == ITERS and loaders == [2]
     resumed = _records(first) + _records(second)
     uninterrupted = _records(full)
     keys = ("iteration", "consumed_samples", "lm_loss", "lr", "grad_norm")

@@ -1,10 +1,11 @@
 """``--rampup-batch-size``: the batch size of every iteration equals Megatron's calculator formula and
 megatron-core's own ``RampupBatchsizeNumMicroBatchesCalculator`` (installed with the dev extra); the training
 length from ``--train-samples`` is Megatron's ``update_train_iters``; the LR schedule advances by each ramped
-batch; bad ramps are one line each."""
+batch; bad ramps are one line each; the ``--num-workers`` loader reads each ramped batch."""
 import math
 
 import pytest
+import torch
 
 from megatronish.arguments import configs_from_args, parse_args, validate_args
 from megatronish.config import rampup_global_batch_size, rampup_steps, rampup_train_iters
@@ -109,3 +110,36 @@ def test_interleaving_checks_every_ramp_size():
 def test_three_numbers():
     with pytest.raises(SystemExit):
         parse_args(BASE + ["--micro-batch-size", "1", "--rampup-batch-size", "2", "2"])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_loader_reads_each_ramped_batch_and_resumes(workers):
+    """``--num-workers`` under a ramp: the loader's micro-batches of every iteration are those the training process
+    reads itself (``global_batch_indices`` at each iteration's consumed samples and ramped size), from the start and
+    from a resume in the middle of the ramp."""
+    from megatronish.data.loader import MicroBatchLoader
+    from megatronish.data.sampler import global_batch_indices
+
+    cfg = configs_from_args(parse_args(BASE + ["--micro-batch-size", "1", "--global-batch-size", "8",
+                                               "--rampup-batch-size", "2", "2", "18", "--train-iters", "9"]), 2)
+    read = lambda idx: {"idx": torch.tensor(idx)}  # noqa: E731 (the sample ids themselves)
+
+    def expected(consumed, iterations):
+        out = []
+        for _ in range(iterations):
+            out.append(list(global_batch_indices(consumed, 1, 2, 1, cfg.num_microbatches_at(consumed))))
+            consumed += cfg.global_batch_size_at(consumed)
+        return out
+
+    def loaded(consumed, iterations):
+        loader = MicroBatchLoader(read, consumed=consumed, micro_batch_size=1, dp_size=2, dp_rank=1,
+                                  global_batch_size=cfg.global_batch_size_at, iterations=iterations,
+                                  num_workers=workers)
+        out = [[b["idx"].tolist() for b in loader.next_iteration()] for _ in range(iterations)]
+        loader.close()
+        return out
+
+    ref = expected(0, 9)
+    assert [len(r) for r in ref] == [1, 1, 1, 2, 2, 3, 4, 4, 4]  # the ramp 2, 2, 2, 4, 4, 6, 8 over DP 2
+    assert loaded(0, 9) == ref
+    assert loaded(10, 5) == ref[4:]  # resumed after 4 iterations (2 + 2 + 2 + 4 samples)
