@@ -19,6 +19,8 @@ from multiprocessing.connection import wait
 import torch
 import torch.distributed as dist
 
+from .parallel import comm_log as comm
+
 
 def subprocess_env(**extra: str) -> dict:
     """The environment for a child Python process (a tool script, ``torchrun``) that must import this same
@@ -137,7 +139,7 @@ def global_tensors(models, parallel, *, grads: bool = False, optimizer=None) -> 
                     mask.view(-1)[slot.lo:slot.hi] = 1
             local[name] = (p, value * mask, mask)
     names = [None] * dist.get_world_size()
-    dist.all_gather_object(names, sorted((n, tuple(q.desc.global_shape)) for n, (q, _, _) in local.items()))
+    comm.all_gather_object(names, sorted((n, tuple(q.desc.global_shape)) for n, (q, _, _) in local.items()))
     out = {}
     for name, shape in sorted({entry for rank_names in names for entry in rank_names}):
         total, count = torch.zeros(shape), torch.zeros(shape)
@@ -149,7 +151,7 @@ def global_tensors(models, parallel, *, grads: bool = False, optimizer=None) -> 
                     for dim, (at, n) in enumerate(zip(piece.offsets, piece.tensor.shape)):
                         region = region.narrow(dim, at, n)
                     region += piece.tensor
-        dist.all_reduce(total)
-        dist.all_reduce(count)
+        comm.all_reduce(total)
+        comm.all_reduce(count)
         out[name] = total / count.clamp_min(1)
     return out

@@ -71,6 +71,7 @@ from torch.distributed.checkpoint.planner_helpers import _create_read_item_for_b
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..errors import CheckpointError
+from ..parallel import comm_log as comm
 from . import tensor_archive
 
 METADATA_FILE = ".metadata"
@@ -1136,10 +1137,10 @@ def load(state: dict, iter_dir: str, process_group=None, no_dist: bool = False, 
         error = _failure_line("loading", iter_dir, dist.get_rank() if dist.is_initialized() else 0, e)
     if not no_dist and dist.is_initialized() and dist.get_world_size(process_group) > 1:
         failed = torch.tensor([0 if error is None else 1], dtype=torch.int64)
-        dist.all_reduce(failed, group=process_group)
+        comm.all_reduce(failed, group=process_group)
         if failed.item():
             errors = [None] * dist.get_world_size(process_group)
-            dist.all_gather_object(errors, error, group=process_group)
+            comm.all_gather_object(errors, error, group=process_group)
             error = next(e for e in errors if e is not None)
     if error is not None:
         raise CheckpointError(error)

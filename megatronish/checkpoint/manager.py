@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .. import device
+from ..parallel import comm_log as comm
 from ..parallel.context import ParallelContext
 from . import dcp_io, layout, megatron_format
 from .common import COMMON, FORMAT, FP8, MODEL, OPTIMIZER, check_model_config, common_state, jsonable, rng_key
@@ -345,7 +346,7 @@ class Checkpointer:
         flags = torch.tensor([0 if fut.done() else 1, 1 if mine_failed else 0], dtype=torch.int64,
                              device=device.current_device())
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flags)
+            comm.all_reduce(flags)
         if flags[0].item() > 0:
             return
         self._pending = None

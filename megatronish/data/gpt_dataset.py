@@ -36,6 +36,7 @@ from megatronish.data.blending import (
 )
 from megatronish.data.index_cache import IndexCache
 from megatronish.data.indexed_dataset import IndexedDataset, get_bin_path, get_idx_path
+from megatronish.parallel import comm_log as comm
 
 logger = logging.getLogger(__name__)
 
@@ -474,7 +475,7 @@ def _rank0_first(fn: Callable, *args):
         return fn(*args)
     rank = torch.distributed.get_rank()
     result = fn(*args) if rank == 0 else None
-    torch.distributed.barrier()
+    comm.barrier()
     if rank != 0:
         result = fn(*args)
     return result

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
+from ..parallel import comm_log as comm
 from ..parallel.context import ParallelContext
 from ..parallel.mappings import gather_from_tensor_model_parallel_region
 from .kv_cache import InferenceParams
@@ -72,11 +72,11 @@ class Generator:
         ctx = self.parallel
         if not ctx.is_first_stage:
             x = torch.empty(ids.size(1), ids.size(0), self.hidden_size, dtype=self.dtype, device=self.device)
-            dist.recv(x, ctx.prev_pp_rank)
+            comm.recv(x, ctx.prev_pp_rank)
             self.model.set_input_tensor(x)
         out = self.model(ids, inference_params=params)
         if not ctx.is_last_stage:
-            dist.send(out.contiguous(), ctx.next_pp_rank)
+            comm.send(out.contiguous(), ctx.next_pp_rank)
             return None
         logits = gather_from_tensor_model_parallel_region(out, ctx.tp_group)  # [b, s', V_padded]
         return logits[..., : self.vocab_size].float()
@@ -84,7 +84,7 @@ class Generator:
     def _broadcast_from_last(self, t: torch.Tensor) -> torch.Tensor:
         ctx = self.parallel
         if ctx.pp_size > 1:
-            dist.broadcast(t, src=ctx.ranks("pp")[-1], group=ctx.pp_group)
+            comm.broadcast(t, src=ctx.ranks("pp")[-1], group=ctx.pp_group)
         return t
 
     # ------------------------------------------------------------------------------------------ generate

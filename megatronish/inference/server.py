@@ -21,8 +21,7 @@ import threading
 import time
 from dataclasses import asdict
 
-import torch.distributed as dist
-
+from ..parallel import comm_log as comm
 from .text import TextRequest, generate_text, tokenize_prompts
 
 __all__ = ["RequestError", "GenerationServer", "broadcast_from_rank0", "create_app", "follow", "parse_request"]
@@ -157,7 +156,7 @@ def broadcast_from_rank0(obj, session):
     """``obj`` of rank 0 on every rank (pickled over the context's gloo ``io`` group)."""
     if session.parallel.world_size > 1:
         box = [obj]
-        dist.broadcast_object_list(box, src=0, group=session.parallel.io_group)
+        comm.broadcast_object_list(box, src=0, group=session.parallel.io_group)
         return box[0]
     return obj
 

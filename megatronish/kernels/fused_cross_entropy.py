@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..parallel import comm_log as comm
 from ..parallel.cross_entropy import loss_from_local_stats, vocab_partition
 from ._triton import INTERPRETED, empty, exact_bf16, pow2, tl, to_out, triton
 
@@ -97,7 +98,7 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
                           BLOCK_V=block, num_warps=_warps(block))
         logits_max = local_max.clone()
         if world > 1:
-            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+            comm.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
         # this slice's sum of exponentials relative to the global max (0 for a slice that is all padding)
         rescale = torch.where(local_max == float("-inf"), 0.0, torch.exp(local_max - logits_max))
         outside = (tgt < start) | (tgt >= start + part)

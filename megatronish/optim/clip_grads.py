@@ -6,6 +6,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from ..parallel import comm_log as comm
 from ..parallel.context import ParallelContext
 
 
@@ -43,7 +44,7 @@ def sum_of_squares(tensors, group=None) -> torch.Tensor:
         norms = torch._foreach_norm([t.detach() for t in tensors])
         sq += torch.stack([n.float() for n in norms]).pow(2).sum()
     if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(sq, group=group)
+        comm.all_reduce(sq, group=group)
     return sq
 
 

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from .. import device
+from ..parallel import comm_log as comm
 from ..parallel.context import ParallelContext
 from .clip_grads import clip_coefficient, clip_grad_norm, counts_once, model_sum_of_squares, sum_of_squares
 
@@ -345,7 +346,7 @@ class MegatronOptimizer:
         group = self._stats_group()
         if group is not None and dist.get_world_size(group) > 1:
             found = found.to(_collective_device())
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+            comm.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
         return bool(found.item() > 0)
 
     def grad_norm(self) -> float:
@@ -363,7 +364,7 @@ class MegatronOptimizer:
         group = self._stats_group()
         if group is not None and dist.get_world_size(group) > 1:
             sq = sq.to(_collective_device())
-            dist.all_reduce(sq, group=group)
+            comm.all_reduce(sq, group=group)
         return math.sqrt(sq.item())
 
     def step(self) -> tuple[bool, float | None]:

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from . import comm_log as comm
 from .context import group_rank, group_size
 
 __all__ = ["CP_COMM_TYPES", "cp_chunk_index", "split_for_context_parallel", "gather_from_context_parallel",
@@ -59,7 +60,7 @@ def gather_from_context_parallel(x: torch.Tensor, dim: int, group) -> torch.Tens
     if n == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(n)]
-    dist.all_gather(parts, x.contiguous(), group=group)
+    comm.all_gather(parts, x.contiguous(), group=group)
     s = x.size(dim) * n
     out = torch.empty((*x.shape[:dim], s, *x.shape[dim + 1:]), dtype=x.dtype, device=x.device)
     for r, part in enumerate(parts):
@@ -237,9 +238,9 @@ def _ring_exchange(send: torch.Tensor, group) -> tuple[torch.Tensor, list]:
     """Post: send ``send`` to the next rank of the ring, receive the previous rank's into a new buffer."""
     n, r = group_size(group), group_rank(group)
     recv = torch.empty_like(send)
-    ops = [dist.P2POp(dist.isend, send, dist.get_global_rank(group, (r + 1) % n), group),
-           dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, (r - 1) % n), group)]
-    return recv, dist.batch_isend_irecv(ops)
+    ops = [comm.P2POp(comm.ISEND, send, dist.get_global_rank(group, (r + 1) % n), group),
+           comm.P2POp(comm.IRECV, recv, dist.get_global_rank(group, (r - 1) % n), group)]
+    return recv, comm.batch_isend_irecv(ops)
 
 
 def _wait(reqs) -> None:
@@ -301,7 +302,7 @@ def _all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> to
     n = group_size(group)
     parts = [t.contiguous() for t in x.chunk(n, dim=scatter_dim)]
     recv = [torch.empty_like(parts[0]) for _ in range(n)]
-    dist.all_to_all(recv, parts, group=group)
+    comm.all_to_all(recv, parts, group=group)
     return torch.cat(recv, dim=gather_dim)
 
 
@@ -352,14 +353,14 @@ class _GatherSeq(torch.autograd.Function):
     def forward(ctx, x, group):
         ctx.group = group
         parts = [torch.empty_like(x) for _ in range(group_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
+        comm.all_gather(parts, x.contiguous(), group=group)
         return torch.cat(parts, dim=2)
 
     @staticmethod
     def backward(ctx, grad):
         parts = [t.contiguous() for t in grad.chunk(group_size(ctx.group), dim=2)]
         out = torch.empty_like(parts[0])
-        dist.reduce_scatter(out, parts, group=ctx.group)
+        comm.reduce_scatter(out, parts, group=ctx.group)
         return out, None
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from . import comm_log as comm
+
 
 def loss_from_local_stats(stats: list, group, world: int, label_smoothing: float, total_vocab: int):
     """The one all-reduce of the per-token statistics of this rank's vocabulary slice, and the loss from it.
@@ -24,7 +26,7 @@ def loss_from_local_stats(stats: list, group, world: int, label_smoothing: float
     the weight ``alpha * V / (V - 1)`` that the backward spreads over the vocabulary (0 without smoothing)."""
     stats = torch.stack(stats)
     if world > 1:
-        dist.all_reduce(stats, group=group)
+        comm.all_reduce(stats, group=group)
     predicted, sum_exp = stats[0], stats[1]
     log_sum_exp = sum_exp.log()
     loss = log_sum_exp - predicted
@@ -85,7 +87,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if world > 1 and n_valid > 0:  # the max is global: one pass before the chunks
             logits_max.copy_(flat[:, :n_valid].amax(dim=-1))
         if world > 1:
-            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+            comm.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
         predicted = torch.zeros(rows, dtype=torch.float32, device=logits.device)
         sum_exp = torch.zeros_like(predicted)
         sum_logits = torch.zeros_like(predicted) if label_smoothing > 0 else None
@@ -168,7 +170,7 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
                 x = x.masked_fill_(~valid, float("-inf"))
             logits_max[lo:hi] = x.max(dim=-1).values
         if world > 1:
-            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+            comm.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
         predicted = torch.empty(rows, dtype=torch.float32, device=logits.device)
         sum_exp = torch.empty_like(predicted)
         sum_logits = torch.empty_like(predicted) if label_smoothing > 0 else None

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import comm_log as comm
 from .context import ParallelContext, group_rank, group_size
 
 
@@ -173,10 +174,10 @@ class DistributedDataParallel(nn.Module):
             return
         if self.use_distributed_optimizer:
             lo, hi = bucket.shard()
-            bucket.work = dist.reduce_scatter_single(bucket.buffer[lo:hi], bucket.buffer, group=bucket.group,
+            bucket.work = comm.reduce_scatter_single(bucket.buffer[lo:hi], bucket.buffer, group=bucket.group,
                                                      async_op=True)
         else:
-            bucket.work = dist.all_reduce(bucket.buffer, group=bucket.group, async_op=True)
+            bucket.work = comm.all_reduce(bucket.buffer, group=bucket.group, async_op=True)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -272,13 +273,13 @@ def finalize_model_grads(chunks: list[DistributedDataParallel], parallel: Parall
     if emb_group is not None and len(parallel.embedding_ranks) > 1:
         shared = [p for c in chunks for p in c.module.parameters() if getattr(p, "shared_embedding", False)]
         for p in shared:
-            dist.all_reduce(p.main_grad, group=emb_group)
+            comm.all_reduce(p.main_grad, group=emb_group)
     if num_tokens is None:
         return None
     if parallel.pp_size > 1:
-        dist.broadcast(num_tokens, src=parallel.ranks("pp")[-1], group=parallel.pp_group)
+        comm.broadcast(num_tokens, src=parallel.ranks("pp")[-1], group=parallel.pp_group)
     if parallel.dp_cp_size > 1:
-        dist.all_reduce(num_tokens, group=parallel.dp_cp_group)
+        comm.all_reduce(num_tokens, group=parallel.dp_cp_group)
     if num_tokens.item() > 0:
         for chunk in chunks:
             chunk.scale_gradients(1.0 / num_tokens.item())

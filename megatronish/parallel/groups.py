@@ -10,6 +10,7 @@ code written against Megatron's ``parallel_state``: they read the context that t
 """
 from __future__ import annotations
 
+from . import comm_log
 from .context import ParallelContext
 from .dims import ParallelDims
 
@@ -22,9 +23,11 @@ _current: list[ParallelContext] = []
 def initialize_model_parallel(dims: ParallelDims, timeout_minutes: float = 10.0, backend: str | None = None,
                               hierarchical_cp_inner: int | None = None) -> ParallelContext:
     """Create every group of every kind (collective; ``torch.distributed`` must be initialized) and return the
-    context holding them."""
+    context holding them. Each group is registered under its kind with :mod:`~megatronish.parallel.comm_log`."""
     ctx = ParallelContext.build(dims, timeout_minutes=timeout_minutes, backend=backend,
                                 hierarchical_cp_inner=hierarchical_cp_inner)
+    for kind, group in ctx.group_map.items():  # the records of collectives name each group by its kind
+        comm_log.register_group(group, kind, ctx.ranks(kind))
     _current[:] = [ctx]
     return ctx
 

@@ -167,11 +167,13 @@ def gather_to_global(local: torch.Tensor, desc: TensorDesc, group=None) -> torch
     """Reassemble the global tensor from every TP rank's slice (all-gather; for tests and export)."""
     import torch.distributed as dist
 
+    from . import comm_log as comm
+
     world = 1 if group is None else dist.get_world_size(group)
     if desc.partition_dim is None or world == 1:
         return local.detach().clone()
     parts = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(parts, local.detach().contiguous(), group=group)
+    comm.all_gather(parts, local.detach().contiguous(), group=group)
     full = torch.empty(desc.global_shape, dtype=local.dtype, device=local.device)
     for r, part in enumerate(parts):
         full.index_copy_(desc.partition_dim, local_indices(desc, r, world).to(local.device), part)

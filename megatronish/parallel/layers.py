@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import comm_log as comm
 from .context import Shared, group_rank, group_size
 from .dims import effective_sequence_parallel
 from .init import TensorDesc, local_shape, set_desc
@@ -165,7 +166,7 @@ def allreduce_sequence_parallel_grads(module: nn.Module, tp_group, grad_attr: st
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
-    torch.distributed.all_reduce(flat, group=tp_group)
+    comm.all_reduce(flat, group=tp_group)
     offset = 0
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))

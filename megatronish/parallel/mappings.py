@@ -8,8 +8,8 @@ Shapes: activations are ``[s, b, h]``, so "first dim" is the sequence and "last 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from . import comm_log as comm
 from .context import group_rank as _rank
 from .context import group_size as _world
 
@@ -19,7 +19,7 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     if _world(group) == 1:
         return x
     x = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(x, group=group)
+    comm.all_reduce(x, group=group)
     return x
 
 
@@ -38,7 +38,7 @@ def _gather_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         return x
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x, group=group)
+    comm.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=dim)
 
 
@@ -49,7 +49,7 @@ def _reduce_scatter_first(x: torch.Tensor, group) -> torch.Tensor:
     if x.size(0) % world:
         raise ValueError(f"sequence dimension {x.size(0)} is not divisible by the tensor-parallel size {world}")
     out = torch.empty((x.size(0) // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    comm.reduce_scatter_tensor(out, x.contiguous(), group=group)
     return out
 
 
@@ -180,7 +180,7 @@ def reduce_scatter_to_sequence_parallel_region(x, group=None):
 # ---------------------------------------------------------------------------------------------------------------
 def _all_to_all_rows(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
     out = torch.empty((sum(output_splits), *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=list(output_splits),
+    comm.all_to_all_single(out, x.contiguous(), output_split_sizes=list(output_splits),
                            input_split_sizes=list(input_splits), group=group)
     return out
 
@@ -233,22 +233,12 @@ def gather_rows(x: torch.Tensor, group, counts: list[int]) -> torch.Tensor:
     return _GatherRows.apply(x, group, list(counts))
 
 
-def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
-    """All-to-all of per-destination counts: ``counts`` is ``[world, ...]`` (row ``r`` for rank ``r``); returns
-    the rows every rank addressed to this one (no autograd)."""
-    if _world(group) == 1:
-        return counts
-    out = torch.empty_like(counts)
-    dist.all_to_all_single(out, counts.contiguous(), group=group)
-    return out
-
-
 def all_gather_tensor(x: torch.Tensor, group) -> torch.Tensor:
     """``[world, *x.shape]``: every rank's ``x`` (same shape everywhere; no autograd)."""
     if _world(group) == 1:
         return x.unsqueeze(0)
     out = torch.empty((_world(group) * x.size(0), *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    comm.all_gather_into_tensor(out, x.contiguous(), group=group)
     return out.view(_world(group), *x.shape)
 
 

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
+from ..parallel import comm_log as comm
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -144,7 +145,7 @@ def fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor, b_scal
 
 def _all_reduce_max(t: torch.Tensor, group) -> torch.Tensor:
     if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        comm.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t
 
 

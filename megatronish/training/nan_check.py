@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import NonFiniteError
+from ..parallel import comm_log as comm
 
 __all__ = ["check_loss_and_grads", "inject_for_test", "INJECT_ENV"]
 
@@ -77,13 +78,13 @@ def check_loss_and_grads(models, chunks, stats: list[dict], *, iteration: int, c
     if world > 1:
         dev = grads[0].device if grads else torch.device("cpu")
         flags = flags.to(dev if dist.get_backend() == "nccl" else "cpu")
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        comm.all_reduce(flags, op=dist.ReduceOp.MAX)
     if not flags.any():
         return
     mine = (int(loss_bad), _first_bad_param(models, chunks) if grad_bad else None)
     seen = [None] * world
     if world > 1:
-        dist.all_gather_object(seen, mine)
+        comm.all_gather_object(seen, mine)
     else:
         seen = [mine]
     loss_ranks = [r for r, (lb, _) in enumerate(seen) if lb]

@@ -35,6 +35,7 @@ from ..optim.clip_grads import global_norm
 from ..optim.grad_scaler import build_grad_scaler
 from ..optim.lr_schedule import OptimizerParamScheduler, scheduler_steps_from_config
 from ..optim.optimizer import get_megatron_optimizer
+from ..parallel import comm_log as comm
 from ..parallel import groups
 from ..parallel.context import ParallelContext
 from ..parallel.context_parallel import split_for_context_parallel
@@ -118,9 +119,9 @@ def _loss_sums(stats: list[dict], parallel: ParallelContext) -> torch.Tensor:
         sums = torch.stack([s["lm loss"].float() for s in stats]).sum(0)
         group = parallel.dp_cp_group
         if group is not None and group.size() > 1:
-            dist.all_reduce(sums, group=group)
+            comm.all_reduce(sums, group=group)
     if parallel.pp_size > 1:
-        dist.broadcast(sums, src=parallel.ranks("pp")[-1], group=parallel.pp_group)
+        comm.broadcast(sums, src=parallel.ranks("pp")[-1], group=parallel.pp_group)
     return sums
 
 
@@ -186,7 +187,7 @@ def _forward_step(reset_position_ids: bool, parallel: ParallelContext, per_token
             # The token count of the whole sequence: summed over CP. Gradients flow through this rank's sum only
             # and are averaged over DP x CP, hence the factor CP.
             num_tokens = mask.sum()
-            dist.all_reduce(num_tokens, group=cp_group)
+            comm.all_reduce(num_tokens, group=cp_group)
             return total * cp / num_tokens.clamp(min=1), report
 
         return output, loss_func

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .. import device
+from ..parallel import comm_log as comm
 
 SIGNAL_MAP = {"SIGTERM": signal.SIGTERM, "SIGINT": signal.SIGINT, "SIGUSR1": signal.SIGUSR1,
               "SIGUSR2": signal.SIGUSR2}
@@ -19,7 +20,7 @@ def any_rank(flag: bool) -> bool:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return bool(flag)
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device.current_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    comm.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
 
 

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .. import device
+from ..parallel import comm_log as comm
 
 __all__ = ["Timers", "STRAGGLER_RATIO", "straggler_lines", "TIMER_LEVELS"]
 
@@ -101,7 +102,7 @@ class Timers:
             return mine.view(1, -1)
         on = device.current_device() if dist.get_backend() == "nccl" else torch.device("cpu")
         out = [torch.zeros_like(mine, device=on) for _ in range(world)]
-        dist.all_gather(out, mine.to(on))
+        comm.all_gather(out, mine.to(on))
         return torch.stack(out).cpu()
 
     def min_max_string(self, times: torch.Tensor, names: list[str], normalizer: float = 1.0) -> str | None:

@@ -128,3 +128,41 @@ def test_the_package_does_not_read_the_accessor_layer():
             if attr == "is_initialized" and owner != "dist":
                 uses.append(f"{name}:{line} {owner}.is_initialized")
     assert not uses, "\n".join(uses)
+
+
+# torch.distributed's communicating functions: the package calls them through parallel/comm_log.py, which records
+# each one (docs/reliability.md, "A collective that hangs").
+COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+               "all_to_all", "all_to_all_single", "broadcast", "barrier", "monitored_barrier", "send", "recv",
+               "isend", "irecv", "batch_isend_irecv", "gather", "scatter", "reduce", "all_gather_object",
+               "broadcast_object_list", "gather_object", "scatter_object_list", "send_object_list",
+               "recv_object_list", "reduce_scatter_single", "_all_gather_base", "_reduce_scatter_base"}
+# Modules allowed to reach them directly: the recorder itself. (DCP's and FSDP2's own collectives run inside torch,
+# which the package reaches through dcp.save/load and fully_shard, not through these names.)
+COLLECTIVE_CALLERS = {"megatronish.parallel.comm_log"}
+
+
+def _direct_collectives(path):
+    """``dist.<collective>`` / ``torch.distributed.<collective>`` references and ``from torch.distributed import``
+    of one, with their lines."""
+    tree = ast.parse(open(path).read(), path)
+    aliases = {"torch.distributed"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases |= {a.asname for a in node.names if a.name == "torch.distributed" and a.asname}
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch.distributed":
+            for a in node.names:
+                if a.name in COLLECTIVES:
+                    yield node.lineno, f"from torch.distributed import {a.name}"
+                elif a.name == "distributed_c10d":
+                    aliases.add(a.asname or a.name)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in COLLECTIVES and ast.unparse(node.value) in aliases:
+            yield node.lineno, ast.unparse(node)
+
+
+def test_collectives_go_through_the_recorder():
+    direct = [f"{name}:{line} {what}" for name, path in _modules().items() if name not in COLLECTIVE_CALLERS
+              for line, what in _direct_collectives(path)]
+    assert not direct, ("call these through megatronish.parallel.comm_log (its wrappers record the collective):\n"
+                        + "\n".join(direct))

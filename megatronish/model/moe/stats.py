@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ...parallel import comm_log as comm
 from ...parallel.context import group_size
 from .router import LOSS_NAMES, updated_expert_bias
 
@@ -41,7 +42,7 @@ def start_step(chunks, aux_loss_scale: float, per_token: bool = False) -> None:
 
 def _all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     if group_size(group) > 1:
-        dist.all_reduce(t, op=op, group=group)
+        comm.all_reduce(t, op=op, group=group)
     return t
 
 

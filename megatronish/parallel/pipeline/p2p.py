@@ -26,8 +26,8 @@ Two kinds of methods:
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from .. import comm_log as comm
 from .timeline import span
 
 __all__ = ["P2PCommunicator"]
@@ -71,7 +71,7 @@ class P2PCommunicator:
         # once per group (``ready`` lives on the parallel context).
         if self.pp_size == 1 or id(self.group) in ready:
             return
-        dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
+        comm.all_reduce(torch.zeros(1, device=self.device), group=self.group)
         ready.add(id(self.group))
 
     # ---- the one transport -------------------------------------------------------------------------------
@@ -91,20 +91,20 @@ class P2PCommunicator:
         ``(received from prev, received from next)``."""
         ops, from_prev, from_next = [], None, None
         if send_next is not None:
-            ops.append(dist.P2POp(dist.isend, self._check(send_next, "activation"), self.next_rank, self.group,
+            ops.append(comm.P2POp(comm.ISEND, self._check(send_next, "activation"), self.next_rank, self.group,
                                   _TAG_ACTIVATION))
         if send_prev is not None:
-            ops.append(dist.P2POp(dist.isend, self._check(send_prev, "gradient"), self.prev_rank, self.group,
+            ops.append(comm.P2POp(comm.ISEND, self._check(send_prev, "gradient"), self.prev_rank, self.group,
                                   _TAG_GRADIENT))
         if recv_prev:
             from_prev = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device)
-            ops.append(dist.P2POp(dist.irecv, from_prev, self.prev_rank, self.group, _TAG_ACTIVATION))
+            ops.append(comm.P2POp(comm.IRECV, from_prev, self.prev_rank, self.group, _TAG_ACTIVATION))
         if recv_next:
             from_next = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device)
-            ops.append(dist.P2POp(dist.irecv, from_next, self.next_rank, self.group, _TAG_GRADIENT))
+            ops.append(comm.P2POp(comm.IRECV, from_next, self.next_rank, self.group, _TAG_GRADIENT))
         if ops:
             with span(self.timeline, name, "comm"):
-                for req in dist.batch_isend_irecv(ops):
+                for req in comm.batch_isend_irecv(ops):
                     req.wait()
         if from_prev is not None:
             from_prev.requires_grad_(True)  # the next chunk's input: backward leaves its gradient in .grad

@@ -69,11 +69,13 @@ def gather_timeline(timeline: PipelineTimeline | None, dst: int = 0, group=None)
     """
     import torch.distributed as dist
 
+    from .. import comm_log as comm
+
     mine = [] if timeline is None else list(timeline.events)
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return sorted(mine, key=lambda e: e["start"])
     gathered = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
-    dist.gather_object(mine, gathered, dst=dst, group=group)
+    comm.gather_object(mine, gathered, dst=dst, group=group)
     if gathered is None:
         return None
     return sorted((e for events in gathered for e in events), key=lambda e: e["start"])
