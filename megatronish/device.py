@@ -77,6 +77,39 @@ def empty_cache() -> None:
         torch.cuda.empty_cache()
 
 
+def reset_peak_memory() -> None:
+    """Restart the CUDA allocator's peak count (a CUDA run's activation measurement)."""
+    torch.cuda.reset_peak_memory_stats()
+
+
+def max_memory_allocated() -> int:
+    """The CUDA allocator's peak bytes since :func:`reset_peak_memory`."""
+    return torch.cuda.max_memory_allocated()
+
+
+def multiprocessor_count(dev: torch.device) -> int:
+    """Streaming multiprocessors of the CUDA device ``dev`` (how many programs a kernel launches)."""
+    return torch.cuda.get_device_properties(dev).multi_processor_count
+
+
+def record_event():
+    """A CUDA event recorded on the current stream: the point that the work queued so far reaches."""
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def copy_on_side_stream(pairs, after, dev: torch.device) -> None:
+    """``dst.copy_(src)`` for each ``(src, dst)`` of ``pairs`` on a new stream of the CUDA device ``dev`` that first
+    waits for the event ``after`` (:func:`record_event`); returns once the copies are done."""
+    stream = torch.cuda.Stream(device=dev)
+    with torch.cuda.stream(stream):
+        stream.wait_event(after)
+        for src, dst in pairs:
+            dst.copy_(src, non_blocking=src.device.type == "cuda")
+    stream.synchronize()
+
+
 def cuda_profiler(start: bool) -> None:
     """Start or stop the CUDA profiler's capture range (``--profile`` under nsys), with NVTX ranges."""
     global _nvtx

@@ -203,8 +203,7 @@ class DeferredCopies:
         self.pairs = pairs
         self.ready = None
         if any(src.device.type == "cuda" for src, _ in pairs):
-            self.ready = torch.cuda.Event()
-            self.ready.record()  # the queued work (the last optimizer step) comes before the copies
+            self.ready = device.record_event()  # the queued work (the last optimizer step) comes before the copies
 
     def __len__(self) -> int:
         return len(self.pairs)
@@ -215,12 +214,8 @@ class DeferredCopies:
                 for src, buf in self.pairs:
                     buf.copy_(src)
             else:
-                stream = torch.cuda.Stream(device=next(s.device for s, _ in self.pairs if s.device.type == "cuda"))
-                with torch.cuda.stream(stream):
-                    stream.wait_event(self.ready)
-                    for src, buf in self.pairs:
-                        buf.copy_(src, non_blocking=src.device.type == "cuda")
-                stream.synchronize()
+                device.copy_on_side_stream(self.pairs, self.ready,
+                                           next(s.device for s, _ in self.pairs if s.device.type == "cuda"))
         self.pairs = []
 
 

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..device import multiprocessor_count
+
 __all__ = ["triton", "tl", "INTERPRETED", "empty", "exact_bf16", "to_out", "num_row_programs", "pow2"]
 
 
@@ -58,7 +60,7 @@ to_out = _to_out if INTERPRETED else triton.jit(_to_out)
 def num_row_programs(rows: int, device: torch.device) -> int:
     """Programs for a loop over rows that also reduces over them (norm backward): a few per SM on CUDA."""
     if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        sms = multiprocessor_count(device)
         return max(1, min(rows, 4 * sms))
     return max(1, min(rows, 4))
 

@@ -297,9 +297,6 @@ class SavedActivationCounter:
                 self.current -= entry[1]
                 del self._live[key]
 
-    def reset_peak(self) -> None:
-        self.peak = self.current
-
     def __enter__(self):
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._ctx.__enter__()
@@ -328,9 +325,9 @@ class ActivationMeter:
             yield
             return
         if device.device_type() == "cuda":
-            torch.cuda.reset_peak_memory_stats()
+            device.reset_peak_memory()
             yield
-            self.measured = float(torch.cuda.max_memory_allocated())
+            self.measured = float(device.max_memory_allocated())
         else:
             counter = SavedActivationCounter(self.params)
             with counter:

@@ -1,6 +1,7 @@
-"""The package's shape, checked from its source: imports point down the floors of docs/architecture.md and form
-no cycle; process groups are made in one place and reach the code through the parallel context, never through
-the accessor layer that exists for users' code."""
+"""The package's shape, checked from its source: imports point down the floors of docs/architecture.md (sideways
+only along the edges it lists) and form no cycle; process groups are made in one place and reach the code through
+the parallel context, never through the accessor layer that exists for users' code; ``torch.cuda`` is touched by
+``device`` alone."""
 import ast
 import os
 
@@ -17,6 +18,12 @@ FLOORS = {
     "config": 2, "kernels": 2, "data": 2,
     "parallel": 1,
     "errors": 0, "device": 0, "__init__": 0, "_C": 0,
+}
+# The imports between two rooms of one floor that docs/architecture.md lists (importing module's prefix, target's).
+SIDEWAYS = {
+    ("megatronish.config", "megatronish.data.tokenizers"),
+    ("megatronish.inference", "megatronish.arguments"),
+    ("megatronish.inference", "megatronish.training.pretrain"),
 }
 
 
@@ -67,15 +74,47 @@ def test_every_room_has_a_floor():
     assert rooms <= FLOORS.keys(), f"give {sorted(rooms - FLOORS.keys())} a floor here and in docs/architecture.md"
 
 
-def test_imports_point_down_the_floors():
+def _imports_between_rooms():
+    """``(module, imported module, its floor, the imported one's floor)`` of every import across two rooms."""
     modules = _modules()
-    upward = []
     for name, path in modules.items():
         for target in _imports(name, path, modules):
-            a, b = _room(name), _room(target)
-            if a != b and FLOORS[a] < FLOORS[b]:
-                upward.append(f"{name} (floor {FLOORS[a]}) imports {target} (floor {FLOORS[b]})")
+            if _room(name) != _room(target):
+                yield name, target, FLOORS[_room(name)], FLOORS[_room(target)]
+
+
+def test_imports_point_down_the_floors():
+    upward = [f"{name} (floor {a}) imports {target} (floor {b})"
+              for name, target, a, b in _imports_between_rooms() if a < b]
     assert not upward, "imports running up the floors:\n" + "\n".join(upward)
+
+
+def test_sideways_imports_are_the_listed_ones():
+    sideways = [f"{name} imports {target} (both floor {a})" for name, target, a, b in _imports_between_rooms()
+                if a == b and not any((name + ".").startswith(src + ".") and (target + ".").startswith(dst + ".")
+                                      for src, dst in SIDEWAYS)]
+    assert not sideways, ("imports between rooms of one floor that docs/architecture.md does not list (move the "
+                          "code down a floor, or list the edge there and in SIDEWAYS):\n" + "\n".join(sideways))
+
+
+def _torch_cuda_uses(path):
+    """Lines of ``path`` that reach ``torch.cuda``: the attribute, or an import of it."""
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if isinstance(node, ast.Attribute) and node.attr == "cuda" and isinstance(node.value, ast.Name) \
+                and node.value.id == "torch":
+            yield node.lineno
+        elif isinstance(node, ast.Import) and any(a.name.startswith("torch.cuda") for a in node.names):
+            yield node.lineno
+        elif isinstance(node, ast.ImportFrom) and (
+                (node.module or "").startswith("torch.cuda")
+                or (node.module == "torch" and any(a.name == "cuda" for a in node.names))):
+            yield node.lineno
+
+
+def test_only_device_touches_torch_cuda():
+    uses = [f"{name}:{line}" for name, path in _modules().items() if name != "megatronish.device"
+            for line in _torch_cuda_uses(path)]
+    assert not uses, "torch.cuda outside megatronish/device.py (add a helper there):\n" + "\n".join(uses)
 
 
 def test_no_import_cycle():
