@@ -10,7 +10,8 @@ at TP 1 x DP 4 with the distributed optimizer (global tensors and Adam moments e
 together), and one more training iteration from the loaded Llama checkpoint gives the same loss and parameters at
 both layouts. In this process: both formats converted to ours and to HF (transformers' loss equals our loss on
 the same tokens), HF -> ``--saver megatron`` -> ours, ``--use-checkpoint-args``, and the bad inputs, one line
-each."""
+each. A second group of 2 ranks: megatron-core's bf16 run with its Float16 and its distributed optimizer
+(``fully_reshardable``), loaded by ours with ``--bf16`` at TP 2 and at DP 2 with the distributed optimizer."""
 import os
 import random
 import shutil
@@ -24,10 +25,12 @@ import megatron_core_support as mcs
 from megatronish.checkpoint import CheckpointError
 from megatronish.testing import run_distributed
 
-REASON = mcs.skip_reason()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
-
 TP, PP, ITER = 2, 2, 7
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _megatron_core():
+    mcs.require_checkpointing()  # a skip saying why without it; under CI a failure
 
 
 def _ours(flavor, load, extra=(), tp=TP, pp=PP):
@@ -357,6 +360,79 @@ def test_shape_flags_contradict(results, tmp_path):
             "pass --no-load-optim"), optim
         assert no_args_shape and no_args_shape.startswith("checkpoint tensor '") and "global shape" in no_args_shape
         _compare(r["gpt2"]["ours"], {k: torch.from_numpy(v) for k, v in loaded.items()}, "without stored args")
+
+
+def _worker_bf16(rank, world, root):
+    """megatron-core's bf16 Llama run on 2 DP ranks after one Adam step, saved by ``dist_checkpointing.save`` with
+    its Float16OptimizerWithFloat16Params (``optimizer.state.fp32_param``) and with its DistributedOptimizer
+    (``fully_reshardable``: ``optimizer.state.param``); ours with ``--bf16`` loads each at TP 2 (plain optimizer)
+    and at DP 2 (distributed optimizer). Every local model tensor, fp32 main parameter and Adam moment equals
+    megatron-core's (the Float16 optimizer's tensors, which its distributed optimizer's step must reproduce)."""
+    mcs.patch_for_cpu()
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    from megatronish.parallel.init import split_global, split_ranks
+
+    ps.initialize_model_parallel(1, 1)
+    ref, dirs, checked = None, {}, []
+    for kind in ("fp32_param", "distributed"):
+        model, opt = mcs.bf16_adam_step("llama", kind == "distributed", seed=3)
+        names = dict(zip((id(p) for p in model.parameters()), mcs.local_tensors(model)))
+        params = {names[id(p)]: p.detach().clone() for p in model.parameters()}
+        if ref is None:
+            (inner,) = opt.chained_optimizers
+            main = {names[id(p)]: m for g, mg in zip(inner.float16_groups, inner.fp32_from_float16_groups)
+                    for p, m in zip(g, mg)}
+            ref = {"": params, "main_param": {n: m.detach().clone() for n, m in main.items()}}
+            for key in ("exp_avg", "exp_avg_sq"):
+                ref[key] = {n: inner.optimizer.state[m][key].clone() for n, m in main.items()}
+            ref_step = {int(st["step"]) for st in inner.optimizer.state.values()}
+        else:  # the same step: megatron-core's two optimizers agree
+            for name, t in params.items():
+                assert torch.equal(t, ref[""][name]), ("megatron-core's optimizers disagree", name)
+        msd = model.sharded_state_dict()
+        metadata = {"distrib_optim_sharding_type": "fully_reshardable"} if kind == "distributed" else None
+        with mcs.cpu_as_cuda():
+            osd = opt.sharded_state_dict(msd, metadata=metadata)
+        dirs[kind] = os.path.join(root, f"bf16_{kind}")
+        it_dir = os.path.join(dirs[kind], f"iter_{ITER:07d}")
+        if rank == 0:
+            os.makedirs(it_dir)
+        dist.barrier()
+        dist_checkpointing.save({"model": msd, "optimizer": osd, "iteration": ITER, "checkpoint_version": 3.0,
+                                 "args": mcs.megatron_args("llama", 1, 1, consumed_train_samples=ITER * 2)}, it_dir)
+        if rank == 0:
+            mcs.write_tracker(dirs[kind], ITER)
+        dist.barrier()
+    assert ref_step == {1}, ref_step
+    for kind, load in dirs.items():
+        for tp, extra in ((2, ()), (1, ("--use-distributed-optimizer",))):
+            run_, state, _ = _ours("llama", load, ("--bf16",) + extra, tp=tp, pp=1)
+            where = (kind, f"TP {tp}", extra)
+            assert (state.iteration, state.consumed_samples) == (ITER, ITER * 2), where
+            assert run_.optimizer.scalar_state_dict()["step"] == 1, where
+            mine = {id(p): (n, p) for m in run_.models for n, p in m.named_global_parameters()}
+            for name, p in mine.values():
+                assert p.dtype == torch.bfloat16, (where, name, p.dtype)
+            state_of = run_.optimizer.sharded_param_state()
+            assert len(state_of) == len(mine), where
+            for p, st in state_of:
+                name, _ = mine[id(p)]
+                assert set(st) == {"main_param", "exp_avg", "exp_avg_sq"}, (where, sorted(st))
+                for key, t in [("", p.detach()), *st.items()]:
+                    want = split_global(p.desc, ref[key][name], *split_ranks(p.desc, run_.parallel))
+                    assert t.dtype == want.dtype and torch.equal(t, want), (where, key or "param", name)
+            checked.append(where)
+    return checked
+
+
+def test_bf16_main_params_and_distributed_optimizer_state(tmp_path):
+    """A bf16 Megatron run's fp32 main parameters (Float16OptimizerWithFloat16Params' ``fp32_param``) and its
+    distributed optimizer's ``fully_reshardable`` state (``param``, ``exp_avg``, ``exp_avg_sq``) load at another
+    layout, with or without our distributed optimizer."""
+    per_rank = run_distributed(_worker_bf16, 2, str(tmp_path), timeout=600)
+    assert all(len(checked) == 4 for checked in per_rank), per_rank
 
 
 @pytest.mark.parametrize("source", ["torch_dist", "legacy"])
