@@ -254,9 +254,3 @@ def iter_model_tensors(path: str, names: Iterable[str] | None = None) -> Iterato
         if MODEL + name not in md.state_dict_metadata:
             raise CheckpointError(f"checkpoint {iter_dir} has no model tensor {name!r}")
         yield name, dcp_io.read_tensor(iter_dir, md, MODEL + name)
-
-
-def checkpoint_size_bytes(path: str) -> int:
-    """Bytes on disk of one iteration directory."""
-    iter_dir = _iter_dir(path)
-    return sum(os.path.getsize(os.path.join(iter_dir, f)) for f in os.listdir(iter_dir))

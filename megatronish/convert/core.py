@@ -12,7 +12,6 @@ from .hf_config import ConvertError
 from .name_map import (
     PER_EXPERT,
     VOCAB_TENSORS,
-    Entry,
     build_entries,
     expected_global_shapes,
     expert_layout,
@@ -74,10 +73,6 @@ def ours_to_hf(items: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig, arch
     if missing:
         raise ConvertError(f"{where}: missing tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more)"
                                                                         if len(missing) > 1 else ""))
-
-
-def entry_order(cfg: ModelConfig, arch: str) -> list[Entry]:
-    return build_entries(cfg, arch, cfg.padded_vocab_size())
 
 
 # ---- in memory ----------------------------------------------------------------------------------------------

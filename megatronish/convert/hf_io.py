@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterable
 
 import torch
 
@@ -169,11 +168,3 @@ class HFWriter:
                 json.dump(index, f, indent=2)
         with open(os.path.join(self.path, CONFIG), "w") as f:
             json.dump(config, f, indent=2)
-
-
-def write_hf(path: str, items: Iterable[tuple[str, torch.Tensor]], plan, config: dict,
-             max_shard_size: int = 5 * 10**9) -> None:
-    w = HFWriter(path, plan, max_shard_size)
-    for name, t in items:
-        w.write(name, t)
-    w.close(config)

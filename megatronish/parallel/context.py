@@ -312,17 +312,9 @@ class ParallelContext:
         return self.group("tp_ep")
 
     @property
-    def expert_dp_size(self) -> int:
-        return self.dims.expert_dp
-
-    @property
     def expert_dp_group(self):
         """The replicas of this rank's expert shards: expert gradients are reduced over it."""
         return self.group("expert_dp")
-
-    @property
-    def expert_dp_rank(self) -> int:
-        return self.rank_in("expert_dp")
 
     @property
     def expert_mp_group(self):

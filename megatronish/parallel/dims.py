@@ -361,35 +361,6 @@ class ParallelDims:
                 return group
         return []
 
-    # ------------------------------------------------------------------ pipeline helpers
-    def is_first_stage(self, rank: int, vp_stage: int | None = None) -> bool:
-        """First pipeline stage; with ``vp_stage`` given and VP > 1, also the first virtual stage."""
-        first = self.coords(rank)["pp"] == 0
-        return first and (vp_stage is None or self.vp == 1 or vp_stage == 0)
-
-    def is_last_stage(self, rank: int, vp_stage: int | None = None) -> bool:
-        """Last pipeline stage; with ``vp_stage`` given and VP > 1, also the last virtual stage."""
-        last = self.coords(rank)["pp"] == self.pp - 1
-        return last and (vp_stage is None or self.vp == 1 or vp_stage == self.vp - 1)
-
-    def next_pipeline_rank(self, rank: int) -> int:
-        """Rank of the next pipeline stage (ring: the last stage's next is the first)."""
-        group = self.group_of("pp", rank)
-        return group[(group.index(rank) + 1) % self.pp]
-
-    def prev_pipeline_rank(self, rank: int) -> int:
-        """Rank of the previous pipeline stage (ring: the first stage's previous is the last)."""
-        group = self.group_of("pp", rank)
-        return group[(group.index(rank) - 1) % self.pp]
-
-    def is_in_embedding_group(self, rank: int, vp_stage: int | None = None) -> bool:
-        """Whether ``rank`` (and, if given, its virtual stage) holds a tied/input embedding copy."""
-        group = self.group_of("embedding", rank)
-        if rank not in group or vp_stage is None:
-            return rank in group
-        return ((rank == group[0] and self.is_first_stage(rank, vp_stage))
-                or (rank == group[-1] and self.is_last_stage(rank, vp_stage)))
-
     def layers_per_stage(self, num_layers: int) -> int:
         """Layers of one model chunk (one virtual stage of one pipeline rank): ``L / (p * v)``."""
         check_layer_split(num_layers, self.pp, self.vp)

@@ -138,13 +138,6 @@ class TestDocstringExample:
         d = ParallelDims(world_size=4, tp=2)
         assert d.embedding_groups() == [[0], [1], [2], [3]]
 
-    def test_pipeline_helpers(self):
-        d = self.d
-        assert d.is_first_stage(1) and not d.is_last_stage(1)
-        assert d.is_last_stage(13) and not d.is_first_stage(13)
-        assert [d.next_pipeline_rank(r) for r in (1, 5, 9, 13)] == [5, 9, 13, 1]
-        assert [d.prev_pipeline_rank(r) for r in (1, 5, 9, 13)] == [13, 1, 5, 9]
-
     def test_coords(self):
         assert self.d.coords(13) == dict(tp=1, cp=0, dp=0, pp=3, etp=1, ep=0, edp=0)
         assert self.d.coords(6) == dict(tp=0, cp=0, dp=1, pp=1, etp=0, ep=0, edp=1)
@@ -204,10 +197,6 @@ def test_pipeline_and_embedding(cfg):
         ring = brute_pp_group(d, r)
         assert d.group_of("pp", r) == ring
         i = ring.index(r)
-        assert d.next_pipeline_rank(r) == ring[(i + 1) % d.pp]
-        assert d.prev_pipeline_rank(r) == ring[(i - 1) % d.pp]
-        assert d.is_first_stage(r) == (i == 0)
-        assert d.is_last_stage(r) == (i == d.pp - 1)
         expected = [ring[0], ring[-1]] if d.tie_embeddings and d.pp > 1 else [ring[0]]
         assert d.group_of("embedding", r) == (expected if r in expected else [])
         assert d.group_of("position_embedding", r) == ([ring[0]] if i == 0 else [])
@@ -233,16 +222,11 @@ def test_ep_groups_explicit():
         assert (c["etp"], c["ep"], c["edp"]) == (c["tp"], c["dp"] % 2, c["dp"] // 2)
 
 
-def test_virtual_stage_helpers():
+def test_virtual_stage_layer_ranges():
     d = ParallelDims(world_size=4, pp=4, vp=2)
     # Megatron docstring: 16 layers, PP 4, VP 2 -> GPU0 [1,2][9,10], GPU1 [3,4][11,12], ... (1-based)
     assert [list(d.layer_range(16, 0, c)) for c in (0, 1)] == [[0, 1], [8, 9]]
     assert [list(d.layer_range(16, 3, c)) for c in (0, 1)] == [[6, 7], [14, 15]]
-    assert d.is_first_stage(0, vp_stage=0) and not d.is_first_stage(0, vp_stage=1)
-    assert d.is_last_stage(3, vp_stage=1) and not d.is_last_stage(3, vp_stage=0)
-    assert d.is_in_embedding_group(3) and d.is_in_embedding_group(3, vp_stage=1)
-    assert not d.is_in_embedding_group(3, vp_stage=0)
-    assert not d.is_in_embedding_group(1)
 
 
 def test_masked_rank_groups_generic():

@@ -29,7 +29,10 @@ def test_fake_context_matches_the_dims(layout):
         c = dims.coords(rank)
         assert (ctx.tp_rank, ctx.pp_rank, ctx.dp_rank, ctx.cp_rank) == (c["tp"], c["pp"], c["dp"], c["cp"])
         assert ctx.dp_cp_size == dims.dp * dims.cp and ctx.ranks("dp_cp") == tuple(dims.group_of("dp_cp", rank))
-        assert ctx.next_pp_rank == dims.next_pipeline_rank(rank) and ctx.prev_pp_rank == dims.prev_pipeline_rank(rank)
+        ring = dims.group_of("pp", rank)  # first stage to last
+        i = ring.index(rank)
+        assert (ctx.next_pp_rank, ctx.prev_pp_rank) == (ring[(i + 1) % dims.pp], ring[(i - 1) % dims.pp])
+        assert (ctx.is_first_stage, ctx.is_last_stage) == (i == 0, i == dims.pp - 1)
         if dims.tp > 1:
             assert isinstance(ctx.tp_group, FakeGroup) and ctx.tp_group.size() == dims.tp
             assert ctx.tp_group.rank() == c["tp"]
