@@ -31,7 +31,7 @@ from .config import (
     rampup_problems,
     rampup_steps,
 )
-from .errors import ConfigError, UserError
+from .errors import CommandLineParser, ConfigError, UserError
 from .parallel.dims import ParallelDims, virtual_stages_from_layers
 from .parallel.pipeline.schedules import check_interleaving
 
@@ -127,18 +127,11 @@ NOT_YET_SUPPORTED: dict[str, NotYet] = {
 # ---------------------------------------------------------------------------------------------------------------
 # Parser
 # ---------------------------------------------------------------------------------------------------------------
-class _Parser(argparse.ArgumentParser):
-    """argparse whose errors are one line plus a usage hint, exit status 2."""
-
-    def error(self, message: str):
-        self.exit(2, f"error: {message}\n(run with --help for the list of flags)\n")
-
-
 def build_parser(prog: str = "pretrain_gpt.py", description: str = "Pretrain a GPT model (Megatron-LM flags).",
                  ) -> argparse.ArgumentParser:
     """All flags, with Megatron-LM's names and defaults (differences in docs/flags.md). Other entry points
     (text generation) take the same model and checkpoint flags and add their own group."""
-    p = _Parser(prog=prog, description=description, allow_abbrev=False)
+    p = CommandLineParser(prog=prog, description=description, allow_abbrev=False)
     def flag(g, name, **kw):
         return g.add_argument(name, **kw)
     on = dict(action="store_true")

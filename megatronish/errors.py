@@ -8,12 +8,19 @@ and exit 2 (:data:`EXIT_USER_ERROR`). Everything else is a bug and keeps its tra
 Exit codes (docs/reliability.md): 0 done, 1 a bug (traceback), 2 bad user input, 3 a non-finite loss or
 gradient (``--check-for-nan-in-loss-and-grad``), 4 a peer rank or the job's store is gone (the rank watchdog,
 ``megatronish.training.watchdog``).
+
+:class:`CommandLineParser` is the ``argparse`` parser of every entry point: a command-line mistake is one
+``error:`` line (an unknown flag names the closest known one) and exit 2, like every other user error.
 """
 from __future__ import annotations
 
+import argparse
+import difflib
+import sys
+
 __all__ = ["UserError", "ConfigError", "CheckpointError", "TokenizerError", "BlendError", "IndexedDatasetError",
            "ConvertError", "TrainingFailure", "NonFiniteError", "EXIT_BUG", "EXIT_USER_ERROR",
-           "EXIT_NON_FINITE", "EXIT_PEER_LOST"]
+           "EXIT_NON_FINITE", "EXIT_PEER_LOST", "CommandLineParser"]
 
 EXIT_BUG = 1
 EXIT_USER_ERROR = 2
@@ -63,3 +70,38 @@ class NonFiniteError(TrainingFailure):
     rank(s) and the first parameter with a non-finite gradient."""
 
     exit_code = EXIT_NON_FINITE
+
+
+class CommandLineParser(argparse.ArgumentParser):
+    """``argparse`` whose errors are one ``error:`` line plus a hint, exit status 2; a flag it does not know names the
+    closest known one (``did you mean --hidden-size?``), also when the error is about another flag (a misspelt
+    required flag is reported as the missing one)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._argv = [str(a) for a in (sys.argv[1:] if args is None else args)]
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str):
+        self.exit(EXIT_USER_ERROR, f"error: {message}{self.closest_flags()}\n"
+                                   "(run with --help for the list of flags)\n")
+
+    def closest_flags(self) -> str:
+        """``; did you mean --x?`` for the unknown flags of the last parsed command line that are close to a known
+        one ("" if none)."""
+        known = [s for s in self._option_string_actions if s.startswith("--")]
+        hints = []
+        for token in getattr(self, "_argv", []):
+            if token == "--":
+                break
+            flag = token.split("=", 1)[0]
+            if not flag.startswith("--") or flag in self._option_string_actions \
+                    or (self.allow_abbrev and any(k.startswith(flag) for k in known)):
+                continue
+            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.75)
+            if close:
+                hints.append((flag, close[0]))
+        if not hints:
+            return ""
+        if len(hints) == 1:
+            return f"; did you mean {hints[0][1]}?"
+        return "; did you mean " + ", ".join(f"{match} (for {flag})" for flag, match in hints) + "?"

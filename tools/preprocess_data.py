@@ -43,7 +43,7 @@ except ImportError:
 
 from megatronish.data.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
 from megatronish.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
-from megatronish.errors import EXIT_USER_ERROR, TokenizerError, UserError
+from megatronish.errors import EXIT_USER_ERROR, CommandLineParser, TokenizerError, UserError
 
 CHUNK_BYTES = 1 << 18  # input bytes per worker task (a chunk always ends at a line end)
 _READ_BYTES = 1 << 22  # read size when counting newlines
@@ -762,7 +762,7 @@ def run(args) -> None:
 
 
 def get_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = CommandLineParser(description=__doc__.split("\n\n")[0])
     group = parser.add_argument_group("input data")
     group.add_argument("--input", type=str, required=True, help="JSON-lines file (.gz allowed) or glob")
     group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract from each line")

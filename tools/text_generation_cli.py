@@ -11,6 +11,8 @@ import sys
 import urllib.error
 import urllib.request
 
+from megatronish.errors import CommandLineParser  # standard library only, like this client
+
 
 def _url(address: str) -> str:
     url = address if "://" in address else f"http://{address}"
@@ -45,7 +47,7 @@ def _ask(url: str, prompt: str, tokens: int, extra: dict) -> bool:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = CommandLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("url", help="the server: host:port (the /api path is added) or a full URL")
     p.add_argument("--prompt", default=None, help="send this prompt once and exit (default: ask in a loop)")
     p.add_argument("--tokens-to-generate", type=int, default=64)

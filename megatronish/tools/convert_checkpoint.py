@@ -21,10 +21,11 @@ import time
 from ..arguments import exit_on_config_error
 from ..convert.hf_config import ConvertError
 from ..convert.plugins import LOADERS, SAVERS
+from ..errors import CommandLineParser
 
 
 def parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    p = CommandLineParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-type", required=True, choices=["GPT"], help="only GPT (decoder-only) models")
     p.add_argument("--loader", required=True, choices=sorted(LOADERS), help="source format")

@@ -9,12 +9,12 @@ one at a time, to print its norm).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
 
 from ..checkpoint.offline import CheckpointError, iter_model_tensors, read_checkpoint_meta
+from ..errors import CommandLineParser
 
 
 def _dtype(d) -> str:
@@ -26,7 +26,7 @@ def _numel(shape) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = CommandLineParser(description=__doc__.splitlines()[0])
     p.add_argument("path", help="a --save directory or one iter_XXXXXXX / release directory in it")
     p.add_argument("--config", action="store_true", help="print the full stored run config")
     p.add_argument("--json", action="store_true", help="machine-readable output")

@@ -8,7 +8,6 @@ or one or more path prefixes; ``--output-prefix`` names the merged dataset.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from typing import List, Optional, Sequence
@@ -20,7 +19,7 @@ from ..data.indexed_dataset import (
     get_bin_path,
     get_idx_path,
 )
-from ..errors import EXIT_USER_ERROR
+from ..errors import EXIT_USER_ERROR, CommandLineParser
 
 
 def find_prefixes(inputs: Sequence[str]) -> List[str]:
@@ -64,7 +63,7 @@ def merge(prefixes: Sequence[str], output_prefix: str) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = CommandLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", nargs="+", required=True,
                         help="a directory of .bin/.idx pairs, or dataset path prefixes in order")
     parser.add_argument("--output-prefix", required=True, help="path prefix of the merged dataset")

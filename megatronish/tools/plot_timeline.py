@@ -14,6 +14,7 @@ import argparse
 import os
 import sys
 
+from ..errors import CommandLineParser
 from ..parallel.pipeline.timeline import bubble_fraction, read_chrome_trace
 
 COLORS = {("F", 0): "#4c72b0", ("F", 1): "#8fa9d6", ("B", 0): "#dd8452", ("B", 1): "#efb48f"}
@@ -65,7 +66,7 @@ def plot(events, out, title=""):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = CommandLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace")
     ap.add_argument("-o", "--output", default=None, help="PNG path (default: TRACE with .png)")
     ap.add_argument("--p", type=int, default=None, help="pipeline size (default: from the trace)")
