@@ -7,12 +7,18 @@ instead of waiting in a collective until ``--distributed-timeout-minutes``:
 - :class:`~megatronish.errors.UserError` (a flag, data file, tokenizer file, checkpoint, blend): its lines, from
   the lowest rank that saw it (prefixed ``rank N:`` when not rank 0), no traceback, exit 2.
 - :class:`~megatronish.errors.TrainingFailure` (a non-finite loss or gradient, a lost peer): its line, exit 3/4.
+- a collective that failed (a timeout, a mismatch) while every rank is alive: every rank's ring of collectives
+  (:mod:`megatronish.parallel.comm_log`, gathered through the watchdogs) names the collective and the first rank
+  that is elsewhere, in one line; every rank exits 4 and the rings go to ``collectives-<restart>.json`` in
+  ``report_dir``.
 - a communication error caused by a peer that is gone: no traceback once the watchdog has recorded the cause
-  (its line names that peer); a communication error with no recorded cause keeps its traceback.
+  (its line names that peer); a communication error with neither a recorded cause nor a rank elsewhere keeps its
+  traceback.
 - anything else is a bug: its traceback, exit 1.
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -21,7 +27,8 @@ from typing import Callable, TypeVar
 
 import torch.distributed as dist
 
-from ..errors import EXIT_BUG, TrainingFailure, UserError
+from ..errors import EXIT_BUG, EXIT_PEER_LOST, TrainingFailure, UserError
+from ..parallel import comm_log
 from . import watchdog
 
 __all__ = ["run_rank", "is_peer_failure"]
@@ -30,7 +37,10 @@ T = TypeVar("T")
 
 _PEER_MARKS = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused",
                "socket timeout", "timed out", "communicator was aborted", "read error", "failed to recv",
-               "failed to send")
+               "failed to send", "doesn't match expected size", "mismatch")
+# what ended a collective, for its line: (mark in the error text, the words)
+_CAUSES = (("timed out", "timed out"), ("doesn't match", "size mismatch"), ("mismatch", "mismatch"),
+           ("closed by peer", "connection closed by a peer"), ("reset by peer", "connection reset by a peer"))
 
 
 def is_peer_failure(err: BaseException) -> bool:
@@ -60,6 +70,7 @@ def _end(code: int, wd) -> None:
     sys.stderr.flush()
     if wd is None:
         raise SystemExit(code)
+    wd.leave()
     os._exit(code)  # threads blocked in a collective (a background checkpoint write) must not hold the exit
 
 
@@ -75,9 +86,62 @@ def _wait_for_recorded(wd, seconds: float):
         time.sleep(0.2)
 
 
-def run_rank(fn: Callable[[], T]) -> T:
+def _cause(err: BaseException) -> str:
+    text = str(err).lower()
+    return next((words for mark, words in _CAUSES if mark in text), _lines(err)[0][:120])
+
+
+def _write_rings(report_dir: str | None, rings: dict, line: str) -> str:
+    """Every rank's ring in one JSON file; its path (or why it could not be written)."""
+    path = os.path.join(report_dir or ".", f"collectives-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}.json")
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({"error": line, "ranks": {str(q): ring for q, ring in sorted(rings.items())}}, f, indent=1)
+    except OSError as e:
+        return f"{path} could not be written ({e.strerror or e})"
+    return path
+
+
+def _diagnose_collective(wd, err: BaseException, report_dir: str | None, deadline: float):
+    """A collective failed on this rank: gather every rank's ring (the watchdogs publish them), find the
+    collective and the first rank that is elsewhere, record that line for the job, print it once and end every
+    rank with exit 4. Returns another rank's recorded failure instead if one comes first, or None when a ring
+    never arrives (a lost rank) or every rank got to every collective in question."""
+    try:
+        wd.ring_state = ("failed", _cause(err))
+        wd.publish_ring()
+        wd.request_rings()
+        while True:
+            found = wd.failure()
+            rings = None if found is not None else wd.rings()
+            if found is not None or rings is not None or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    except (RuntimeError, dist.DistError) as e:  # the store's host is gone: the watchdog names it, ends us
+        wd.store_gone(e)
+    if rings is None:
+        return found
+    diagnosis = comm_log.diagnose(rings)
+    if diagnosis is None:
+        return None
+    line = comm_log.format_diagnosis(diagnosis)
+    try:
+        should_print = wd.record_failure(EXIT_PEER_LOST, line)
+    except (RuntimeError, dist.DistError):
+        should_print = True
+    if should_print:
+        _print_error([f"{line}; every rank's collectives: {_write_rings(report_dir, rings, line)}"], None)
+        wd.mark_printed()
+    else:
+        wd.wait_printed()
+    _end(EXIT_PEER_LOST, wd)
+
+
+def run_rank(fn: Callable[[], T], *, report_dir: str | None = None) -> T:
     """Run one rank's work ``fn()``; on failure report it once for the job and end the process (see the
-    module docstring). On success mark the rank finished for the watchdog and return ``fn()``'s result."""
+    module docstring). On success mark the rank finished for the watchdog and return ``fn()``'s result.
+    ``report_dir``: where a failed collective's rings of every rank go (default: the current directory)."""
     watchdog.enable()
     try:
         result = fn()
@@ -89,7 +153,10 @@ def run_rank(fn: Callable[[], T]) -> T:
         wd = watchdog.current()
         if wd is not None and is_peer_failure(err):
             wd.reporting = True
-            found = _wait_for_recorded(wd, wd.timeout + 5 * wd.interval)
+            deadline = time.monotonic() + wd.timeout + 5 * wd.interval
+            found = _diagnose_collective(wd, err, report_dir, deadline)
+            if found is None:
+                found = _wait_for_recorded(wd, deadline - time.monotonic())
             if found is not None:  # the rank that saw the cause prints it
                 wd.wait_printed()
                 _end(found[0], wd)

@@ -9,6 +9,10 @@ collective or a store call never blocks it. Keys live under ``megatronish/<resta
 - ``proc/<rank>``: ``host pid``, so a watcher on the same host sees a dead process at once.
 - ``failed`` (a counter), ``failure`` (the first failure's line), ``exit_code``, ``printer``: the first rank to
   report a failure records it; every watchdog polls ``failed`` and ends its process with that exit code.
+- ``rings`` (a counter) and ``ring/<rank>``: a rank whose collective failed asks for every rank's ring of
+  collectives (:mod:`megatronish.parallel.comm_log`); each watchdog polls ``rings`` and publishes its process's
+  ring, so a rank whose main thread is blocked in another collective still answers. A rank that finishes publishes
+  its ring too, before ``done``.
 
 Each rank watches one peer, the next rank in a ring (rank ``r`` watches ``r + 1 mod N``), so the store sees O(N)
 requests per interval at any scale. A watched peer is lost when its process is gone (same host) or its counter has
@@ -23,6 +27,7 @@ at once, before writing anything further.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import socket
@@ -34,6 +39,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ..errors import EXIT_PEER_LOST
+from ..parallel import comm_log
 
 __all__ = ["RankWatchdog", "enable", "start", "current", "launched_by_launcher", "set_parent_death_signal",
            "data_worker_init"]
@@ -137,6 +143,8 @@ class RankWatchdog:
         self._peer_proc: tuple[str, int] | None = None
         self._peer_seen = (None, time.monotonic())  # (last counter, when it changed)
         self._store_failures = 0
+        self._rings_asked = 0  # ring requests answered
+        self.ring_state: tuple[str, str | None] = ("running", None)  # (state, the error) published with the ring
         self._ending = threading.Lock()
         self._thread: threading.Thread | None = None
 
@@ -177,6 +185,22 @@ class RankWatchdog:
                 return False
         return self._call("compare_set", "printer", "", str(self.rank)).decode() == str(self.rank)
 
+    def publish_ring(self) -> None:
+        """Put this process's ring of collectives in the store (``ring/<rank>``), with :attr:`ring_state`."""
+        state, error = self.ring_state
+        self._call("set", f"ring/{self.rank}", json.dumps(comm_log.snapshot(state, error)))
+
+    def request_rings(self) -> None:
+        """Ask every rank's watchdog to publish its ring (at its next tick)."""
+        self._call("add", "rings", 1)
+
+    def rings(self) -> dict[int, dict] | None:
+        """Every rank's published ring (``{rank: snapshot}``), or None until all are there."""
+        keys = [f"ring/{q}" for q in range(self.world_size)]
+        if not self._call("check", keys):
+            return None
+        return {q: json.loads(v) for q, v in enumerate(self._call("multi_get", keys))}
+
     def mark_printed(self) -> None:
         """The job's failure line is out: the other ranks may exit (a launcher stops the rest of the job as soon
         as one process exits, so they wait for this before exiting)."""
@@ -193,6 +217,20 @@ class RankWatchdog:
         except (RuntimeError, dist.DistError):
             pass
 
+    def leave(self) -> None:
+        """This process is about to exit after the job's failure: say so. The process hosting the store (rank 0
+        under a per-task launch) then waits, bounded, until every rank has said it, so that no rank's last store
+        request meets a closed store."""
+        try:
+            left = self._call("add", "left", 1)
+            if self.rank == 0 and self.store_host == "rank 0":
+                deadline = time.monotonic() + max(2.0, 3 * self.interval)
+                while left < self.world_size and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    left = self._call("add", "left", 0)
+        except (RuntimeError, dist.DistError):
+            pass
+
     def finish(self) -> None:
         """This rank finished cleanly: peers stop watching it. A process that hosts the store (rank 0 without
         torchrun's agent store) waits, bounded, until every rank has finished, so the store outlives their
@@ -206,6 +244,8 @@ class RankWatchdog:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * max(5.0, 4 * self.interval))
         try:
+            self.ring_state = ("finished", None)
+            self.publish_ring()
             self._call("set", f"hb/{self.rank}", "done")
             if self.rank == 0 and self.store_host == "rank 0" and self.world_size > 1:
                 deadline = time.monotonic() + self.timeout
@@ -243,6 +283,10 @@ class RankWatchdog:
             if not self.reporting:
                 self._exit(failed[0])
             return
+        asked = self._call("add", "rings", 0)
+        if asked > self._rings_asked:
+            self._rings_asked = asked
+            self.publish_ring()
         if self._peer is None:
             return
         lost = self._check_peer()
@@ -298,6 +342,7 @@ class RankWatchdog:
 
     def _exit(self, code: int) -> None:
         self.wait_printed()
+        self.leave()
         _flush()
         os._exit(code)
 
