@@ -614,7 +614,9 @@ _REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "
 
 
 def _missing_required(args) -> list[str]:
-    return [f"--{dest.replace('_', '-')} is required" for dest in _REQUIRED if getattr(args, dest) is None]
+    """One line for all the missing required flags."""
+    missing = [f"--{dest.replace('_', '-')}" for dest in _REQUIRED if getattr(args, dest) is None]
+    return [f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required"] if missing else []
 
 
 def _flag_problems(args, for_training: bool = True) -> list[str]:

@@ -310,9 +310,9 @@ def _check(name, code, out, seconds, needle):
     if "Traceback" in out:
         problems.append("a traceback")
     errors = [line for line in out.splitlines() if line.startswith("error: ")]
-    if not errors:
-        problems.append("no error: line")
-    elif not any(needle in line for line in errors):
+    if len(errors) != 1:
+        problems.append(f"{len(errors)} error: lines, not one")
+    elif needle not in errors[0]:
         problems.append(f"no error line names {needle!r}")
     if seconds > LIMIT_S:
         problems.append(f"took {seconds:.0f} s")
