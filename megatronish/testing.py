@@ -117,11 +117,14 @@ def assert_parity(got, want, what: str, rtol: float = 1e-5) -> None:
     torch.testing.assert_close(got, want, rtol=rtol, atol=rtol * scale, msg=lambda m: f"{what}: {m}")
 
 
-def global_tensors(models, parallel, *, grads: bool = False, optimizer=None) -> dict[str, torch.Tensor]:
+def global_tensors(models, parallel, *, grads: bool = False, optimizer=None,
+                   rtol: float = 1e-5) -> dict[str, torch.Tensor]:
     """Every parameter of the global model (or its reduced gradient, ``main_grad``) assembled on every rank from
     the slices the ranks hold (collective over the world; for tests). Each rank places its pieces at their global
-    offsets; replicas (data-parallel, tensor-parallel copies, expert-DP) are averaged, so equal copies give their
-    value. With the distributed optimizer (``optimizer`` given) only the gradient shard this rank owns counts."""
+    offsets. Replicas (data-parallel, tensor-parallel copies, expert-DP) must agree to ``rtol`` (elements near zero:
+    ``rtol`` of the tensor's largest magnitude), else AssertionError: a missing reduction leaves them apart; the
+    lowest rank's copy is returned. With the distributed optimizer (``optimizer`` given) only the gradient shard
+    this rank owns counts."""
     from .checkpoint.state import param_pieces
     from .parallel.fsdp import local_shard
 
@@ -137,21 +140,47 @@ def global_tensors(models, parallel, *, grads: bool = False, optimizer=None) -> 
                 slot = optimizer.slot_of.get(id(p))
                 if slot is not None:
                     mask.view(-1)[slot.lo:slot.hi] = 1
-            local[name] = (p, value * mask, mask)
+            local[name] = (p, value, mask.bool())
     names = [None] * dist.get_world_size()
     comm.all_gather_object(names, sorted((n, tuple(q.desc.global_shape)) for n, (q, _, _) in local.items()))
+    rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
     for name, shape in sorted({entry for rank_names in names for entry in rank_names}):
-        total, count = torch.zeros(shape), torch.zeros(shape)
+        # where this rank holds the element: its value (hi/lo: +-inf elsewhere, for the replicas' spread) and rank
+        hi, lo = torch.full(shape, -float("inf")), torch.full(shape, float("inf"))
+        owner = torch.full(shape, float(world))
         if name in local:
             p, value, mask = local[name]
-            for dst, src in ((total, value), (count, mask)):
+            for dst, src in ((hi, value.masked_fill(~mask, -float("inf"))),
+                             (lo, value.masked_fill(~mask, float("inf"))),
+                             (owner, torch.full_like(value, float(rank)).masked_fill(~mask, float(world)))):
                 for piece in param_pieces(p, src, p.desc, parallel):
                     region = dst
                     for dim, (at, n) in enumerate(zip(piece.offsets, piece.tensor.shape)):
                         region = region.narrow(dim, at, n)
-                    region += piece.tensor
-        comm.all_reduce(total)
-        comm.all_reduce(count)
-        out[name] = total / count.clamp_min(1)
+                    region.copy_(piece.tensor)
+        for t, op in ((hi, dist.ReduceOp.MAX), (lo, dist.ReduceOp.MIN), (owner, dist.ReduceOp.MIN)):
+            comm.all_reduce(t, op=op)
+        held = owner < world
+        hi, lo = hi.where(held, torch.zeros(())), lo.where(held, torch.zeros(()))
+        scale = float(torch.maximum(hi.abs(), lo.abs()).max()) if hi.numel() else 0.0
+        spread = hi - lo
+        bad = spread > rtol * torch.maximum(hi.abs(), lo.abs()) + rtol * scale
+        if bool(bad.any()):
+            at = tuple(int(i) for i in bad.nonzero()[0])
+            raise AssertionError(f"global_tensors: the replicas of {name}{' (gradient)' if grads else ''} disagree "
+                                 f"at {list(at)}: {float(lo[at]):.6g} .. {float(hi[at]):.6g} (rtol {rtol}); a "
+                                 "missing reduction?")
+        # the lowest-ranked holder's copy of each element
+        mine = torch.zeros(shape)
+        if name in local:
+            p, value, mask = local[name]
+            src = value.masked_fill(~mask, 0.0)
+            for piece in param_pieces(p, src, p.desc, parallel):
+                region, first = mine, owner
+                for dim, (at, n) in enumerate(zip(piece.offsets, piece.tensor.shape)):
+                    region, first = region.narrow(dim, at, n), first.narrow(dim, at, n)
+                region.copy_(torch.where(first == rank, piece.tensor, region))
+        comm.all_reduce(mine)
+        out[name] = mine
     return out

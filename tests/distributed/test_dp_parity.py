@@ -1,5 +1,7 @@
 """Data parallelism (with and without overlapped, bucketed reduction) and gradient accumulation give the
-single-process losses; the global grad norm under TP x DP equals the single-process norm."""
+single-process losses; at DP 2, DP 4 and DP 2 with the distributed optimizer every iteration's reduced gradients
+and updated parameters equal one process's (rtol 1e-5); the global grad norm under TP x DP equals the
+single-process norm; a skipped DP reduction is caught by the test helper that assembles global tensors."""
 import pytest
 import torch
 
@@ -10,7 +12,8 @@ from megatronish.optim.clip_grads import global_norm
 from megatronish.parallel import groups
 from megatronish.parallel.ddp import DistributedDataParallel, finalize_model_grads
 from megatronish.parallel.dims import ParallelDims
-from megatronish.testing import run_distributed
+from megatronish.testing import assert_parity, global_tensors, run_distributed
+from megatronish.training import pretrain as training
 from megatronish.training.pretrain import pretrain
 
 ITERS = 10
@@ -83,6 +86,93 @@ def test_dp_and_tp_dp_parity(reference, opt):
              "tp2-dp2-sp-overlap": ["--micro-batch-size", "2"] + cases["tp2-sp-overlap"][2:]}
     for name, losses in run_distributed(_worker, 4, tp_dp)[0].items():
         _assert_losses(losses, reference, name)
+
+
+def _trace(argv, world):
+    """Each iteration's loss, reduced gradients (before clipping and the update) and updated parameters, as global
+    tensors."""
+    groups.destroy_model_parallel()
+    run, state = training.setup(configs_from_args(parse_args(BASE + argv), world))
+    grads, params, losses = [], [], []
+    step = run.optimizer.step
+
+    def step_and_record():
+        grads.append({k: v.numpy() for k, v in global_tensors(run.models, run.parallel, grads=True,
+                                                                optimizer=run.optimizer).items()})
+        return step()
+
+    run.optimizer.step = step_and_record
+    for _ in range(ITERS):
+        losses.append(training.train_step(run, state).loss)
+        params.append({k: v.numpy() for k, v in global_tensors(run.models, run.parallel).items()})
+    return {"losses": losses, "grads": grads, "params": params, "distributed": run.optimizer.distributed}
+
+
+def _trace_worker(rank, world, cases):
+    out = {name: _trace(argv, world) for name, argv in cases.items()}
+    return out if rank == 0 else None
+
+
+# Adam without linear biases (the key bias's true gradient is zero: Adam would turn its rounding noise into
+# full-size updates), and SGD, whose update is the gradient itself
+TRACED = {"adam": ["--optimizer", "adam", "--disable-bias-linear"], "sgd": OPTIMIZERS["sgd"]}
+DIST = ["--use-distributed-optimizer"]
+
+
+@pytest.fixture(scope="module")
+def traces():
+    cases = {f"{o}-{layout}": ["--micro-batch-size", str(8 // dp)] + flags + TRACED[o]
+             for o in TRACED for layout, dp, flags in (("ref", 1, []), ("dp2", 2, []), ("dp2-distopt", 2, DIST),
+                                                       ("dp4", 4, []))}
+    out = {}
+    for world in (1, 2, 4):
+        mine = {k: v for k, v in cases.items() if v[1] == str(8 // world)}
+        out.update(run_distributed(_trace_worker, world, mine, timeout=600)[0])
+    return out
+
+
+@pytest.mark.parametrize("layout", ["dp2", "dp2-distopt", "dp4"])
+@pytest.mark.parametrize("optimizer", sorted(TRACED))
+def test_gradients_and_parameters_every_iteration(traces, optimizer, layout):
+    ref, got = traces[f"{optimizer}-ref"], traces[f"{optimizer}-{layout}"]
+    assert got["distributed"] == layout.endswith("distopt") and not ref["distributed"]
+    assert len(got["grads"]) == len(got["params"]) == len(ref["grads"]) == ITERS
+    assert ref["losses"][-1] < ref["losses"][0] - 0.05, ref["losses"]
+    assert_parity(got["losses"], ref["losses"], f"{layout} losses")
+    for it in range(ITERS):
+        for what in ("grads", "params"):
+            r, g = ref[what][it], got[what][it]
+            assert sorted(g) == sorted(r), f"{layout}: parameter names differ"
+            for name in r:
+                assert_parity(g[name], r[name], f"{optimizer} {layout} iteration {it + 1} {what[:-1]} of {name}")
+
+
+def _skipped_reduction_worker(rank, world):
+    """DP 2, different data per rank: with the DP all-reduce skipped the ranks' gradients differ and
+    global_tensors refuses them; after it they agree."""
+    ctx = groups.initialize_model_parallel(ParallelDims(world_size=world))
+    cfg = gpt2(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=96, seq_length=16,
+               attention_dropout=0.0, hidden_dropout=0.0)
+    model = GPTModel(cfg, parallel=ctx)
+    model.init_parameters(5)
+    ddp = DistributedDataParallel(model, dp_group=ctx.dp_cp_group)
+    g = torch.Generator().manual_seed(1 + rank)
+    ddp(torch.randint(0, 96, (2, 16), generator=g), labels=torch.randint(0, 96, (2, 16), generator=g)).mean().backward()
+    try:
+        global_tensors([model], ctx, grads=True)
+        unreduced = None
+    except AssertionError as e:
+        unreduced = str(e)
+    finalize_model_grads([ddp], ctx)
+    reduced = global_tensors([model], ctx, grads=True)
+    return unreduced, sorted(reduced)
+
+
+def test_global_tensors_catches_a_skipped_dp_reduction():
+    for unreduced, names in run_distributed(_skipped_reduction_worker, 2):
+        assert unreduced and "replicas of" in unreduced and "disagree" in unreduced and "\n" not in unreduced, \
+            unreduced
+        assert "decoder.layers.0.self_attention.linear_qkv.weight" in names
 
 
 def _norm_worker(rank, world, tp, ref_norm):
