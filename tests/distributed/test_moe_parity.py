@@ -7,11 +7,18 @@ slices, before the optimizer step clips them), and the router expert biases (fp3
 and z losses are on, so their gradients take part. SGD with gradient clipping (the clip is active: the norm
 exceeds 0.5), so a wrong reduction, scale or norm shows up in the next iteration's numbers; Adam would turn the
 reduction-order noise of near-zero gradients into full-size updates.
+
+The ``forced-*`` variants fix the routing (``TopKRouter.choose``: the top-k of the scores plus a large bias per
+expert, the same in every layout) to the maps real data produces and mock data never does: every token on EP
+rank 0's experts (the other ranks' experts get nothing), one expert empty, every token to one expert, and one
+expert over capacity. Every rank must still run the same collectives; a rank that skipped a backward
+collective would hang until the harness's timeout.
 """
 import pytest
 import torch
 
 from megatronish.arguments import configs_from_args, parse_args
+from megatronish.model.moe.router import TopKRouter
 from megatronish.parallel import groups
 from megatronish.testing import global_tensors, run_distributed
 from megatronish.training import pretrain as training
@@ -28,11 +35,27 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
         "--moe-z-loss-coeff", "1e-3"]
 
 
-def _run(argv, world):
+BIG = 1e4
+# forced variant -> the bias added to the scores for the choice of experts (the probabilities stay the scores')
+FORCE = {"forced-rank0-experts": [BIG, BIG, 0, 0], "forced-expert3-empty": [0, 0, 0, -BIG],
+         "forced-one-expert-top1": [BIG, 0, 0, 0], "forced-over-capacity": [BIG, 0, 0, -BIG]}
+
+
+def _force(models, bias, k):
+    bias = torch.tensor(bias)
+    for model in models:
+        for module in model.modules():
+            if isinstance(module, TopKRouter):
+                module.choose = lambda scores: torch.topk(scores + bias.to(scores.dtype), k, dim=1)[1]
+
+
+def _run(argv, world, force=None):
     """Losses, gradients and expert biases of every iteration."""
     groups.destroy_model_parallel()
     cfg = configs_from_args(parse_args(BASE + argv), world)
     run, state = training.setup(cfg)
+    if force is not None:
+        _force(run.models, force, cfg.model.moe_router_topk)
     grads, biases = [], []
     step = run.optimizer.step
 
@@ -62,8 +85,8 @@ def _numpy(x):
 
 def _worker(rank, world, cases):
     # numpy, not tensors: results travel to the parent through a pipe
-    return {name: _numpy(_run(argv, world)) for name, argv in cases.items()} if rank == 0 else \
-        {name: _run(argv, world) and None for name, argv in cases.items()}
+    return {name: _numpy(_run(argv, world, FORCE.get(v))) for name, (argv, v) in cases.items()} if rank == 0 \
+        else {name: _run(argv, world, FORCE.get(v)) and None for name, (argv, v) in cases.items()}
 
 
 # layout flags (ranks) -> model/routing variants run at that layout
@@ -80,6 +103,10 @@ MODEL = {
                   "--moe-aux-loss-coeff", "1e-2", "1e-2"],
     "grouped-pre-softmax": ["--moe-grouped-gemm", "--moe-router-pre-softmax", "--moe-router-topk-scaling-factor",
                             "2.0"],
+    "forced-rank0-experts": [],
+    "forced-expert3-empty": [],
+    "forced-one-expert-top1": ["--moe-router-topk", "1"],
+    "forced-over-capacity": ["--moe-expert-capacity-factor", "1.0"],
 }
 A2A, AG = ["--moe-token-dispatcher-type", "alltoall"], ["--moe-token-dispatcher-type", "allgather"]
 EP2 = ["--expert-model-parallel-size", "2"]
@@ -108,15 +135,40 @@ CASES = {  # name: (world, layout flags, model variant)
     "ep2-dp4-distopt-alltoall": (4, EP2 + ["--use-distributed-optimizer"] + A2A, "top2-softmax"),
     "ep2-dp4-distopt-allgather": (4, EP2 + ["--use-distributed-optimizer", "--overlap-grad-reduce",
                                             "--ddp-bucket-size", "2000"] + AG, "capacity-probs"),
+    # routing forced to what real data does (FORCE): ranks, experts with no tokens
+    "forced-ep2-allgather-rank1-empty": (2, EP2 + AG, "forced-rank0-experts"),
+    "forced-ep2-alltoall-rank1-empty": (2, EP2 + A2A, "forced-rank0-experts"),
+    "forced-ep2-alltoall-grouped-rank1-empty": (2, EP2 + A2A + ["--moe-grouped-gemm"], "forced-rank0-experts"),
+    "forced-ep2-alltoall-recompute-rank1-empty": (2, EP2 + A2A + ["--recompute-granularity", "full",
+                                                                  "--recompute-method", "uniform",
+                                                                  "--recompute-num-layers", "1"],
+                                                  "forced-rank0-experts"),
+    "forced-ep2-alltoall-expert-empty": (2, EP2 + A2A, "forced-expert3-empty"),
+    "forced-ep2-allgather-one-expert": (2, EP2 + AG, "forced-one-expert-top1"),
+    "forced-ep2-alltoall-one-expert": (2, EP2 + A2A, "forced-one-expert-top1"),
+    "forced-ep2-alltoall-over-capacity": (2, EP2 + A2A, "forced-over-capacity"),
+    "forced-tp2-etp1-ep2-alltoall-rank1-empty": (2, TP2 + EP2 + ["--expert-tensor-parallel-size", "1"] + A2A,
+                                                 "forced-rank0-experts"),
+    "forced-ep4-allgather-ranks23-empty": (4, ["--expert-model-parallel-size", "4"] + AG, "forced-rank0-experts"),
+    "forced-ep4-alltoall-ranks23-empty": (4, ["--expert-model-parallel-size", "4"] + A2A, "forced-rank0-experts"),
+    "forced-ep2-etp2-sp-allgather-rank1-empty": (4, EP2 + TP2 + AG, "forced-rank0-experts"),
+    "forced-ep2-etp2-sp-alltoall-one-expert": (4, EP2 + TP2 + A2A, "forced-one-expert-top1"),
+    "forced-ep2-pp2-alltoall-rank1-empty": (4, EP2 + ["--pipeline-model-parallel-size", "2"] + A2A,
+                                            "forced-rank0-experts"),
+    "forced-ep2-pp2-allgather-one-expert": (4, EP2 + ["--pipeline-model-parallel-size", "2"] + AG,
+                                            "forced-one-expert-top1"),
+    "forced-ep2-dp4-distopt-alltoall-rank1-empty": (4, EP2 + ["--use-distributed-optimizer"] + A2A,
+                                                    "forced-rank0-experts"),
 }
 
 
 @pytest.fixture(scope="module")
 def results():
-    refs = run_distributed(_worker, 1, {v: MODEL[v] for v in MODEL})[0]
+    refs = run_distributed(_worker, 1, {v: (MODEL[v], v) for v in MODEL})[0]
     got = {}
     for world in (2, 4):
-        cases = {name: flags + MODEL[variant] for name, (w, flags, variant) in CASES.items() if w == world}
+        cases = {name: (flags + MODEL[variant], variant) for name, (w, flags, variant) in CASES.items()
+                 if w == world}
         got.update(run_distributed(_worker, world, cases, timeout=600)[0])
     return refs, got
 
@@ -164,7 +216,7 @@ def test_reference_routes_and_learns(results):
     # metrics: every token goes to k experts unless dropped; losses near their balanced values
     for variant, ref in refs.items():
         for m in ref["metrics"]:
-            k = 1 if variant == "top1-softmax" else 2
+            k = 1 if "top1" in variant else 2
             routed = 8 * 16 * k  # global batch x sequence x top-k, per layer
             assert m["tokens_per_expert_max"] >= routed / 4 * (1 - m["dropped_token_fraction"]) - 1e-6
             assert m["expert_imbalance"] >= 1.0
@@ -179,3 +231,9 @@ def test_reference_routes_and_learns(results):
     fc1 = g["decoder.layers.0.mlp.experts.linear_fc1.weight"]
     assert all(abs(fc1[e]).sum() > 0 for e in range(4))
     assert abs(g["decoder.layers.0.mlp.router.weight"]).sum() > 0
+    # the forced routings route as forced: exactly the experts they leave tokens to get gradient
+    for variant, experts in (("forced-rank0-experts", {0, 1}), ("forced-expert3-empty", {0, 1, 2}),
+                             ("forced-one-expert-top1", {0}), ("forced-over-capacity", {0, 1, 2})):
+        for it, g in enumerate(refs[variant]["grads"]):
+            fc1 = g["decoder.layers.0.mlp.experts.linear_fc1.weight"]
+            assert {e for e in range(4) if abs(fc1[e]).sum() > 0} == experts, (variant, it)

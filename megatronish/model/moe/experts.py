@@ -37,9 +37,10 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], how
     """``x`` ``[N, in]`` (rows grouped by expert, ``counts[e]`` rows for local expert ``e``) times each
     expert's ``weight[e]^T`` (``weight``: ``[E_local, out, in]``) -> ``[N, out]``."""
     n, e = x.size(0), weight.size(0)
-    if n == 0:
-        return x.new_zeros((0, weight.size(1))) + 0 * weight.sum()  # keep the graph (a zero gradient)
-    if how == "sequential":
+    # No rows (this rank's experts got no tokens): the per-expert products of empty slices. The result must
+    # depend on ``x`` as well as ``weight``: the gradient then reaches the dispatcher, whose backward
+    # collectives run on this rank as on every other (an empty ``[0, out]`` product gives zero weight gradients).
+    if how == "sequential" or n == 0:
         outs, at = [], 0
         for i, c in enumerate(counts):
             outs.append(x[at:at + c] @ weight[i].t())

@@ -38,13 +38,20 @@ def group_limited_topk(scores: torch.Tensor, topk: int, num_groups: int, group_t
 
 def topk_routing(logits: torch.Tensor, topk: int, *, score_function: str = "softmax", pre_softmax: bool = False,
                  num_groups: int | None = None, group_topk: int | None = None,
-                 scaling_factor: float | None = None, expert_bias: torch.Tensor | None = None):
+                 scaling_factor: float | None = None, expert_bias: torch.Tensor | None = None,
+                 choose=None):
     """``(probs [T, E], routing_map [T, E])``.
 
     softmax: top-k of the logits, then a softmax over the k chosen (``pre_softmax``: softmax over all experts,
     then top-k, no renormalisation). sigmoid: top-k of ``sigmoid(logits)`` (+ ``expert_bias`` for the choice
-    only), the chosen scores renormalised to sum 1 when k > 1. Then times ``scaling_factor``."""
+    only), the chosen scores renormalised to sum 1 when k > 1. Then times ``scaling_factor``.
+
+    ``choose``: a fixed routing (:attr:`TopKRouter.choose`): ``choose(scores) -> [T, k]`` expert indices replace
+    the top-k choice; the probabilities are computed from the scores of the chosen experts as usual."""
     def pick(scores):
+        if choose is not None:
+            idx = choose(scores)
+            return scores.gather(1, idx), idx
         if group_topk:
             return group_limited_topk(scores, topk, num_groups, group_topk)
         return torch.topk(scores, k=topk, dim=1)
@@ -161,6 +168,9 @@ class TopKRouter(nn.Module):
     ``aux_loss_scale``: the backward scale of the load-balancing and z losses (set by the training step).
     ``stats``: the step's sums (detached, reset by :meth:`reset_stats`): each loss (``value / coeff``) summed
     over micro-batches, tokens per expert, and routed / kept token-expert pairs.
+    ``choose``: None (top-k routing), or a fixed routing ``choose(scores [T, E]) -> expert indices [T, k]`` that
+    replaces the top-k choice (capacity dropping and the losses still apply); tests set it to force the routing
+    maps real data produces (a rank or an expert with no tokens, every token to one expert).
     """
 
     def __init__(self, config, sequence_parallel: bool, params_dtype=torch.float32, device=None, parallel=None):
@@ -181,6 +191,7 @@ class TopKRouter(nn.Module):
                                             requires_grad=False)
             set_desc(self.expert_bias, TensorDesc((c.num_experts,), None, 1, "zeros"))
         self.aux_loss_scale = 1.0
+        self.choose = None
         self.per_token = False  # --calculate-per-token-loss: each loss's gradient weighted by the token count
         self.loss_types = self._loss_types()
         self._global_tokens = None  # global_aux_loss: running sum over the step's micro-batches
@@ -231,7 +242,7 @@ class TopKRouter(nn.Module):
         probs, routing_map = topk_routing(
             logits, self.topk, score_function=c.moe_router_score_function, pre_softmax=c.moe_router_pre_softmax,
             num_groups=c.moe_router_num_groups, group_topk=c.moe_router_group_topk,
-            scaling_factor=c.moe_router_topk_scaling_factor, expert_bias=self.expert_bias)
+            scaling_factor=c.moe_router_topk_scaling_factor, expert_bias=self.expert_bias, choose=self.choose)
         routed = routing_map
         if c.moe_expert_capacity_factor is not None:
             probs, routing_map = drop_tokens(probs, routing_map, self.topk, c.moe_expert_capacity_factor,
