@@ -5,7 +5,8 @@ Mock data routes evenly; real training does not, and a rank whose experts get no
 collective of the forward and the backward in the same order as the others. Routing maps are drawn by hypothesis
 (derandomized) in the parent: each rank's tokens choose among a subset of the experts, so a rank, an expert or
 every expert but the chosen ones can receive nothing, and tokens can all go to one expert. Every example runs the
-layer forward and backward on every rank; the output, the input gradient, the router's gradient (summed over the
+layer forward and backward on every rank; every rank issues the same collectives in the same order (the
+recorded ring of ``parallel/comm_log``), and the output, the input gradient, the router's gradient (summed over the
 ranks, which hold different tokens) and every expert weight's gradient (this rank's slice) equal the one-process
 layer's on all tokens (fp32, rtol 1e-5). A rank that skipped a backward collective would hang: the harness fails
 the test at its timeout.
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 
 from megatronish.arguments import configs_from_args, parse_args
 from megatronish.model.moe.layer import MoELayer
-from megatronish.parallel import groups
+from megatronish.parallel import comm_log, groups
 from megatronish.parallel.context import ParallelContext
 from megatronish.parallel.init import initialize_slice, split_global, split_ranks
 from megatronish.testing import run_distributed
@@ -110,7 +111,15 @@ def _worker(rank, world, examples):
             ref = _layer(cfg, ParallelContext.single(), how)
             layer = _layer(cfg, parallel, how)
             out_r, dx_r, grads_r = _run(ref, x_all, table, w_all)
+            before = comm_log.log().seq
             out, dx, grads = _run(layer, x_all[mine].view(S_LOCAL, B, H), table[mine], w_all[mine])
+            # every rank issued the same collectives, in the same order, on the same kinds of group
+            issued = [(kind, group, site) for seq, _, kind, group, _, path, line, _ in comm_log.log().ring
+                      if seq > before for site in [f"{path}:{line}"]]
+            assert 0 < len(issued) == comm_log.log().seq - before < comm_log.RING_SIZE
+            everyone = [None] * world
+            dist.all_gather_object(everyone, issued)
+            assert all(other == issued for other in everyone), (name, k, how, seed, everyone)
             errors = [(out.reshape(-1, H) - out_r[mine].reshape(-1, H)).abs().max() / out_r.abs().max(),
                       (dx.reshape(-1, H) - dx_r[mine].reshape(-1, H)).abs().max() / dx_r.abs().max()]
             for pname, g in grads.items():
