@@ -1,14 +1,16 @@
 """Causal attention split over context-parallel ranks (load-balanced chunks; ring, all-to-all, all-gather and the
 hierarchical a2a+p2p communication) equals dense causal attention on one process: outputs and the gradients of q,
 k and v (fp32, rtol 1e-5), with and without grouped-query attention, with and without document masking (a token
-attends only to earlier tokens of its own document; the reference is SDPA with the dense mask)."""
+attends only to earlier tokens of its own document; the reference is SDPA with the dense mask), including document
+layouts where every pair of different chunks is skipped; every rank issues the same collectives whatever it skips."""
 import math
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatronish.parallel import groups
+from megatronish.parallel import comm_log, groups
 from megatronish.parallel.context_parallel import (
     context_parallel_attention,
     cp_chunk_index,
@@ -28,10 +30,21 @@ def _inputs(hq, hkv):
     return q, k, v, torch.randn(B, hq, S, D, generator=g)
 
 
+DOCS = (None, "random", "singletons", "quads")
+
+
 def _docs(with_docs):
-    """Document ids [B, S]: short documents of random lengths (some inside one chunk, some across chunks)."""
+    """Document ids [B, S]. ``random``: short documents of random lengths (some inside one chunk, some across
+    chunks); the extremes real data produces and random lengths rarely do, where every pair of different chunks
+    shares no document and the block plan skips it (a ring step with nothing to attend on some ranks, the K/V
+    still passed on): ``singletons`` (every token its own document) and ``quads`` (4-token documents: at CP 4
+    exactly the chunks)."""
     if not with_docs:
         return None
+    if with_docs == "singletons":
+        return torch.arange(S).expand(B, S).clone()
+    if with_docs == "quads":
+        return (torch.arange(S) // 4).expand(B, S).clone()
     g = torch.Generator().manual_seed(4)
     return torch.cumsum((torch.rand(B, S, generator=g) < 0.15).long(), dim=1)
 
@@ -56,10 +69,17 @@ def _worker(rank, world, refs):
                 continue
             q, k, v, dout = (split_for_context_parallel(t, 2, world, r) for t in _inputs(hq, hkv))
             q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+            before = comm_log.log().seq
             out = context_parallel_attention(q, k, v, group=g, comm_type=comm, scale=1 / math.sqrt(D),
                                              document_ids=_docs(with_docs))
             out.backward(dout)
             what = f"CP{world} {comm} heads {hq}/{hkv} documents={with_docs}"
+            # whatever the plan skips, every rank issues the same collectives in the same order
+            issued = [(kind, group) for seq, _, kind, group, *_ in comm_log.log().ring if seq > before]
+            assert 0 < len(issued) == comm_log.log().seq - before <= comm_log.RING_SIZE, what
+            everyone = [None] * world
+            dist.all_gather_object(everyone, issued)
+            assert all(other == issued for other in everyone), f"{what}: {everyone}"
             for name, mine, full in zip(("out", "dq", "dk", "dv"), (out.detach(), q.grad, k.grad, v.grad), ref):
                 torch.testing.assert_close(gather_from_context_parallel(mine, 2, g), full, rtol=1e-5,
                                            atol=_atol(with_docs), msg=lambda m: f"{what} {name}: {m}")
@@ -103,7 +123,7 @@ def _atol(with_docs):
 
 
 def _references():
-    return [((case, docs), _reference(*case, docs)) for case in CASES for docs in (False, True)]
+    return [((case, docs), _reference(*case, docs)) for case in CASES for docs in DOCS]
 
 
 def test_chunk_index_is_megatrons_split():
