@@ -10,7 +10,7 @@ install:
 
 test: install
 	$(PYTHON) -m ruff check .
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q -rfEs tests
 
 quickstart: install
 	PYTHON=$(PYTHON) bash examples/quickstart.sh
