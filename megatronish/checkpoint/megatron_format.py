@@ -32,6 +32,8 @@ import re
 from collections.abc import Iterator
 
 import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
 from . import dcp_io, layout
 from .dcp_io import CheckpointError
@@ -380,11 +382,11 @@ def read_region(iter_dir: str, md, key: str, offsets, sizes) -> torch.Tensor:
         hi = [min(a + s, b + t) for a, s, b, t in zip(offsets, sizes, chunk.offsets, chunk.sizes)]
         if any(h <= low for low, h in zip(lo, hi)):
             continue
-        info = md.storage_data[dcp_io.MetadataIndex(key, chunk.offsets)]
+        info = md.storage_data[MetadataIndex(key, chunk.offsets)]
         if info.transform_descriptors:
             raise CheckpointError(f"{key!r} in {iter_dir} uses storage transforms {info.transform_descriptors}, "
                                   "which this reader does not support")
-        raw, path = dcp_io._read_range(iter_dir, info, key)
+        raw, path = dcp_io.read_range(iter_dir, info, key)
         try:
             part = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
         except Exception as e:
@@ -652,7 +654,7 @@ class _LazyPlanner(dcp_io.SavePlanner):
         items = []
         for key, entry in self.state_dict.items():
             if isinstance(entry, _RawBytes):
-                items.append(dcp_io.WriteItem(index=dcp_io.MetadataIndex(key), type=dcp_io.WriteItemType.BYTE_IO))
+                items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
         everything = self.state_dict
         self.state_dict = {k: v for k, v in everything.items() if not isinstance(v, _RawBytes)}
         try:
@@ -662,7 +664,7 @@ class _LazyPlanner(dcp_io.SavePlanner):
         # the source yields layer by layer: write layer 0's tensors first, then layer 1's, ...
         plan_items = sorted(plan.items, key=lambda w: (w.index.offset[0] if self._stacked(w) else -1,
                                                        self._rank.get(w.index.fqn, 0)))
-        self.plan = dcp_io.SavePlan(items + plan_items)
+        self.plan = SavePlan(items + plan_items)
         return self.plan
 
     def _stacked(self, w) -> bool:

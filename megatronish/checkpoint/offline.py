@@ -145,7 +145,7 @@ def _save_streaming(state: dict, iter_dir: str, planner: _StreamingPlanner) -> N
     except dcp.api.CheckpointException as e:
         if planner.failure is not None:
             raise planner.failure from None
-        raise CheckpointError(dcp_io._first_failure(e, iter_dir, "saving")) from None
+        raise CheckpointError(dcp_io.first_failure(e, iter_dir, "saving")) from None
 
 
 def write_checkpoint(save_dir: str, iteration: int | None, model_tensors, config, *,

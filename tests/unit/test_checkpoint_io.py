@@ -11,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 
 from megatronish.checkpoint import dcp_io
-from megatronish.checkpoint.dcp_io import Obj, Piece, Sharded
+from megatronish.checkpoint.dcp_io import Obj, Piece, Sharded, api, buffers
 
 
 def _state(seed=0):
@@ -53,21 +53,18 @@ def _is_direct(fd):
 def write_mode(request, monkeypatch):
     """The file writer's paths: O_DIRECT out of aligned blocks (the default where the file system takes it; with
     8 KiB blocks every tensor spans many, and the last block has an unaligned tail), and page-cache writes."""
-    if request.param == "page-cache":
-        monkeypatch.setattr(dcp_io, "DIRECT_IO", False)
-    elif request.param == "direct-small-blocks":
-        monkeypatch.setattr(dcp_io, "_BOUNCE", dcp_io._BouncePool(block=8192))
     opened = []
-    real_open = dcp_io._open_direct
-    monkeypatch.setattr(dcp_io, "_open_direct", lambda path: opened.append(real_open(path)) or opened[-1])
-    yield request.param
+    real_open = buffers.open_direct
+    monkeypatch.setattr(buffers, "open_direct", lambda path: opened.append(real_open(path)) or opened[-1])
+    yield {"direct": {}, "page-cache": {"direct_io": False},
+           "direct-small-blocks": {"pool": dcp_io.BouncePool(block=8192)}}[request.param]  # dcp_io.save's keywords
     if request.param != "page-cache" and getattr(os, "O_DIRECT", 0):
         assert opened and all(fd is not None for fd in opened), "O_DIRECT refused here: the direct path is untested"
 
 
 def test_same_bytes_as_dcp_writer(tmp_path, write_mode):
     state = _state()
-    dcp_io.save(state, str(tmp_path / "ours"), no_dist=True)
+    dcp_io.save(state, str(tmp_path / "ours"), no_dist=True, **write_mode)
     _save_stock(state, str(tmp_path / "stock"))
     ours = sorted(f for f in os.listdir(tmp_path / "ours") if f.endswith(".distcp"))
     assert ours == sorted(f for f in os.listdir(tmp_path / "stock") if f.endswith(".distcp")) == ["__0_0.distcp"]
@@ -80,7 +77,7 @@ def test_same_bytes_as_dcp_writer(tmp_path, write_mode):
 def test_round_trip_bit_exact_and_stock_readable(tmp_path, write_mode):
     state = _state(1)
     path = str(tmp_path / "ck")
-    dcp_io.save(state, path, no_dist=True)
+    dcp_io.save(state, path, no_dist=True, **write_mode)
     target = _empty_like(state)
     objects = dcp_io.load(target, path, no_dist=True)
     for k, v in state.items():
@@ -106,7 +103,7 @@ def test_load_with_the_callers_index_reads_it_once(tmp_path, monkeypatch):
     md = dcp_io.read_index(path)
     dcp_io.check_files(path, md)
     reads = []
-    monkeypatch.setattr(dcp_io, "read_index", lambda *a: reads.append(a) or pytest.fail("index read again"))
+    monkeypatch.setattr(dcp_io.reader, "read_index", lambda *a: reads.append(a) or pytest.fail("index read again"))
     target, plain = _empty_like(state), _empty_like(state)
     dcp_io.load(target, path, no_dist=True, index=md)
     monkeypatch.undo()
@@ -153,20 +150,19 @@ def test_failed_write_raises_and_closes(tmp_path, monkeypatch, write_mode):
         calls.append(len(data))
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(dcp_io.os, "pwrite", failing_write)
+    monkeypatch.setattr(os, "pwrite", failing_write)
     with pytest.raises(dcp_io.CheckpointError, match="No space left on device"):
-        dcp_io.save(_state(), path, no_dist=True)
+        dcp_io.save(_state(), path, no_dist=True, **write_mode)
     assert calls and not os.path.exists(os.path.join(path, dcp_io.METADATA_FILE))
     # the blocks went back to the pool, and the next save works
     monkeypatch.undo()
-    dcp_io.save(_state(), path, no_dist=True)
+    dcp_io.save(_state(), path, no_dist=True, **write_mode)
     assert os.path.exists(os.path.join(path, dcp_io.METADATA_FILE))
 
 
 def test_refused_direct_write_falls_back_to_the_page_cache(tmp_path, monkeypatch):
     """A file system that opens with O_DIRECT but refuses the writes (EINVAL) after the first block: the rest of
     the file goes through the page cache, and the bytes are still DCP's."""
-    monkeypatch.setattr(dcp_io, "_BOUNCE", dcp_io._BouncePool(block=8192))
     real = os.pwrite
     direct = []
 
@@ -177,9 +173,9 @@ def test_refused_direct_write_falls_back_to_the_page_cache(tmp_path, monkeypatch
                 raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
         return real(fd, data, offset)
 
-    monkeypatch.setattr(dcp_io.os, "pwrite", pwrite)
+    monkeypatch.setattr(os, "pwrite", pwrite)
     state = _state()
-    dcp_io.save(state, str(tmp_path / "ours"), no_dist=True)
+    dcp_io.save(state, str(tmp_path / "ours"), no_dist=True, pool=dcp_io.BouncePool(block=8192))
     _save_stock(state, str(tmp_path / "stock"))
     if getattr(os, "O_DIRECT", 0):
         assert direct[:2] == [0, 8192]
@@ -250,11 +246,11 @@ def test_dcp_debug_records_skipped_only_where_discarded(monkeypatch):
         return lg
 
     discarded = fresh(logging.NullHandler())
-    dcp_io._skip_discarded_dcp_records()
+    api.skip_discarded_dcp_records()
     assert discarded.level == logging.INFO
     seen = io.StringIO()
     watched = fresh(logging.StreamHandler(seen))
-    dcp_io._skip_discarded_dcp_records()
+    api.skip_discarded_dcp_records()
     assert watched.level == logging.DEBUG  # someone reads these records: they stay
     watched.debug("kept")
     assert "kept" in seen.getvalue()
@@ -293,7 +289,7 @@ def test_read_ahead_merges_adjacent_ranges_and_stays_a_window_ahead(monkeypatch)
 
     calls = []
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, how: calls.append((off, n)))
-    ahead = dcp_io._ReadAhead(-1, [Info(0, 10), Info(10, 5), Info(12, 1), Info(40, 8), Info(100, 0)], window=6)
+    ahead = dcp_io.reader.ReadAhead(-1, [Info(0, 10), Info(10, 5), Info(12, 1), Info(40, 8), Info(100, 0)], window=6)
     assert calls == [(0, 6)]  # the first run's first piece: the second starts a window beyond offset 0
     ahead.advance(4)
     assert calls[1:] == [(6, 6)]  # starts within 6 of 4; (12, 3) does not
@@ -368,3 +364,14 @@ def test_loads_and_saves_pause_the_garbage_collector(tmp_path, monkeypatch):
     worker.start()
     worker.join()
     assert inside == [True] and gc.isenabled()
+
+
+def test_write_fault_stops_the_named_directory_half_way(tmp_path):
+    """The test hook: a :class:`WriteFault` for one directory fails that save half-way (ENOSPC) and no other."""
+    fault = dcp_io.WriteFault("enospc", "ck")
+    with pytest.raises(dcp_io.CheckpointError, match="No space left on device"):
+        dcp_io.save(_state(), str(tmp_path / "ck"), no_dist=True, fault=fault)
+    assert not os.path.exists(tmp_path / "ck" / dcp_io.METADATA_FILE)
+    dcp_io.save(_state(), str(tmp_path / "other"), no_dist=True, fault=fault)
+    assert os.path.exists(tmp_path / "other" / dcp_io.METADATA_FILE)
+    assert not dcp_io.WriteFault("enospc", "ck", rank=1).applies(str(tmp_path / "ck"), 0)

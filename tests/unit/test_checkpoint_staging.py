@@ -121,7 +121,7 @@ def _model_tensors(iter_dir):
 def _tensor_items(iter_dir):
     """The stored bytes (a ``torch.save`` archive each) of every tensor item."""
     md = dcp_io.read_index(iter_dir)
-    return {(i.fqn, tuple(i.offset)): dcp_io._read_range(iter_dir, info, i.fqn)[0]
+    return {(i.fqn, tuple(i.offset)): dcp_io.read_range(iter_dir, info, i.fqn)[0]
             for i, info in md.storage_data.items() if i.offset is not None}
 
 
