@@ -3,7 +3,8 @@ layout and from the same seed: losses, final parameters and the checkpoint view 
 (``sharded_param_state``) agree to rtol 1e-6 over 10 Adam steps at DP 2 and DP 4, with TP 2 (+SP) and with PP 2
 (tied embedding split over two stages, 1F1B and interleaved); several buckets, overlapped gradient
 reduce-scatter and parameter all-gather included. Its optimizer state per rank is 1/DP of the plain one plus at
-most the bucket padding."""
+most the bucket padding. Against one process (gradients and parameters every iteration at DP 2):
+tests/distributed/test_dp_parity.py."""
 import torch
 
 from megatronish.arguments import configs_from_args, parse_args
