@@ -125,3 +125,69 @@ def cuda_profiler(start: bool) -> None:
 
 
 _nvtx = None
+
+
+# ---- facts for the environment report (megatronish.tools.env) and the device check ----------------------------
+def device_count() -> int:
+    """CUDA devices visible to this process (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def gpu_properties(index: int) -> dict:
+    """Name, total memory (bytes), compute capability and SM count of CUDA device ``index``."""
+    p = torch.cuda.get_device_properties(index)
+    return {"index": index, "name": p.name, "total_memory": int(p.total_memory),
+            "capability": f"{p.major}.{p.minor}", "multiprocessors": int(p.multi_processor_count)}
+
+
+def capability() -> tuple[int, int] | None:
+    """Compute capability of the current CUDA device, None on CPU."""
+    return torch.cuda.get_device_capability() if device_type() == "cuda" else None
+
+
+def accelerator_versions() -> dict:
+    """CUDA / ROCm runtime the torch build targets, NCCL and cuDNN versions (None where absent)."""
+    nccl = None
+    if torch.cuda.is_available():
+        try:
+            v = torch.cuda.nccl.version()
+            nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        except Exception:  # a build without NCCL
+            nccl = None
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return {"cuda": torch.version.cuda, "rocm": getattr(torch.version, "hip", None), "nccl": nccl,
+            "cudnn": cudnn}
+
+
+def sdpa_flags() -> dict:
+    """Which of SDPA's CUDA kernels PyTorch has enabled (flash, memory-efficient, cuDNN, math)."""
+    b = torch.backends.cuda
+    return {"flash": b.flash_sdp_enabled(), "efficient": b.mem_efficient_sdp_enabled(),
+            "cudnn": getattr(b, "cudnn_sdp_enabled", lambda: False)(), "math": b.math_sdp_enabled()}
+
+
+def bf16_supported() -> bool:
+    """bf16 tensor cores on the current CUDA device (True on CPU: the dtype runs there, slowly)."""
+    return torch.cuda.is_bf16_supported() if device_type() == "cuda" else True
+
+
+def pinned_memory_works() -> tuple[bool, str]:
+    """Whether page-locked host memory can be allocated here (the async-save staging buffers of CUDA tensors)."""
+    if not torch.cuda.is_available():
+        return False, "no CUDA device: staging buffers are plain host memory (MADV_DONTFORK mappings)"
+    try:
+        t = torch.empty(1024, pin_memory=True)
+        return bool(t.is_pinned()), "page-locked host buffers allocate"
+    except Exception as e:  # driver or container limits on locked memory
+        return False, f"pin_memory failed: {type(e).__name__}: {e}"
+
+
+def memory_info() -> tuple[int, int] | None:
+    """``(free, total)`` bytes of the current CUDA device, None on CPU."""
+    return torch.cuda.mem_get_info() if device_type() == "cuda" else None
+
+
+def max_memory_reserved() -> int:
+    """The CUDA caching allocator's peak reserved bytes since :func:`reset_peak_memory`."""
+    return torch.cuda.max_memory_reserved()
+

@@ -11,6 +11,7 @@ PKG = os.path.dirname(megatronish.__file__)
 
 # The floors, top to bottom (docs/architecture.md). A module may import from its own room or from a lower floor.
 FLOORS = {
+    "env": 7,  # entry: ``python -m megatronish.env`` (the report's logic is tools.env)
     "tools": 6,  # console entry points (the tools/*.py scripts' logic)
     "arguments": 5, "training": 5, "convert": 5, "testing": 5, "inference": 5,
     "checkpoint": 4, "optim": 4, "precision": 4,
