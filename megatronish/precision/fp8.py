@@ -358,16 +358,15 @@ def import_transformer_engine():
 
 
 def check_transformer_impl(transformer_impl: str) -> str:
-    """Validate ``--transformer-impl``. ``local`` is this package's layers (FP8 emulated when asked for).
-    ``transformer_engine`` raises: without TE/CUDA the import error, with them because the TE layer path
-    is not wired into the model yet (never a silent fallback to local)."""
+    """Validate ``--transformer-impl``. ``local`` is this package's layers (FP8 emulated when asked for);
+    ``transformer_engine`` runs the transformer layers' linears through TE (``precision/te_layers.py``) and
+    needs TE with CUDA: without them one ConfigError naming the flag (never a silent fallback to local)."""
     if transformer_impl == "local":
         return "local"
     if transformer_impl != "transformer_engine":
         raise ConfigError(f"--transformer-impl {transformer_impl!r}: choose local or transformer_engine")
     import_transformer_engine()
-    raise ConfigError("--transformer-impl transformer_engine: Transformer Engine is available, but its layers "
-                      "are not wired into this model yet; use --transformer-impl local")
+    return "transformer_engine"
 
 
 __all__ = ["Fp8Recipe", "Fp8Manager", "Fp8LinearState", "ScalingState", "enable_fp8", "disable_fp8",

@@ -261,7 +261,17 @@ def evaluate(run: TrainContext, state: TrainState, dataset=None) -> float:
 
 
 def _enable_fp8(models, model_cfg):
-    """``--fp8-format``: FP8 linears in every chunk's transformer layers, one manager over all of them."""
+    """``--fp8-format``: FP8 linears in every chunk's transformer layers, one manager over all of them.
+    ``--transformer-impl transformer_engine``: those linears run through Transformer Engine (FP8 or not)."""
+    if model_cfg.transformer_impl == "transformer_engine":
+        from ..precision.te_layers import TeManager, enable_te  # imports TE lazily
+
+        managers = [enable_te(m, model_cfg.fp8, model_cfg.fp8_recipe, margin=model_cfg.fp8_margin,
+                              amax_history_len=model_cfg.fp8_amax_history_len,
+                              amax_compute_algo=model_cfg.fp8_amax_compute_algo) for m in models]
+        first = managers[0]
+        return TeManager(first.recipe, {k: v for mg in managers for k, v in mg.linears.items()}, first.group,
+                         first.recipe_name)
     recipe = Fp8Recipe.from_config(model_cfg)
     if recipe is None:
         return None

@@ -1,0 +1,175 @@
+"""``--transformer-impl transformer_engine``: the linears of the transformer layers run through Transformer Engine.
+
+The model keeps its own parameters, names and :class:`~megatronish.parallel.init.TensorDesc` (so checkpoints stay
+layout- and implementation-independent): every column/row-parallel linear inside a transformer layer gets a hook
+(the same ``fp8`` hook the emulated FP8 uses: ``(x, weight, bias) -> x W^T + b``) that owns a
+``transformer_engine.pytorch.Linear`` of the layer's *local* shape whose ``weight`` is the layer's own parameter
+object. The TE module is kept out of the model's module tree, so ``model.parameters()`` and ``state_dict()`` are
+unchanged; tensor and sequence parallelism stay in our layers (the hook sees the gathered input and the local
+weight slice, as ``F.linear`` would). The bias is added outside TE.
+
+FP8 recipes (Megatron's ``--fp8-recipe`` names) map onto TE's ``transformer_engine.common.recipe``:
+
+- ``delayed``: ``DelayedScaling(margin, fp8_format, amax_history_len, amax_compute_algo)``;
+- ``tensorwise``: ``Float8CurrentScaling(fp8_format)`` (current scaling);
+- ``mxfp8``: ``MXFP8BlockScaling(E4M3)`` (where TE reports the GPU supports it);
+- no recipe: TE's GEMMs in the parameters' precision (bf16), no FP8.
+
+Each hooked call runs inside TE's autocast with the recipe and the amax-reduction group; a caller may wrap a whole
+forward in :meth:`TeManager.autocast` as well (TE nests autocasts: the outermost one reduces the amaxes).
+TE updates its scales itself, so :meth:`TeManager.update` does nothing; the delayed-scaling amax histories live in
+TE's modules and are not checkpointed (a resumed run starts them afresh).
+
+Nothing here imports Transformer Engine at module import: :func:`import_te` does, on demand, and turns a missing
+TE or CUDA into one :class:`~megatronish.errors.ConfigError` naming the flag.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .fp8 import import_transformer_engine
+
+__all__ = ["import_te", "te_recipe", "fp8_support", "mxfp8_support", "TeLinearHook", "TeManager", "enable_te"]
+
+RECIPES = ("delayed", "tensorwise", "mxfp8")
+
+
+def import_te():
+    """``transformer_engine.pytorch`` (a ConfigError naming ``--transformer-impl`` when TE or CUDA is missing)."""
+    return import_transformer_engine()
+
+
+def _recipe_module():
+    import transformer_engine.common.recipe as recipe  # GPU-only, lazy by design
+
+    return recipe
+
+
+def _state_manager():
+    """TE's ``FP8GlobalStateManager`` (``pytorch.quantization`` in newer TE, ``pytorch.fp8`` before)."""
+    try:
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+    except ImportError:
+        from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+    return FP8GlobalStateManager
+
+
+def fp8_support() -> tuple[bool, str]:
+    """TE's own answer: does this GPU run FP8 (delayed / current scaling), and if not why."""
+    import_te()
+    ok, why = _state_manager().is_fp8_available()
+    return bool(ok), "" if ok else str(why)
+
+
+def mxfp8_support() -> tuple[bool, str]:
+    """TE's own answer for MXFP8 block scaling (compute capability 10.0 and later)."""
+    import_te()
+    mgr = _state_manager()
+    if not hasattr(mgr, "is_mxfp8_available"):
+        return False, "this Transformer Engine has no MXFP8 recipe"
+    ok, why = mgr.is_mxfp8_available()
+    return bool(ok), "" if ok else str(why)
+
+
+def te_recipe(fp8_format: str | None, fp8_recipe: str = "delayed", *, margin: int = 0, amax_history_len: int = 1,
+              amax_compute_algo: str = "most_recent"):
+    """TE's recipe object for Megatron's flags (``--fp8-format``, ``--fp8-recipe``, ``--fp8-margin``,
+    ``--fp8-amax-history-len``, ``--fp8-amax-compute-algo``); None without ``--fp8-format`` (no FP8)."""
+    if fp8_format is None:
+        return None
+    if fp8_recipe not in RECIPES:
+        from ..errors import ConfigError
+
+        raise ConfigError(f"--fp8-recipe {fp8_recipe!r} with --transformer-impl transformer_engine: choose one of "
+                          f"{', '.join(RECIPES)}")
+    r = _recipe_module()
+    fmt = {"e4m3": r.Format.E4M3, "hybrid": r.Format.HYBRID}[fp8_format]
+    if fp8_recipe == "delayed":
+        return r.DelayedScaling(margin=margin, fp8_format=fmt, amax_history_len=amax_history_len,
+                                amax_compute_algo=amax_compute_algo)
+    if fp8_recipe == "tensorwise":
+        return r.Float8CurrentScaling(fp8_format=fmt)
+    return r.MXFP8BlockScaling(fp8_format=r.Format.E4M3)  # MXFP8 is E4M3 throughout
+
+
+def te_autocast(recipe, group=None):
+    """TE's autocast for ``recipe`` (None: FP8 off) and the amax-reduction ``group``: ``te.autocast`` where this TE
+    has it, else ``te.fp8_autocast``. Runs per linear call, after :func:`enable_te` checked the import."""
+    import transformer_engine.pytorch as te  # GPU-only, lazy by design
+    if hasattr(te, "autocast"):
+        return te.autocast(enabled=recipe is not None, recipe=recipe, amax_reduction_group=group)
+    return te.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe, fp8_group=group)
+
+
+class TeLinearHook:
+    """The hook of one of our linears: a TE ``Linear`` of the local shape ``[out, in]`` sharing ``weight``."""
+
+    def __init__(self, weight: torch.nn.Parameter, recipe=None, group=None, name: str = ""):
+        te = import_te()
+        out_features, in_features = weight.shape
+        # On the meta device TE allocates nothing; the layer's own parameter replaces the placeholder weight.
+        self.module = te.Linear(in_features, out_features, bias=False, params_dtype=weight.dtype, device="meta")
+        self.module.weight = weight
+        self.recipe, self.group, self.name = recipe, group, name
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if weight is not self.module.weight:  # a tied or re-created parameter: follow the layer
+            self.module.weight = weight
+        with te_autocast(self.recipe, self.group):
+            out = self.module(x)
+        return out if bias is None else out + bias
+
+
+class TeManager:
+    """The TE hooks of a model's linears (global name -> layer); duck-types the emulated FP8 manager."""
+
+    def __init__(self, recipe, linears: dict, group=None, recipe_name: str | None = None):
+        self.recipe, self.linears, self.group = recipe, linears, group
+        self.recipe_name = recipe_name
+
+    @contextlib.contextmanager
+    def autocast(self):
+        """One TE autocast around a whole forward (the amaxes are then reduced once, at its end)."""
+        with te_autocast(self.recipe, self.group):
+            yield
+
+    def update(self) -> None:
+        """TE updates its scales in its autocast; nothing to do at the end of a step."""
+
+    def state_dict(self) -> dict:
+        return {"recipe": {"transformer_impl": "transformer_engine", "fp8_recipe": self.recipe_name}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """The amax histories are TE's and start afresh on resume (see the module docstring)."""
+
+
+def _transformer_linears(model):
+    """``(global name, layer)`` of the column/row-parallel linears inside the model's transformer layers."""
+    from ..model.transformer import TransformerLayer
+    from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    global_name = getattr(model, "global_name", lambda n: n)
+    for prefix, module in model.named_modules():
+        if not isinstance(module, TransformerLayer):
+            continue
+        for sub, lin in module.named_modules():
+            if isinstance(lin, (ColumnParallelLinear, RowParallelLinear)):
+                yield global_name(f"{prefix}.{sub}.weight")[: -len(".weight")], lin
+
+
+def enable_te(model: torch.nn.Module, fp8_format: str | None = None, fp8_recipe: str = "delayed",
+              **recipe_kw) -> TeManager:
+    """Run the linears inside ``model``'s transformer layers through TE (FP8 with ``fp8_format``, else the
+    parameters' precision). The embedding and output layer stay ours, as in Megatron."""
+    recipe = te_recipe(fp8_format, fp8_recipe, **recipe_kw)
+    parallel = getattr(model, "parallel", None)
+    group = parallel.amax_reduction_group() if parallel is not None and recipe is not None else None
+    linears = {}
+    for name, lin in _transformer_linears(model):
+        lin.fp8 = TeLinearHook(lin.weight, recipe, group, name)
+        linears[name] = lin
+    if not linears:
+        raise ValueError("enable_te: the model has no parallel linear layers inside transformer layers")
+    return TeManager(recipe, linears, group, fp8_recipe if fp8_format else None)

@@ -1,0 +1,163 @@
+"""``--transformer-impl transformer_engine`` without a GPU: the flag's one-line error, nothing imported from
+Transformer Engine at import time, and the wiring of ``precision/te_layers.py`` against a stand-in
+``transformer_engine`` package injected into ``sys.modules``. The stand-in follows TE's documented API
+(``pytorch.Linear(in, out, bias=, params_dtype=, device=)`` reading ``self.weight``, ``pytorch.autocast``,
+``common.recipe.DelayedScaling`` / ``Float8CurrentScaling`` / ``MXFP8BlockScaling``, ``Format``) and computes a
+plain ``F.linear``, so what is checked is our side: names, parameters and gradients unchanged, the recipe mapped
+from Megatron's flags, autocast entered per call. TE's own numerics are checked on a GPU (scripts/device_check.sh)."""
+import contextlib
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatronish.config import llama
+from megatronish.errors import ConfigError
+from megatronish.model.build import build_model_chunks
+from megatronish.parallel.context import ParallelContext
+from megatronish.parallel.random import set_random_seed
+from megatronish.precision.fp8 import check_transformer_impl
+
+
+def test_transformer_engine_flag_is_one_clear_error_without_cuda():
+    with pytest.raises(ConfigError) as e:
+        check_transformer_impl("transformer_engine")
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith("--transformer-impl transformer_engine needs Transformer Engine with CUDA")
+    assert "--transformer-impl local" in msg
+    assert check_transformer_impl("local") == "local"
+
+
+def test_no_transformer_engine_import_at_module_import():
+    code = ("import sys, megatronish.precision.te_layers, megatronish.tools.env, megatronish.tools.device_check, "
+            "megatronish.training.pretrain; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('transformer_engine', 'apex', 'flash_attn')]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---- a stand-in transformer_engine ---------------------------------------------------------------------------
+class _Recipe:
+    def __init__(self, **kw):
+        self.kw = kw
+
+
+def _fake_te(calls):
+    class Linear(torch.nn.Module):
+        def __init__(self, in_features, out_features, bias=True, params_dtype=None, device=None):
+            super().__init__()
+            assert device == "meta" and bias is False
+            self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=params_dtype, device=device))
+
+        def forward(self, x):
+            calls.append(("linear", tuple(self.weight.shape)))
+            return F.linear(x, self.weight)
+
+    @contextlib.contextmanager
+    def autocast(enabled=True, calibrating=False, recipe=None, amax_reduction_group=None):
+        calls.append(("autocast", enabled, recipe, amax_reduction_group))
+        yield
+
+    te = types.ModuleType("transformer_engine")
+    pt = types.ModuleType("transformer_engine.pytorch")
+    pt.Linear, pt.autocast = Linear, autocast
+    common = types.ModuleType("transformer_engine.common")
+    recipe = types.ModuleType("transformer_engine.common.recipe")
+    recipe.Format = types.SimpleNamespace(E4M3="E4M3", HYBRID="HYBRID")
+    for name in ("DelayedScaling", "Float8CurrentScaling", "MXFP8BlockScaling"):
+        setattr(recipe, name, type(name, (_Recipe,), {}))
+    te.pytorch, te.common, common.recipe = pt, common, recipe
+    return {"transformer_engine": te, "transformer_engine.pytorch": pt, "transformer_engine.common": common,
+            "transformer_engine.common.recipe": recipe}
+
+
+@pytest.fixture
+def fake_te(monkeypatch):
+    from megatronish import device
+
+    calls = []
+    for name, mod in _fake_te(calls).items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(device, "cuda_available", lambda: True)  # TE's import check asks for CUDA
+    return calls
+
+
+def _model():
+    cfg = llama(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
+                vocab_size=64, seq_length=8, max_position_embeddings=8)
+    set_random_seed(3, 0, 0)
+    (m,) = build_model_chunks(cfg, ParallelContext.single(), device="cpu")
+    m.init_parameters(3)
+    return m
+
+
+def _loss_and_grads(m, autocast=None):
+    ids = torch.arange(16).view(2, 8) % 64
+    with autocast() if autocast else contextlib.nullcontext():
+        loss = m(ids, labels=(ids + 1) % 64).mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+
+def test_te_layers_keep_names_parameters_and_gradients(fake_te, monkeypatch):
+    from megatronish.precision import te_layers
+
+    ref = _model()
+    want_loss, want_grads = _loss_and_grads(ref)
+    m = _model()
+    names = {n: (tuple(p.shape), p.desc) for n, p in m.named_parameters()}
+    params = dict(m.named_parameters())
+    with monkeypatch.context() as cuda:  # TE's import check sees CUDA; the model itself runs on CPU
+        cuda.setenv("MEGATRONISH_DEVICE", "cuda")
+        mgr = te_layers.enable_te(m, "hybrid", "delayed", margin=1, amax_history_len=16, amax_compute_algo="max")
+    # 2 layers x (qkv, proj, fc1, fc2), global names; the TE modules are outside the model's tree
+    assert sorted(mgr.linears) == sorted(f"decoder.layers.{i}.{s}" for i in range(2) for s in (
+        "self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"))
+    assert {n: (tuple(p.shape), p.desc) for n, p in m.named_parameters()} == names
+    assert not any(type(x).__name__ == "Linear" and x.__module__ == __name__ for x in m.modules())
+    for name, lin in mgr.linears.items():
+        assert lin.fp8.module.weight is params[f"{name}.weight"] is lin.weight
+    r = mgr.recipe
+    assert type(r).__name__ == "DelayedScaling"
+    assert r.kw == dict(margin=1, fp8_format="HYBRID", amax_history_len=16, amax_compute_algo="max")
+    loss, grads = _loss_and_grads(m, mgr.autocast)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
+    for n, g in want_grads.items():
+        torch.testing.assert_close(grads[n], g, rtol=1e-5, atol=1e-7, msg=n)
+    linear_calls = [c for c in fake_te if c[0] == "linear"]
+    assert len(linear_calls) == 8  # every linear of both layers ran through TE
+    autocasts = [c for c in fake_te if c[0] == "autocast"]
+    assert len(autocasts) == 9 and all(c[1] is True and c[2] is r for c in autocasts)  # the whole forward + each call
+    assert mgr.state_dict()["recipe"]["fp8_recipe"] == "delayed"
+
+
+def test_te_recipes_map_megatron_flags(fake_te, monkeypatch):
+    from megatronish.precision import te_layers
+
+    monkeypatch.setenv("MEGATRONISH_DEVICE", "cuda")
+    assert te_layers.te_recipe(None) is None  # no --fp8-format: TE's GEMMs in the parameters' dtype
+    cur = te_layers.te_recipe("e4m3", "tensorwise")
+    assert type(cur).__name__ == "Float8CurrentScaling" and cur.kw == {"fp8_format": "E4M3"}
+    mx = te_layers.te_recipe("hybrid", "mxfp8")
+    assert type(mx).__name__ == "MXFP8BlockScaling" and mx.kw == {"fp8_format": "E4M3"}
+    with pytest.raises(ConfigError, match="--fp8-recipe 'blockwise' with --transformer-impl transformer_engine"):
+        te_layers.te_recipe("hybrid", "blockwise")
+
+
+def test_pretrain_uses_te_layers_for_the_flag(fake_te, monkeypatch):
+    import dataclasses
+
+    from megatronish.training.pretrain import _enable_fp8
+
+    m = _model()
+    cfg = dataclasses.replace(m.config, transformer_impl="transformer_engine")
+    with monkeypatch.context() as cuda:
+        cuda.setenv("MEGATRONISH_DEVICE", "cuda")
+        mgr = _enable_fp8([m], cfg)  # no --fp8-format: TE layers in the parameters' precision
+    assert type(mgr).__name__ == "TeManager" and mgr.recipe is None and len(mgr.linears) == 8
+    _loss_and_grads(m)
+    assert [c for c in fake_te if c[0] == "autocast"][0][1] is False
