@@ -22,6 +22,14 @@ def _slurm_skip_reason():
 def pytest_collection_modifyitems(config, items):
     import pytest
 
+    gpu = [item for item in items if "gpu" in item.keywords]
+    if gpu:
+        from megatronish import device
+
+        if not device.cuda_available():
+            for item in gpu:
+                item.add_marker(pytest.mark.skip(reason="gpu test skipped: no CUDA device here "
+                                                        "(scripts/device_check.sh runs these on a GPU)"))
     slurm = [item for item in items if "slurm" in item.keywords]
     reason = _slurm_skip_reason() if slurm else None
     if reason:
