@@ -15,12 +15,10 @@
         [--corpus-repeat 64]
 """
 import argparse
-import importlib.util
 import json
 import multiprocessing
 import os
 import resource
-import sys
 import tempfile
 import time
 import warnings
@@ -28,13 +26,12 @@ import warnings
 import numpy as np
 
 from megatronish.data import build_gpt_datasets, helpers
+from megatronish.data.preprocess import inputs
+from megatronish.data.preprocess.encoder import Encoder, make_tokenizer
 from megatronish.data.tokenizers import build_tokenizer, gpt2_files
+from megatronish.tools import preprocess_data
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# tools/preprocess_data.py is a script of this checkout, not a module of the package: load it from its file.
-_spec = importlib.util.spec_from_file_location("preprocess_data", os.path.join(REPO, "tools", "preprocess_data.py"))
-preprocess_data = sys.modules["preprocess_data"] = importlib.util.module_from_spec(_spec)  # workers unpickle by name
-_spec.loader.exec_module(preprocess_data)
 
 CORPUS = os.path.join(REPO, "examples", "corpus", "python_docs.jsonl")
 _TOK = None
@@ -78,7 +75,7 @@ def bench_preprocess(workers_list, out_dir, repeat=3, corpus_repeat=64):
     for line in lines * corpus_repeat:
         chunk.append(json.loads(line)["text"])
         size += len(line.encode("utf-8"))
-        if size >= preprocess_data.CHUNK_BYTES:
+        if size >= inputs.CHUNK_BYTES:
             _CHUNKS.append(chunk)
             chunk, size = [], 0
     _CHUNKS.append(chunk)
@@ -125,9 +122,9 @@ def preprocess_breakdown(corpus, vocab, merges, repeat=3):
     argv = ["--input", corpus, "--output-prefix", corpus, "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
             vocab, "--merge-file", merges, "--append-eod", "--workers", "1"]
     args = preprocess_data.get_parser().parse_args(argv)
-    encoder = preprocess_data.Encoder(args)
+    encoder = Encoder(args)
     encoder.initializer()
-    tasks = list(preprocess_data.iter_tasks(preprocess_data.plan_segments([corpus], 1)[0]))
+    tasks = list(inputs.iter_tasks(inputs.plan_segments([corpus], 1)[0]))
     datas = [encoder.read(t) for t in tasks]
     docs = []
     for data in datas:
@@ -135,9 +132,9 @@ def preprocess_breakdown(corpus, vocab, merges, repeat=3):
         for line in data.split(b"\n")[:-1]:
             encoder._parse(line, part)
         docs.append([d["text"] for d in part])
-    tok = preprocess_data.Encoder.tokenizer
+    tok = Encoder.tokenizer
     t = {
-        "tokenizer build": best_of(lambda: preprocess_data.make_tokenizer(args), repeat),
+        "tokenizer build": best_of(lambda: make_tokenizer(args), repeat),
         "read + split lines": best_of(lambda: [encoder.read(x).split(b"\n") for x in tasks], repeat),
         "JSON + checks": best_of(lambda: [encoder._parse(line, []) for d in datas for line in d.split(b"\n")[:-1]],
                                  repeat),

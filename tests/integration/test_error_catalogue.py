@@ -5,7 +5,6 @@ The cases run each entry point's ``main`` in a forked child of this process (tor
 starts in milliseconds), a few at a time, with a 60 s limit each. A few cases run under torchrun with two ranks:
 the line is printed once for the job, and the job ends in seconds.
 """
-import importlib.util
 import json
 import os
 import shutil
@@ -91,12 +90,8 @@ def _run_child(entry, argv, out_path):
 
 
 def _entries():
-    from megatronish.tools import convert_checkpoint, inspect_checkpoint, merge_datasets, pretrain_gpt
+    from megatronish.tools import convert_checkpoint, inspect_checkpoint, merge_datasets, preprocess_data, pretrain_gpt
 
-    spec = importlib.util.spec_from_file_location("preprocess_data", os.path.join(ROOT, "tools", "preprocess_data.py"))
-    preprocess_data = sys.modules.setdefault("preprocess_data", importlib.util.module_from_spec(spec))
-    if not hasattr(preprocess_data, "main"):
-        spec.loader.exec_module(preprocess_data)
     return {"pretrain": pretrain_gpt.main, "preprocess": preprocess_data.main, "merge": merge_datasets.main,
             "convert": convert_checkpoint.main, "inspect": inspect_checkpoint.main}
 

@@ -104,8 +104,7 @@ def prepare(root):
     samples in order: ``(hf, our checkpoint, data prefix, samples)``."""
     import transformers
 
-    from megatronish.tools import convert_checkpoint
-    from preprocess_tool import load as load_preprocess
+    from megatronish.tools import convert_checkpoint, preprocess_data
 
     transformers.logging.set_verbosity_error()
     cfg = transformers.Qwen3MoeConfig(vocab_size=50257, hidden_size=64, intermediate_size=160,
@@ -121,9 +120,9 @@ def prepare(root):
     with open(os.path.join(ROOT, "examples", "corpus", "python_docs.jsonl")) as src:
         (root / "c.jsonl").write_text("".join(next(src) for _ in range(400)))
     vocab, merges = gpt2_files()
-    load_preprocess().main(["--input", str(root / "c.jsonl"), "--output-prefix", str(root / "c"),
-                            "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges,
-                            "--append-eod", "--workers", "1"])
+    preprocess_data.main(["--input", str(root / "c.jsonl"), "--output-prefix", str(root / "c"),
+                          "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges,
+                          "--append-eod", "--workers", "1"])
     prefix, ours = str(root / "c_text_document"), str(root / "ours")
     train = build_file_datasets(configs_from_args(parse_args(_argv(ours, prefix, "allgather", [])), 1))[0]
     return hf, ours, prefix, [train[i] for i in range(ITERS * GBS)]

@@ -9,14 +9,15 @@ import time
 import numpy as np
 import pytest
 
-import preprocess_tool
 import tokenizer_files as tf
 from megatronish.data.indexed_dataset import IndexedDataset
+from megatronish.data.preprocess import encoder, inputs, pipeline
+from megatronish.data.preprocess import workers as preprocess_workers
 from megatronish.data.tokenizers import TokenizerError, build_tokenizer
 from megatronish.testing import subprocess_env
+from megatronish.tools import preprocess_data
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-preprocess_data = preprocess_tool.load()
 
 NULL_TEXTS = ["1 2 3", "999 0 5 5", "7"]
 
@@ -170,7 +171,7 @@ def test_workers_and_partitions_give_identical_bytes(tmp_path):
 
 def test_sentence_split_keeps_text():
     text = "First one. Second one! Third?  Fourth\n\nNew para. end"
-    parts = preprocess_data.split_sentences(text, keep_newlines=True)
+    parts = encoder.split_sentences(text, keep_newlines=True)
     assert parts == ["First one. ", "Second one! ", "Third?  ", "Fourth\n\n", "New para. end"]
 
 
@@ -220,9 +221,9 @@ def test_interrupted_run_leaves_no_valid_index(tmp_path, monkeypatch):
     # a stale, valid dataset from an earlier run at the same prefix
     assert run_tool("--input", src, "--output-prefix", prefix, "--tokenizer-type", "NullTokenizer",
                     "--vocab-size", 10, "--workers", 1) == 0
-    monkeypatch.setattr(preprocess_data, "CHUNK_BYTES", 1024)  # many chunks
+    monkeypatch.setattr(inputs, "CHUNK_BYTES", 1024)  # many chunks
     calls = {"n": 0}
-    real = preprocess_data._Progress.update
+    real = pipeline.Progress.update
 
     def interrupted(self, *a):  # Ctrl-C while the main process appends the second chunk's results
         calls["n"] += 1
@@ -230,7 +231,7 @@ def test_interrupted_run_leaves_no_valid_index(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real(self, *a)
 
-    monkeypatch.setattr(preprocess_data._Progress, "update", interrupted)
+    monkeypatch.setattr(pipeline.Progress, "update", interrupted)
     assert run_tool("--input", src, "--output-prefix", prefix, "--tokenizer-type", "NullTokenizer",
                     "--vocab-size", 10, "--workers", 1) == 130
     assert calls["n"] == 2
@@ -245,15 +246,15 @@ def test_worker_failures_stop_the_run_cleanly(tmp_path, capsys, monkeypatch, wor
     src = tmp_path / "in.jsonl"
     write_jsonl(src, ["1 2 3"] * 600)
     prefix = tmp_path / "out"
-    monkeypatch.setattr(preprocess_data, "CHUNK_BYTES", 1024)  # many tasks, spread over the workers
-    real_read = preprocess_data.Encoder.read
+    monkeypatch.setattr(inputs, "CHUNK_BYTES", 1024)  # many tasks, spread over the workers
+    real_read = encoder.Encoder.read
 
     def changed(task):  # the third task's bytes come up short, as for a file truncated while it is read
         if task.start >= 2048 and task.data is None:
-            raise preprocess_data.PreprocessError(f"--input file '{task.path}' changed while it was read")
+            raise inputs.PreprocessError(f"--input file '{task.path}' changed while it was read")
         return real_read(task)
 
-    monkeypatch.setattr(preprocess_data.Encoder, "read", staticmethod(changed))
+    monkeypatch.setattr(encoder.Encoder, "read", staticmethod(changed))
     rc = run_tool("--input", src, "--output-prefix", prefix, "--tokenizer-type", "NullTokenizer",
                   "--vocab-size", 10, "--workers", workers)
     assert rc == 2 and f"--input file '{src}' changed while it was read" in capsys.readouterr().err
@@ -262,8 +263,8 @@ def test_worker_failures_stop_the_run_cleanly(tmp_path, capsys, monkeypatch, wor
     def dies(self, out, columns):
         os._exit(3)
 
-    monkeypatch.setattr(preprocess_data.Encoder, "read", staticmethod(real_read))
-    monkeypatch.setattr(preprocess_data.Encoder, "tokenize_task", dies)
+    monkeypatch.setattr(encoder.Encoder, "read", staticmethod(real_read))
+    monkeypatch.setattr(encoder.Encoder, "tokenize_task", dies)
     rc = run_tool("--input", src, "--output-prefix", prefix, "--tokenizer-type", "NullTokenizer",
                   "--vocab-size", 10, "--workers", workers)
     assert rc == 2 and "a tokenizer worker process died (exit code 3)" in capsys.readouterr().err
@@ -280,12 +281,12 @@ def test_a_slow_worker_gets_fewer_chunks(tmp_path, monkeypatch):
     src = tmp_path / "in.jsonl"
     write_jsonl(src, [" ".join(str(j % 7) for j in range(i % 13 + 1)) for i in range(1200)])
     null = ["--tokenizer-type", "NullTokenizer", "--vocab-size", 10, "--append-eod"]
-    monkeypatch.setattr(preprocess_data, "CHUNK_BYTES", 512)
+    monkeypatch.setattr(inputs, "CHUNK_BYTES", 512)
     assert run_tool("--input", src, "--output-prefix", tmp_path / "one", *null, "--workers", 1) == 0
     order = multiprocessing.Value("i", 0)  # which worker started first: that one is slow
-    real_main, real_tokenize = preprocess_data._worker_main, preprocess_data.Encoder.tokenize_task
+    real_main, real_tokenize = preprocess_workers.worker_main, encoder.Encoder.tokenize_task
 
-    def worker_main(encoder, tasks_in, results_out):
+    def worker_main(enc, tasks_in, results_out):
         with order.get_lock():
             slow, order.value = order.value == 0, order.value + 1
 
@@ -294,13 +295,13 @@ def test_a_slow_worker_gets_fewer_chunks(tmp_path, monkeypatch):
                 time.sleep(0.04)
             return {**real_tokenize(self, out, columns), "pid": os.getpid()}
 
-        preprocess_data.Encoder.tokenize_task = tokenize
-        real_main(encoder, tasks_in, results_out)
+        encoder.Encoder.tokenize_task = tokenize
+        real_main(enc, tasks_in, results_out)
 
     pids = []
-    real_receive = preprocess_data._Workers.receive
-    monkeypatch.setattr(preprocess_data, "_worker_main", worker_main)
-    monkeypatch.setattr(preprocess_data._Workers, "receive", lambda self, i: (res := real_receive(self, i),
+    real_receive = preprocess_workers.Workers.receive
+    monkeypatch.setattr(preprocess_workers, "worker_main", worker_main)
+    monkeypatch.setattr(preprocess_workers.Workers, "receive", lambda self, i: (res := real_receive(self, i),
                                                                                pids.append(res["pid"]))[0])
     assert run_tool("--input", src, "--output-prefix", tmp_path / "two", *null, "--workers", 2) == 0
     counts = sorted(pids.count(p) for p in set(pids))
@@ -318,14 +319,14 @@ def test_worker_pipes_hold_a_whole_result():
     import multiprocessing
 
     with open("/proc/sys/fs/pipe-max-size") as f:
-        want = min(preprocess_data.PIPE_BYTES, int(f.read()))
-    assert preprocess_data.PIPE_BYTES >= 4 * preprocess_data.CHUNK_BYTES
-    workers = preprocess_data._Workers(preprocess_data.Encoder(None), 2)
+        want = min(preprocess_workers.PIPE_BYTES, int(f.read()))
+    assert preprocess_workers.PIPE_BYTES >= 4 * inputs.CHUNK_BYTES
+    pool = preprocess_workers.Workers(encoder.Encoder(None), 2)
     try:
-        for conn in workers.tasks + workers.results:
+        for conn in pool.tasks + pool.results:
             assert fcntl.fcntl(conn.fileno(), fcntl.F_GETPIPE_SZ) == want
     finally:
-        workers.close(finished=True)
+        pool.close(finished=True)
     r, w = multiprocessing.Pipe(duplex=False)
     assert fcntl.fcntl(w.fileno(), fcntl.F_GETPIPE_SZ) < want  # not the default
     r.close()
@@ -338,10 +339,10 @@ def test_main_process_parsing_gives_the_same_files(tmp_path, capsys, monkeypatch
     gpt2 = ["--tokenizer-type", "GPT2BPETokenizer"] + next(c[2] for c in tok_dir[1] if c[0] == "GPT2BPETokenizer")
     src = tmp_path / "in.jsonl"
     write_jsonl(src, [t for _ in range(40) for t in tf.TEXTS])
-    monkeypatch.setattr(preprocess_data, "CHUNK_BYTES", 700)
+    monkeypatch.setattr(inputs, "CHUNK_BYTES", 700)
     files = {}
     for where in ("main", "workers"):
-        monkeypatch.setattr(preprocess_data, "_main_parses", lambda *a, where=where: where == "main")
+        monkeypatch.setattr(pipeline, "_main_parses", lambda *a, where=where: where == "main")
         prefix = tmp_path / where
         assert run_tool("--input", src, "--output-prefix", prefix, *gpt2, "--append-eod",
                         "--workers", 2) == 0
@@ -352,7 +353,7 @@ def test_main_process_parsing_gives_the_same_files(tmp_path, capsys, monkeypatch
     capsys.readouterr()
     errors = {}
     for where in ("main", "workers"):
-        monkeypatch.setattr(preprocess_data, "_main_parses", lambda *a, where=where: where == "main")
+        monkeypatch.setattr(pipeline, "_main_parses", lambda *a, where=where: where == "main")
         assert run_tool("--input", bad, "--output-prefix", tmp_path / "bad", *gpt2, "--workers", 2) == 2
         errors[where] = capsys.readouterr().err
     assert errors["main"] == errors["workers"] and f"{bad}:{40 * len(tf.TEXTS) + 1}: invalid JSON" in errors["main"]
@@ -373,15 +374,15 @@ def test_fast_json_parser_agrees_with_json(monkeypatch, split):
     including those only json accepts (NaN, lone surrogates) and those where orjson reads another value (a
     30-digit integer: json's int, orjson's float)."""
     pytest.importorskip("orjson")
-    assert preprocess_data._FAST_LOADS is not None
+    assert encoder._FAST_LOADS is not None
     args = preprocess_data.get_parser().parse_args(["--input", "x", "--output-prefix", "y", "--tokenizer-type",
                                                     "NullTokenizer", "--vocab-size", "10", "--workers", "1"]
                                                    + (["--split-sentences"] if split else []))
-    enc = preprocess_data.Encoder(args)
+    enc = encoder.Encoder(args)
     raw = [line.encode("utf-8") if isinstance(line, str) else line for line in ODD_LINES]  # as parse_task has them
     fast = [(enc._parse(line, docs := []), docs) for line in ODD_LINES]
     fast_raw = [(enc._parse(line, docs := []), docs) for line in raw]
-    monkeypatch.setattr(preprocess_data, "_FAST_LOADS", None)
+    monkeypatch.setattr(encoder, "_FAST_LOADS", None)
     plain = [(enc._parse(line, docs := []), docs) for line in ODD_LINES]
     plain_raw = [(enc._parse(line, docs := []), docs) for line in raw]
     assert fast == plain and fast_raw == plain and plain_raw == plain  # a line's bytes parse as its text does

@@ -7,12 +7,11 @@ import os
 import numpy as np
 import pytest
 
-import preprocess_tool
 import tokenizer_files as tf
 from megatronish.data.indexed_dataset import IndexedDataset
+from megatronish.data.preprocess import encoder, inputs
 from megatronish.data.tokenizers import build_tokenizer
-
-preprocess_data = preprocess_tool.load()
+from megatronish.tools import preprocess_data
 
 RUNS = [(1, 1), (2, 1), (3, 1), (2, 2), (3, 3)]  # (--workers, --partitions)
 
@@ -49,25 +48,25 @@ def outputs(prefix, keys, level):
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    monkeypatch.setattr(preprocess_data, "CHUNK_BYTES", 37)
+    monkeypatch.setattr(inputs, "CHUNK_BYTES", 37)
 
 
 def test_segments_and_tasks_cut_at_line_starts(tmp_path, small_chunks):
     pattern, _ = make_inputs(tmp_path)
-    files = preprocess_data.expand_inputs(pattern)
+    files = inputs.expand_inputs(pattern)
     for n in range(1, 7):
-        parts = preprocess_data.plan_segments(files, n)
+        parts = inputs.plan_segments(files, n)
         assert len(parts) == n
         covered = {f: [] for f in files}
         for segs in parts:
-            tasks = list(preprocess_data.iter_tasks(segs))
+            tasks = list(inputs.iter_tasks(segs))
             assert [(t.path, t.start) for t in tasks] == sorted((t.path, t.start) for t in tasks)
             for t in tasks:
                 data = open(t.path, "rb").read()
                 assert t.start == 0 or data[t.start - 1:t.start] == b"\n"  # starts a line
                 assert t.stop == len(data) or data[t.stop - 1:t.stop] == b"\n"  # ends one
                 covered[t.path].append((t.start, t.stop))
-            assert preprocess_data._segment_bytes(segs) == sum(t.stop - t.start for t in tasks)
+            assert inputs.segment_bytes(segs) == sum(t.stop - t.start for t in tasks)
         for f, ranges in covered.items():  # every byte once, in order
             assert [a for a, _ in ranges] == [0] + [b for _, b in ranges[:-1]] if ranges else os.path.getsize(f) == 0
             assert (ranges[-1][1] if ranges else 0) == os.path.getsize(f)
@@ -91,7 +90,7 @@ def test_output_identical_for_every_worker_and_partition_count(tmp_path, small_c
         di = ds.document_indices
         assert len(di) == len(texts) + 1
         for k, text in enumerate(texts):
-            sentences = preprocess_data.split_sentences(text, False) if split else [text]
+            sentences = encoder.split_sentences(text, False) if split else [text]
             want = [tok.tokenize(s) for s in sentences if tok.tokenize(s)]
             want[-1] = want[-1] + [tok.eod]
             assert [ds[j].tolist() for j in range(di[k], di[k + 1])] == want
@@ -171,7 +170,7 @@ def test_decoded_task_parses_like_each_lines_bytes(tmp_path):
     args = preprocess_data.get_parser().parse_args(
         ["--input", "x", "--output-prefix", "x", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
          "--workers", "1", "--skip-bad-lines"])
-    enc = preprocess_data.Encoder(args)
+    enc = encoder.Encoder(args)
     lines = [b'\xef\xbb\xbf{"text": "bom"}', '{"text": "utf16"}'.encode("utf-16-le"), "\u00a0\u2028".encode(),
              b'{"text": "a\x00b"}', b'\x00{"text": 1}', b'{"text": "crlf"}\r', b'["list"]', b'{"text": "ok"}']
     for invalid_utf8 in ([], [b'{"text": "bad \xff"}', '{"text": "bom16"}'.encode("utf-16")]):
@@ -179,7 +178,7 @@ def test_decoded_task_parses_like_each_lines_bytes(tmp_path):
         data = b"\n".join(chosen) + b"\n"
         path = tmp_path / "t.jsonl"
         path.write_bytes(data)
-        out, docs = enc.parse_task(preprocess_data.Task(str(path), 0, len(data), None))
+        out, docs = enc.parse_task(inputs.Task(str(path), 0, len(data), None))
         expected_docs, expected_bad = [], []
         for i, line in enumerate(chosen):
             msg = enc._parse(line, expected_docs)

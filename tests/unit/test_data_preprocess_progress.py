@@ -3,9 +3,8 @@ import io
 import os
 import sys
 
-import preprocess_tool
-
-preprocess_data = preprocess_tool.load()
+from megatronish.data.preprocess import inputs, pipeline
+from megatronish.tools import preprocess_data
 
 
 class _Terminal(io.StringIO):
@@ -17,7 +16,7 @@ def test_bar_on_a_terminal(monkeypatch):
     err = _Terminal()
     monkeypatch.setattr(sys, "stderr", err)
     monkeypatch.setenv("COLUMNS", "100")
-    p = preprocess_data._Progress(1, "", total_bytes=4096)
+    p = pipeline.Progress(1, "", total_bytes=4096)
     for _ in range(4):
         p.update(2, 10, 1024)
     p.report(final=True)
@@ -29,7 +28,7 @@ def test_bar_on_a_terminal(monkeypatch):
 def test_log_lines_without_a_terminal(monkeypatch):
     err = io.StringIO()
     monkeypatch.setattr(sys, "stderr", err)
-    p = preprocess_data._Progress(3, "[partition 1] ")
+    p = pipeline.Progress(3, "[partition 1] ")
     for _ in range(7):
         p.update(1, 5, 100)
     p.report(final=True)
@@ -44,16 +43,16 @@ def test_bar_counts_the_input_bytes_with_small_chunks(tmp_path, monkeypatch):
         (tmp_path / f"{i}.jsonl").write_bytes((sep.join(f'{{"text": "{k} {i}"}}' for k in range(40)) + end).encode())
     total = sum(os.path.getsize(tmp_path / f"{i}.jsonl") for i in range(3))
     monkeypatch.setattr(sys, "stderr", _Terminal())
-    monkeypatch.setattr(preprocess_data, "CHUNK_BYTES", 50)
+    monkeypatch.setattr(inputs, "CHUNK_BYTES", 50)
     seen = []
-    real = preprocess_data._Progress.report
+    real = pipeline.Progress.report
 
     def report(self, final=False):
         if final:
             seen.append((self.bar.n, self.bar.total, self.bytes, self.docs))
         return real(self, final)
 
-    monkeypatch.setattr(preprocess_data._Progress, "report", report)
+    monkeypatch.setattr(pipeline.Progress, "report", report)
     assert preprocess_data.main(["--input", str(tmp_path / "*.jsonl"), "--output-prefix", str(tmp_path / "o"),
                                  "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--workers", "2"]) == 0
     assert seen == [(total, total, total, 120)]
