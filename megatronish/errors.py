@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import sys
 
 __all__ = ["UserError", "ConfigError", "CheckpointError", "TokenizerError", "BlendError", "IndexedDatasetError",
@@ -82,6 +83,8 @@ class CommandLineParser(argparse.ArgumentParser):
         return super().parse_known_args(args, namespace)
 
     def error(self, message: str):
+        if os.environ.get("LOCAL_RANK", "0") != "0":  # every process of a node parsed the same line: one says it
+            self.exit(EXIT_USER_ERROR)
         self.exit(EXIT_USER_ERROR, f"error: {message}{self.closest_flags()}\n"
                                    "(run with --help for the list of flags)\n")
 

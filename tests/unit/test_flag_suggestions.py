@@ -63,3 +63,17 @@ def test_entry_points_use_the_common_parser(path):
     bare = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
             and n.func.attr == "ArgumentParser"]
     assert not bare, f"{path}:{bare}: use megatronish.errors.CommandLineParser"
+
+
+def test_one_line_per_node_under_a_launcher(capsys, monkeypatch):
+    """Under a launcher every process of a node parses the same command line: local rank 0 prints the line, the
+    others exit with the same status silently."""
+    p = CommandLineParser(prog="x", allow_abbrev=False)
+    p.add_argument("--hidden-size")
+    for local_rank, printed in (("1", []), ("0", ["error: unrecognized arguments: --hiden-size=3; did you mean "
+                                                  "--hidden-size?"])):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        with pytest.raises(SystemExit) as e:
+            p.parse_args(["--hiden-size=3"])
+        assert e.value.code == 2
+        assert [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")] == printed
