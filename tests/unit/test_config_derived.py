@@ -192,8 +192,10 @@ def test_tokenizer_built_once(monkeypatch):
     cfg = cfg_of()
     assert cfg.model.vocab_size == cfg.data.tokenizer.vocab_size == 101  # NullTokenizer: N + eod
     assert cfg.data.tokenizer is cfg.data.tokenizer and len(calls) == 1
-    # the data pipeline takes the run's tokenizer; nothing else in the package builds one
-    assert modules_matching(r"build_tokenizer\(") == {"config.py", "data/tokenizers.py"}
+    # the data pipeline takes the run's tokenizer; nothing else in the package builds one (but the preprocessing
+    # tool, which has no run)
+    assert modules_matching(r"build_tokenizer\(") == {"config.py", "data/tokenizers/__init__.py",
+                                                      "data/preprocess/encoder.py"}
     # never serialized into a checkpoint's config, and the saved config is plain JSON
     saved = jsonable(cfg)
     assert "tokenizer" not in saved["data"] and json.loads(json.dumps(saved)) == saved
