@@ -34,6 +34,8 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from ..errors import CommandLineParser
+
 STEPS = ("env", "gpu_tests", "te_fp8", "mfu", "kernels", "generation")
 # Seconds per step on a GPU (together 8 minutes) and in the CPU rehearsal.
 BUDGET_GPU = {"env": 30, "gpu_tests": 120, "te_fp8": 90, "mfu": 150, "kernels": 45, "generation": 45}
@@ -554,7 +556,7 @@ def summary_line(name: str, r: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="megatronish-device-check", description=__doc__.split("\n")[0])
+    p = CommandLineParser(prog="megatronish-device-check", description=__doc__.split("\n")[0])
     p.add_argument("--cpu-rehearsal", action="store_true", help="tiny sizes on CPU; CUDA-only parts skipped")
     p.add_argument("--output", default=None, help="the JSON report (default: $OUT/device_check.json, else "
                                                   "./device_check.json)")

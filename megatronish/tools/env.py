@@ -12,7 +12,6 @@ where it is installed, inside :func:`collect`.
 """
 from __future__ import annotations
 
-import argparse
 import importlib.metadata as metadata
 import importlib.util
 import json
@@ -22,6 +21,7 @@ import sys
 import torch
 
 from .. import device
+from ..errors import CommandLineParser
 
 # (label, distribution names to try): the versions the report lists.
 PACKAGES = [
@@ -207,7 +207,7 @@ def format_report(report: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="megatronish-env", description=__doc__.split("\n")[0])
+    parser = CommandLineParser(prog="megatronish-env", description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     args = parser.parse_args(argv)
     report = collect()
