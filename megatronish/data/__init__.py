@@ -14,7 +14,7 @@ _EXPORTS = {
     "GPTDataset": "gpt_dataset",
     "GPTDatasetConfig": "gpt_dataset",
     "Split": "gpt_dataset",
-    "build_gpt_datasets": "gpt_dataset",
+    "build_gpt_datasets": "gpt_builder",
     "DType": "indexed_dataset",
     "IndexedDataset": "indexed_dataset",
     "IndexedDatasetBuilder": "indexed_dataset",
