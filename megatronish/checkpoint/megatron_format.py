@@ -1,5 +1,5 @@
 """Megatron-LM's checkpoint formats: read megatron-core ``torch_dist`` and the legacy ``mp_rank_XX`` files, write
-``torch_dist``. Dense GPT models (GPT-2 and Llama style); see docs/megatron.md.
+``torch_dist`` (:mod:`.megatron_write`). Dense GPT models (GPT-2 and Llama style); see docs/megatron.md.
 
 **torch_dist** (``--ckpt-format torch_dist``, Megatron-LM's default): an iteration directory holding a DCP index
 (``.metadata``), ``__<rank>_<i>.distcp`` data files, ``metadata.json`` (``{"sharded_backend": "torch_dist", ...}``)
@@ -24,19 +24,17 @@ Both are read without running pickled code: ``torch.load(weights_only=True)`` wi
 """
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import os
 import re
-from collections.abc import Iterator
 
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
-from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
 from . import dcp_io, layout
 from .dcp_io import CheckpointError
+from .megatron_pickle import safe_load
 
 METADATA_JSON = "metadata.json"
 COMMON_PT = "common.pt"
@@ -96,84 +94,6 @@ def torch_dist_key(name: str) -> tuple[str, int | None]:
     if layer is None:
         return name, None
     return "decoder.layers." + LAYER_KEYS[suffix], layer
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Reading pickles without running code
-# ---------------------------------------------------------------------------------------------------------------
-class Opaque:
-    """Stands in for an allowed object whose content is not needed here (RNG states' numpy arrays, Transformer
-    Engine's extra state): accepts any arguments and state, keeps nothing, runs nothing."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def __setstate__(self, state):
-        pass
-
-    def __reduce__(self):
-        return (Opaque, ())
-
-
-class EnumValue:
-    """Stands in for a Megatron enum member (``AttnBackend.auto`` and the like) without importing Megatron."""
-
-    def __init__(self, value=None):
-        self.value = value
-
-    def __setstate__(self, state):
-        pass
-
-    def __repr__(self):
-        return f"EnumValue({self.value!r})"
-
-
-_OPAQUE_MODULES = ("numpy", "_io", "io", "transformer_engine")
-# Megatron's enums that its args and common state hold (AttnBackend in args, RerunMode/RerunState in the rerun
-# state machine's common state, ...), read as their values without importing Megatron
-MEGATRON_ENUMS = frozenset((
-    "AttnBackend", "AttnMaskType", "AttnType", "ModelType", "LayerType", "Fp8Recipe", "Fp4Recipe", "CudaGraphScope",
-    "RerunMode", "RerunState", "RerunDiagnostic", "RerunValidationStatus", "TransformerEngineConfigType",
-    "ShardingStrategy", "DType", "StrictHandling"))
-
-
-def _allowed(name: str):
-    """What a global named in a Megatron checkpoint is loaded as, or None (refused)."""
-    if name == "argparse.Namespace":
-        return argparse.Namespace
-    if name in ("_io.BytesIO", "io.BytesIO"):
-        return Opaque
-    module, _, attr = name.rpartition(".")
-    if module.split(".")[0] in _OPAQUE_MODULES:
-        return Opaque
-    if module.startswith("megatron.") and attr in MEGATRON_ENUMS:
-        return EnumValue
-    return None
-
-
-def safe_load(source, where: str):
-    """``torch.load(weights_only=True)`` of a Megatron file (path or bytes) with an allow-list of exactly what such
-    files hold: ``argparse.Namespace`` (the args), Megatron's enums (as :class:`EnumValue`), and numpy / I/O objects
-    of RNG and extra states (as :class:`Opaque`, content dropped). Anything else is refused, naming it."""
-    f = io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source
-    try:
-        names = torch.serialization.get_unsafe_globals_in_checkpoint(f)
-    except Exception as e:
-        raise CheckpointError(f"cannot read {where}: {type(e).__name__}: {str(e).strip().splitlines()[0]}") from None
-    allow = []
-    for name in names:
-        obj = _allowed(name)
-        if obj is None:
-            raise CheckpointError(f"{where} holds a {name} object, which is not among the types Megatron checkpoints "
-                                  "hold; refusing to unpickle it")
-        allow.append(obj if obj is argparse.Namespace else (obj, name))
-    if hasattr(f, "seek"):
-        f.seek(0)
-    try:
-        with torch.serialization.safe_globals(allow):
-            return torch.load(f, map_location="cpu", weights_only=True, mmap=isinstance(f, str))
-    except Exception as e:
-        raise CheckpointError(f"cannot read {where}: {type(e).__name__}: {str(e).strip().splitlines()[0]}") from None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -279,25 +199,6 @@ def true_vocab_size(args) -> int | None:
     if vs is None:
         return None
     return int(vs) + 1 if stored_arg(args, "tokenizer_type") == "NullTokenizer" else int(vs)
-
-
-def args_to_namespace(cfg, *, tp: int, pp: int, padded_vocab: int, iteration: int = 0) -> argparse.Namespace:
-    """Megatron's args for a checkpoint we write (the model-shape flags, the layout, the format)."""
-    gqa = cfg.num_query_groups != cfg.num_attention_heads
-    return argparse.Namespace(
-        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
-        num_attention_heads=cfg.num_attention_heads, group_query_attention=gqa,
-        num_query_groups=cfg.num_query_groups if gqa else 1, kv_channels=cfg.kv_channels,
-        seq_length=cfg.seq_length, max_position_embeddings=cfg.max_position_embeddings,
-        position_embedding_type=cfg.position_embedding_type, rotary_base=cfg.rotary_base,
-        rotary_percent=cfg.rotary_percent, normalization=cfg.normalization, norm_epsilon=cfg.norm_epsilon,
-        swiglu=cfg.swiglu, openai_gelu=cfg.openai_gelu,
-        untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
-        add_bias_linear=cfg.add_bias_linear, add_qkv_bias=cfg.add_qkv_bias,
-        make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by, init_method_std=cfg.init_method_std,
-        padded_vocab_size=padded_vocab, vocab_size=None, tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp, ckpt_format="torch_dist", iteration=iteration,
-        consumed_train_samples=0, consumed_valid_samples=0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -546,146 +447,6 @@ def open_checkpoint(path: str) -> TorchDist | Legacy:
                           f"checkpoint, no mp_rank_XX/{LEGACY_FILE})")
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# writing torch_dist
-# ---------------------------------------------------------------------------------------------------------------
-def _blocks(shape: tuple[int, ...], split: tuple[int, int] | None, tp: int) -> list[tuple[tuple, tuple]]:
-    """(offsets, sizes) of the chunks TP ranks hold of a tensor of ``shape``."""
-    if split is None or tp == 1:
-        return [((0,) * len(shape), tuple(shape))]
-    dim, stride = split
-    block = shape[dim] // stride
-    part = block // tp
-    out = []
-    for k in range(stride):
-        for t in range(tp):
-            off = [0] * len(shape)
-            size = list(shape)
-            off[dim], size[dim] = k * block + t * part, part
-            out.append((tuple(off), tuple(size)))
-    return out
-
-
-def extra_state_bytes() -> bytes:
-    """What megatron-core stores as a local linear layer's ``_extra_state`` (a list of its one ``None``)."""
-    buf = io.BytesIO()
-    torch.save([None], buf)
-    return buf.getvalue()
-
-
-def write_torch_dist(iter_dir: str, cfg, specs, tensors: Iterator, *, tp: int, pp: int, padded_vocab: int,
-                     iteration: int = 0) -> None:
-    """Write our global tensors (``specs``: ``(name, shape, dtype)`` in the order ``tensors`` yields
-    ``(name, tensor)``; vocabulary rows already padded to ``padded_vocab``) as a megatron-core ``torch_dist``
-    checkpoint in ``iter_dir``: stacked layer keys, each chunk as the TP rank of a TP x PP run holds it, one
-    ``_extra_state`` object per layer and linear layer, ``common.pt`` and ``metadata.json``."""
-    L = cfg.num_layers
-    state: dict = {}
-    makers: dict[tuple, tuple] = {}
-    order = []
-    for name, shape, dtype in specs:
-        key, layer = torch_dist_key(name)
-        if layer is None:
-            gshape = tuple(shape)
-        else:
-            gshape = (L, *shape)
-        entry = state.get(key)
-        if entry is None:
-            entry = state[key] = dcp_io.Sharded(gshape, [])
-        for off, size in _blocks(tuple(shape), tp_split(name, cfg.swiglu), tp):
-            full_off = off if layer is None else (layer, *off)
-            full_size = size if layer is None else (1, *size)
-            entry.pieces.append(dcp_io.Piece(torch.empty(full_size, dtype=dtype, device="meta"), full_off))
-            makers[(key, full_off)] = (name, off, size, layer is not None)
-        order.append(name)
-    for i in range(L):
-        for mod in EXTRA_STATE_MODULES:
-            state[f"decoder.layers.{mod}._extra_state/shard_{i}_{L}"] = _RawBytes(extra_state_bytes())
-
-    source = iter(tensors)
-    held: dict[str, torch.Tensor] = {}  # tensors produced and not yet written in full
-    left = {}  # pieces still to write, per tensor
-    for name, *_ in makers.values():
-        left[name] = left.get(name, 0) + 1
-
-    def produce(key, offsets):
-        name, off, size, stacked = makers[(key, tuple(offsets))]
-        while name not in held:
-            try:
-                got, t = next(source)
-            except StopIteration:
-                raise CheckpointError(f"the model tensors ended before {name!r}") from None
-            if got not in left:
-                raise CheckpointError(f"unexpected tensor {got!r} for this model")
-            held[got] = t.detach().cpu()
-        block = dcp_io.narrow(held[name], off, size).contiguous()
-        left[name] -= 1
-        if not left[name]:
-            del held[name]
-        return block.unsqueeze(0) if stacked else block
-
-    from .offline import _save_streaming
-
-    _save_streaming(state, iter_dir, _LazyPlanner(produce, order=[torch_dist_key(n)[0] for n in order]))
-    torch.save({"args": args_to_namespace(cfg, tp=tp, pp=pp, padded_vocab=padded_vocab, iteration=iteration),
-                "checkpoint_version": 3.0, "iteration": iteration}, os.path.join(iter_dir, COMMON_PT))
-    with open(os.path.join(iter_dir, METADATA_JSON), "w") as f:
-        json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
-                   "common_backend_version": 1}, f)
-
-
-class _RawBytes:
-    """A byte entry written as it is (megatron-core's pickled ``ShardedObject`` payload)."""
-
-    def __init__(self, data: bytes):
-        self.data = data
-
-
-class _LazyPlanner(dcp_io.SavePlanner):
-    """Plans from meta-tensor pieces; each piece is produced when DCP writes it, in our tensors' order."""
-
-    def __init__(self, produce, order):
-        super().__init__()
-        self._produce = produce
-        self._rank = {k: i for i, k in enumerate(dict.fromkeys(order))}
-        self.failure: BaseException | None = None
-
-    def create_local_plan(self):
-        items = []
-        for key, entry in self.state_dict.items():
-            if isinstance(entry, _RawBytes):
-                items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
-        everything = self.state_dict
-        self.state_dict = {k: v for k, v in everything.items() if not isinstance(v, _RawBytes)}
-        try:
-            plan = super().create_local_plan()
-        finally:
-            self.state_dict = everything
-        # the source yields layer by layer: write layer 0's tensors first, then layer 1's, ...
-        plan_items = sorted(plan.items, key=lambda w: (w.index.offset[0] if self._stacked(w) else -1,
-                                                       self._rank.get(w.index.fqn, 0)))
-        self.plan = SavePlan(items + plan_items)
-        return self.plan
-
-    def _stacked(self, w) -> bool:
-        return w.index.fqn.startswith("decoder.layers.")
-
-    def lookup_object(self, index):
-        entry = self.state_dict[index.fqn]
-        if isinstance(entry, _RawBytes):
-            return entry
-        try:
-            return self._produce(index.fqn, tuple(index.offset))
-        except BaseException as e:
-            self.failure = e
-            raise
-
-    def transform_object(self, write_item, obj):
-        if isinstance(obj, _RawBytes):
-            return io.BytesIO(obj.data)
-        return super().transform_object(write_item, obj)
-
-
 def is_megatron(path: str) -> bool:
     """Whether ``path`` (a save or iteration directory) resolves to a Megatron checkpoint."""
     try:
@@ -695,5 +456,5 @@ def is_megatron(path: str) -> bool:
     return found is not None and detect(found[0]) is not None
 
 
-__all__ = ["CheckpointError", "EnumValue", "Legacy", "Opaque", "TorchDist", "detect", "is_megatron", "model_fields",
-           "open_checkpoint", "read_region", "safe_load", "write_torch_dist"]
+__all__ = ["CheckpointError", "Legacy", "TorchDist", "detect", "is_megatron", "model_fields", "open_checkpoint",
+           "read_region"]

@@ -76,7 +76,7 @@ def _check_unexpected(ck, names: set[str], where: str) -> None:
 def save_megatron(args, src) -> None:
     """``<save-dir>/release`` (tracker ``release``), a torch_dist checkpoint laid out for the target TP x PP
     (already checked to split the model); ``src``: a :class:`~megatronish.convert.plugins.Source`."""
-    from ..checkpoint.megatron_format import write_torch_dist
+    from ..checkpoint.megatron_write import write_torch_dist
 
     tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
     cfg = src.cfg

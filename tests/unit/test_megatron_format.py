@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatronish.checkpoint.megatron_format import CheckpointError, EnumValue, Legacy, detect, model_fields, safe_load
+from megatronish.checkpoint.megatron_format import CheckpointError, Legacy, detect, model_fields
+from megatronish.checkpoint.megatron_pickle import EnumValue, safe_load
 
 
 def _pickled(obj) -> bytes:

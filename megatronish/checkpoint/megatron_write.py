@@ -1,0 +1,174 @@
+"""Writing Megatron-LM's ``torch_dist`` format (megatronish/checkpoint/megatron_format.py describes it): the
+model's tensors streamed into megatron-core's keys and TP blocks, ``common.pt`` with Megatron's args, and
+``metadata.json``."""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+
+from . import dcp_io
+from .dcp_io import CheckpointError
+from .megatron_format import COMMON_PT, EXTRA_STATE_MODULES, METADATA_JSON, torch_dist_key, tp_split
+
+
+def args_to_namespace(cfg, *, tp: int, pp: int, padded_vocab: int, iteration: int = 0) -> argparse.Namespace:
+    """Megatron's args for a checkpoint we write (the model-shape flags, the layout, the format)."""
+    gqa = cfg.num_query_groups != cfg.num_attention_heads
+    return argparse.Namespace(
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_attention_heads, group_query_attention=gqa,
+        num_query_groups=cfg.num_query_groups if gqa else 1, kv_channels=cfg.kv_channels,
+        seq_length=cfg.seq_length, max_position_embeddings=cfg.max_position_embeddings,
+        position_embedding_type=cfg.position_embedding_type, rotary_base=cfg.rotary_base,
+        rotary_percent=cfg.rotary_percent, normalization=cfg.normalization, norm_epsilon=cfg.norm_epsilon,
+        swiglu=cfg.swiglu, openai_gelu=cfg.openai_gelu,
+        untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
+        add_bias_linear=cfg.add_bias_linear, add_qkv_bias=cfg.add_qkv_bias,
+        make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by, init_method_std=cfg.init_method_std,
+        padded_vocab_size=padded_vocab, vocab_size=None, tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp, ckpt_format="torch_dist", iteration=iteration,
+        consumed_train_samples=0, consumed_valid_samples=0)
+
+
+def _blocks(shape: tuple[int, ...], split: tuple[int, int] | None, tp: int) -> list[tuple[tuple, tuple]]:
+    """(offsets, sizes) of the chunks TP ranks hold of a tensor of ``shape``."""
+    if split is None or tp == 1:
+        return [((0,) * len(shape), tuple(shape))]
+    dim, stride = split
+    block = shape[dim] // stride
+    part = block // tp
+    out = []
+    for k in range(stride):
+        for t in range(tp):
+            off = [0] * len(shape)
+            size = list(shape)
+            off[dim], size[dim] = k * block + t * part, part
+            out.append((tuple(off), tuple(size)))
+    return out
+
+
+def extra_state_bytes() -> bytes:
+    """What megatron-core stores as a local linear layer's ``_extra_state`` (a list of its one ``None``)."""
+    buf = io.BytesIO()
+    torch.save([None], buf)
+    return buf.getvalue()
+
+
+def write_torch_dist(iter_dir: str, cfg, specs, tensors: Iterator, *, tp: int, pp: int, padded_vocab: int,
+                     iteration: int = 0) -> None:
+    """Write our global tensors (``specs``: ``(name, shape, dtype)`` in the order ``tensors`` yields
+    ``(name, tensor)``; vocabulary rows already padded to ``padded_vocab``) as a megatron-core ``torch_dist``
+    checkpoint in ``iter_dir``: stacked layer keys, each chunk as the TP rank of a TP x PP run holds it, one
+    ``_extra_state`` object per layer and linear layer, ``common.pt`` and ``metadata.json``."""
+    L = cfg.num_layers
+    state: dict = {}
+    makers: dict[tuple, tuple] = {}
+    order = []
+    for name, shape, dtype in specs:
+        key, layer = torch_dist_key(name)
+        if layer is None:
+            gshape = tuple(shape)
+        else:
+            gshape = (L, *shape)
+        entry = state.get(key)
+        if entry is None:
+            entry = state[key] = dcp_io.Sharded(gshape, [])
+        for off, size in _blocks(tuple(shape), tp_split(name, cfg.swiglu), tp):
+            full_off = off if layer is None else (layer, *off)
+            full_size = size if layer is None else (1, *size)
+            entry.pieces.append(dcp_io.Piece(torch.empty(full_size, dtype=dtype, device="meta"), full_off))
+            makers[(key, full_off)] = (name, off, size, layer is not None)
+        order.append(name)
+    for i in range(L):
+        for mod in EXTRA_STATE_MODULES:
+            state[f"decoder.layers.{mod}._extra_state/shard_{i}_{L}"] = _RawBytes(extra_state_bytes())
+
+    source = iter(tensors)
+    held: dict[str, torch.Tensor] = {}  # tensors produced and not yet written in full
+    left = {}  # pieces still to write, per tensor
+    for name, *_ in makers.values():
+        left[name] = left.get(name, 0) + 1
+
+    def produce(key, offsets):
+        name, off, size, stacked = makers[(key, tuple(offsets))]
+        while name not in held:
+            try:
+                got, t = next(source)
+            except StopIteration:
+                raise CheckpointError(f"the model tensors ended before {name!r}") from None
+            if got not in left:
+                raise CheckpointError(f"unexpected tensor {got!r} for this model")
+            held[got] = t.detach().cpu()
+        block = dcp_io.narrow(held[name], off, size).contiguous()
+        left[name] -= 1
+        if not left[name]:
+            del held[name]
+        return block.unsqueeze(0) if stacked else block
+
+    from .offline import _save_streaming
+
+    _save_streaming(state, iter_dir, _LazyPlanner(produce, order=[torch_dist_key(n)[0] for n in order]))
+    torch.save({"args": args_to_namespace(cfg, tp=tp, pp=pp, padded_vocab=padded_vocab, iteration=iteration),
+                "checkpoint_version": 3.0, "iteration": iteration}, os.path.join(iter_dir, COMMON_PT))
+    with open(os.path.join(iter_dir, METADATA_JSON), "w") as f:
+        json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+                   "common_backend_version": 1}, f)
+
+
+class _RawBytes:
+    """A byte entry written as it is (megatron-core's pickled ``ShardedObject`` payload)."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+
+class _LazyPlanner(dcp_io.SavePlanner):
+    """Plans from meta-tensor pieces; each piece is produced when DCP writes it, in our tensors' order."""
+
+    def __init__(self, produce, order):
+        super().__init__()
+        self._produce = produce
+        self._rank = {k: i for i, k in enumerate(dict.fromkeys(order))}
+        self.failure: BaseException | None = None
+
+    def create_local_plan(self):
+        items = []
+        for key, entry in self.state_dict.items():
+            if isinstance(entry, _RawBytes):
+                items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
+        everything = self.state_dict
+        self.state_dict = {k: v for k, v in everything.items() if not isinstance(v, _RawBytes)}
+        try:
+            plan = super().create_local_plan()
+        finally:
+            self.state_dict = everything
+        # the source yields layer by layer: write layer 0's tensors first, then layer 1's, ...
+        plan_items = sorted(plan.items, key=lambda w: (w.index.offset[0] if self._stacked(w) else -1,
+                                                       self._rank.get(w.index.fqn, 0)))
+        self.plan = SavePlan(items + plan_items)
+        return self.plan
+
+    def _stacked(self, w) -> bool:
+        return w.index.fqn.startswith("decoder.layers.")
+
+    def lookup_object(self, index):
+        entry = self.state_dict[index.fqn]
+        if isinstance(entry, _RawBytes):
+            return entry
+        try:
+            return self._produce(index.fqn, tuple(index.offset))
+        except BaseException as e:
+            self.failure = e
+            raise
+
+    def transform_object(self, write_item, obj):
+        if isinstance(obj, _RawBytes):
+            return io.BytesIO(obj.data)
+        return super().transform_object(write_item, obj)
