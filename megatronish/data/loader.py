@@ -69,7 +69,7 @@ class _IndexLists(Sampler):
 
 class MicroBatchLoader:
     """The micro-batches of ``iterations`` training iterations from ``consumed`` samples on; :meth:`next_iteration`
-    returns one iteration's batches (dicts of CPU tensors): ``global_batch_size // (micro_batch_size x dp_size)`` of
+    returns one iteration's batches (dicts of CPU tensors): the global batch over micro-batch size times DP size of
     them, ``global_batch_size`` being a number or a function of the consumed samples (a ramp).
     ``worker_init(worker_id)`` runs first in each worker process."""
 
