@@ -3,7 +3,9 @@
 
 For each flavor (GPT-2: ``GPT2LMHeadModel``; Llama: ``LlamaForCausalLM`` with GQA) a random Hugging Face model
 is converted to ours (the same weights), and both generate greedily from the same prompts (no end-of-sequence
-stop, so both produce exactly the asked tokens; the script checks that the tokens agree):
+stop, so both produce exactly the asked tokens; the script checks that the tokens agree). GPT-2 runs in the fair
+configuration: both sides use the tanh GELU as one fused op (ours ``--openai-gelu``, HF
+``activation_function="gelu_pytorch_tanh"``, as in ``bench_model_vs_hf.py``):
 
   prefill   tokens/s = batch x prompt / time of generating 1 token (one forward over the prompts)
   decode    tokens/s = batch x (N - 1) / (time of generating N tokens - time of generating 1 token)
@@ -50,7 +52,8 @@ def build(flavor, a, dtype, device):
     arch = "GPT2LMHeadModel" if flavor == "gpt2" else "LlamaForCausalLM"
     ctx = a.prompt + a.new
     if flavor == "gpt2":
-        over = dict(n_layer=a.layers, n_embd=a.hidden, n_head=a.heads, n_positions=ctx)
+        over = dict(n_layer=a.layers, n_embd=a.hidden, n_head=a.heads, n_positions=ctx,
+                    activation_function="gelu_pytorch_tanh")
     else:
         over = dict(num_hidden_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
                     num_key_value_heads=a.kv_groups, intermediate_size=int(a.hidden * 8 / 3 / 64) * 64,
