@@ -708,7 +708,7 @@ def _problems(d: _Draft, errors: list[str], for_training: bool = True) -> list[s
     m, dims = d.model, d.parallel
     fits = m is not None and dims is not None and _collect(errors, lambda: dims.validate_model(
         num_layers=m.num_layers, num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
-        seq_length=m.seq_length, sequence_parallel=d.sequence_parallel_flag,
+        seq_length=m.seq_length, sequence_parallel=d.run.sequence_parallel,
         hidden_size=m.hidden_size if m.kv_channels is None else None, ffn_hidden_size=m.ffn_hidden_size))
     if for_training:
         _check_batch(d.train, d.run if fits else None, errors)
@@ -719,7 +719,7 @@ def _problems(d: _Draft, errors: list[str], for_training: bool = True) -> list[s
     _check_precision(d.optim, m, errors)
     _check_model(m, errors)
     _check_context_parallel(m, dims, errors)
-    _check_moe(m, dims, d.sequence_parallel_flag, errors)
+    _check_moe(m, dims, d.run is not None and d.run.sequence_parallel, errors)
     _check_fsdp(d.optim, m, errors, d.train)
     _check_checkpoint(d.checkpoint, errors)
     _check_logging(d.logging, errors)

@@ -6,7 +6,7 @@ import math
 from dataclasses import InitVar, dataclass, field
 
 from .errors import ConfigError
-from .parallel.dims import ParallelDims, effective_sequence_parallel
+from .parallel.dims import ParallelDims
 
 # --attention-backend choices (Megatron's AttnBackend)
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
@@ -497,9 +497,10 @@ class RunConfig:
     (``megatronish.arguments.validate``).
 
     Derived values live here, each in one place: the global batch size default (``micro x DP``) and
-    ``train_iters`` from ``--train-samples`` are filled into ``train`` on construction; ``sequence_parallel`` and
-    ``num_microbatches`` are properties. Model-shape defaults (FFN size, max positions, head size, query groups)
-    are :class:`ModelConfig`'s; layers per (virtual) stage are ``parallel.layers_per_stage(model.num_layers)``.
+    ``train_iters`` from ``--train-samples`` are filled into ``train`` on construction; ``sequence_parallel``,
+    ``fsdp_active`` and ``num_microbatches`` are properties. Model-shape defaults (FFN size, max positions, head
+    size, query groups) are :class:`ModelConfig`'s; layers per (virtual) stage are
+    ``parallel.layers_per_stage(model.num_layers)``.
     """
 
     model: ModelConfig
@@ -523,8 +524,17 @@ class RunConfig:
 
     @property
     def sequence_parallel(self) -> bool:
-        """Effective sequence parallelism: ``--sequence-parallel`` with TP > 1 (a no-op at TP 1, as in Megatron)."""
-        return effective_sequence_parallel(self.sequence_parallel_flag, self.parallel.tp)
+        """Effective sequence parallelism: ``--sequence-parallel`` with TP > 1 (a no-op at TP 1, as in Megatron).
+
+        The one place of this rule: validation, the model and its layers, the pipeline tensor shape and the memory
+        report take this resolved boolean."""
+        return bool(self.sequence_parallel_flag) and self.parallel.tp > 1
+
+    @property
+    def fsdp_active(self) -> bool:
+        """FSDP2 wraps the model: ``--use-torch-fsdp2`` with more than one data-parallel (x CP) rank to shard over
+        (with one it runs as DDP). The one place of this rule: the wrapping, the model's dtype, the memory report."""
+        return bool(self.optim.use_torch_fsdp2) and self.parallel.dp * self.parallel.cp > 1
 
     @property
     def data_parallel_batch_size(self) -> int:

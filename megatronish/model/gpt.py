@@ -22,7 +22,6 @@ from ..config import ModelConfig
 from ..parallel.context import ParallelContext, Shared
 from ..parallel.context_parallel import cp_chunk_index
 from ..parallel.cross_entropy import fused_vocab_parallel_cross_entropy, vocab_parallel_cross_entropy
-from ..parallel.dims import effective_sequence_parallel
 from ..parallel.init import TensorDesc, initialize_slice, set_desc, split_ranks
 from ..parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from ..parallel.mappings import scatter_to_sequence_parallel_region
@@ -82,7 +81,7 @@ class GPTModel(nn.Module):
         self.parallel = parallel = parallel or ParallelContext.single()
         tp, tp_group = parallel.tp_size, parallel.tp_group
         self.config, self.pre_process, self.post_process = c, pre_process, post_process
-        self.sequence_parallel = effective_sequence_parallel(sequence_parallel, tp)
+        self.sequence_parallel = sequence_parallel  # resolved: RunConfig.sequence_parallel
         self.label_smoothing = label_smoothing
         self.padded_vocab_size = c.padded_vocab_size(tp)
         self.first_layer = first_layer

@@ -31,8 +31,7 @@ from typing import ClassVar, Sequence
 
 from ..errors import ConfigError
 
-__all__ = ["ConfigError", "ParallelDims", "masked_rank_groups", "check_layer_split", "effective_sequence_parallel",
-           "virtual_stages_from_layers"]
+__all__ = ["ConfigError", "ParallelDims", "masked_rank_groups", "check_layer_split", "virtual_stages_from_layers"]
 
 
 _TP = "--tensor-model-parallel-size"
@@ -42,13 +41,6 @@ _EP = "--expert-model-parallel-size"
 _ETP = "--expert-tensor-parallel-size"
 _VP = "--num-virtual-stages-per-pipeline-rank (or --num-layers-per-virtual-pipeline-stage)"
 _WORLD = "the world size {n} (torchrun --nproc-per-node x --nnodes)"
-
-
-def effective_sequence_parallel(sequence_parallel: bool, tp: int) -> bool:
-    """Whether ``--sequence-parallel`` takes effect: only with tensor parallelism (at TP 1 it is a no-op, as in
-    Megatron-LM). The one place of this rule: ``RunConfig.sequence_parallel``, the layers, the model, the
-    pipeline tensor shape and the memory report read it from here."""
-    return bool(sequence_parallel) and tp > 1
 
 
 def check_layer_split(num_layers: int, pp: int, vp: int = 1) -> None:
@@ -207,7 +199,7 @@ class ParallelDims:
                 raise ConfigError(
                     f"--seq-length {seq_length} is not divisible by 2 x {_CP} {cp} = {2 * cp} (context parallelism "
                     f"splits the sequence into 2*CP chunks for load balance); change --seq-length or {_CP}")
-            if effective_sequence_parallel(sequence_parallel, tp) and seq_length % (tp * cp):
+            if sequence_parallel and seq_length % (tp * cp):
                 per_cp = f" x {_CP} {cp}" if cp > 1 else ""
                 raise ConfigError(
                     f"--seq-length {seq_length} is not divisible by {_TP} {tp}{per_cp} under --sequence-parallel; "

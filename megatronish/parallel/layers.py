@@ -4,7 +4,8 @@ Each parameter is allocated at its local shape and carries its global :class:`Te
 later by :func:`megatronish.parallel.init.initialize_slice` from ``(seed, global name)``.
 Activations are ``[s, b, h]``; under sequence parallelism the ``s`` of inputs/outputs outside the TP region
 is this rank's ``s/t`` chunk. Each layer takes ``tp_group``, the tensor-parallel group it is split over (from
-the run's :class:`~megatronish.parallel.context.ParallelContext`; ``None``: not split).
+the run's :class:`~megatronish.parallel.context.ParallelContext`; ``None``: not split) and ``sequence_parallel``,
+already resolved (the run's ``RunConfig.sequence_parallel``: off at TP 1).
 """
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from torch import nn
 
 from . import comm_log as comm
 from .context import Shared, group_rank, group_size
-from .dims import effective_sequence_parallel
 from .init import TensorDesc, local_shape, set_desc
 from .mappings import (
     copy_to_tensor_model_parallel_region,
@@ -59,7 +59,7 @@ class ColumnParallelLinear(_TensorParallel):
         if gather_output and sequence_parallel:
             raise ValueError("ColumnParallelLinear: gather_output is not supported with sequence parallelism")
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
-        self.sequence_parallel = effective_sequence_parallel(sequence_parallel, tp)
+        self.sequence_parallel = sequence_parallel
         self.weight = None if skip_weight_param_allocation else _new_param(
             TensorDesc((output_size, input_size), 0, stride, "normal", init_std), tp, params_dtype, device)
         self.bias = _new_param(TensorDesc((output_size,), 0, stride, "zeros"), tp, params_dtype, device) \
@@ -96,7 +96,7 @@ class RowParallelLinear(_TensorParallel):
         tp = group_size(tp_group)
         if input_size % tp:
             raise ValueError(f"input size {input_size} is not divisible by TP {tp}")
-        self.sequence_parallel = effective_sequence_parallel(sequence_parallel, tp)
+        self.sequence_parallel = sequence_parallel
         if self.sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence parallelism needs input_is_parallel=True")
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
@@ -137,7 +137,7 @@ class VocabParallelEmbedding(_TensorParallel):
         if num_embeddings % tp:
             raise ValueError(f"padded vocabulary {num_embeddings} is not divisible by TP {tp}")
         self.num_embeddings, self.per_rank = num_embeddings, num_embeddings // tp
-        self.sequence_parallel = effective_sequence_parallel(sequence_parallel, tp)
+        self.sequence_parallel = sequence_parallel
         self.weight = _new_param(TensorDesc((num_embeddings, embedding_dim), 0, 1, "normal", init_std,
                                             valid_rows=vocab_size), tp, params_dtype, device)
 

@@ -44,7 +44,6 @@ import torch
 from .. import device
 from ..config import default_ffn_hidden_size
 from ..optim.clip_grads import is_expert
-from ..parallel.dims import effective_sequence_parallel
 
 _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 
@@ -77,13 +76,14 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, *, t: int = 1, se
     The 34 of the paper is 10 replicated bytes per ``s*b*h`` (two norm inputs 4, the QKV and FC1 inputs 4, two
     dropout masks 2) plus 24 TP-sharded ones (Q and K 4, V 2, projection input 2, activation input 8, FC2 input
     8). With ``kv_hidden_size`` (GQA: query groups x head size) K and V shrink to ``2*kv/h`` each; with FFN size
-    ``f`` the MLP terms are ``4*f/h``, or ``6*f/h`` with SwiGLU (its input holds gate and up)."""
+    ``f`` the MLP terms are ``4*f/h``, or ``6*f/h`` with SwiGLU (its input holds gate and up).
+    ``sequence_parallel`` is the resolved one (``RunConfig.sequence_parallel``)."""
     f = default_ffn_hidden_size(h, swiglu) if ffn_hidden_size is None else ffn_hidden_size
     kv = h if kv_hidden_size is None else kv_hidden_size
     sharded = 4 + 4 * kv / h + (6 if swiglu else 4) * f / h  # 24 for MHA, f = 4h, no SwiGLU
     linear = 10 + sharded
     attn = 5 * a * s / h  # scores, softmax, dropout mask and output
-    sp = effective_sequence_parallel(sequence_parallel, t)
+    sp = sequence_parallel
     if recompute == "full":
         return 2 * s * b * h / (t if sp else 1)
     if recompute == "selective":
@@ -113,7 +113,7 @@ def cpu_activation_bytes_per_layer(s: int, b: int, h: int, a: int, *, t: int = 1
                                       swiglu=swiglu)
     if recompute == "full":
         return base
-    sp = effective_sequence_parallel(sequence_parallel, t)
+    sp = sequence_parallel
     sbh = s * b * h
     extra = 2 * sbh / (t if sp else 1)
     if sp:
@@ -166,7 +166,7 @@ def theoretical_memory(cfg, num_params: int, num_expert_params: int = 0) -> dict
     expert-data-parallel group (``TP*CP*DP / (ETP*EP)`` ranks), the rest over data parallelism (as Megatron-LM's
     ``compute_weight_and_optimizer_memory``). Activations use the dense formula for every layer."""
     o, par = cfg.optim, cfg.parallel
-    fsdp = bool(getattr(o, "use_torch_fsdp2", False)) and par.dp * par.cp > 1
+    fsdp = cfg.fsdp_active
 
     def per_param(dp: int) -> float:
         return bytes_per_parameter(o.params_dtype, o.grad_dtype, optimizer=o.optimizer,
@@ -198,7 +198,7 @@ def report_theoretical_memory(cfg, optimizer, models, print_fn=print) -> dict:
     if n_expert:
         experts = (f"; {n_expert} of them expert params x {est['bytes_per_expert_param']:.2f} B/param, "
                    f"optimizer state over expert-DP {cfg.parallel.expert_dp}")
-    if getattr(o, "use_torch_fsdp2", False) and cfg.parallel.dp * cfg.parallel.cp > 1:
+    if cfg.fsdp_active:
         kind += f", FSDP2 over {cfg.parallel.dp * cfg.parallel.cp} ranks"
     print_fn(f"theoretical memory per rank: weights+grads+optimizer {_mb(est['weights_and_optimizer'])} "
              f"({n} params x {est['bytes_per_param']:.2f} B/param{experts}; "

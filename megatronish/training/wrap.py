@@ -11,30 +11,23 @@ import torch
 
 from ..parallel.context import ParallelContext
 from ..parallel.ddp import DistributedDataParallel
-from ..parallel.dims import ParallelDims
 
 _warned = False
 
 
-def fsdp_active(cfg) -> bool:
-    """``--use-torch-fsdp2`` with more than one data-parallel (x CP) rank."""
-    dims: ParallelDims = cfg.parallel
-    return bool(cfg.optim.use_torch_fsdp2) and dims.dp * dims.cp > 1
-
-
 def model_params_dtype(cfg) -> torch.dtype:
     """The dtype the model's parameters are built in: fp32 under FSDP2 (its policy casts for compute)."""
-    return torch.float32 if fsdp_active(cfg) else cfg.optim.params_dtype
+    return torch.float32 if cfg.fsdp_active else cfg.optim.params_dtype
 
 
 def wrap_model_chunks(models, cfg, parallel: ParallelContext, print_fn=print) -> list:
     """One DDP or FSDP2 wrapper per model chunk (collective)."""
     global _warned
     o = cfg.optim
-    if o.use_torch_fsdp2 and not fsdp_active(cfg) and not _warned:
+    if o.use_torch_fsdp2 and not cfg.fsdp_active and not _warned:
         _warned = True
         print_fn("WARNING: --use-torch-fsdp2 with a data-parallel size of 1: nothing to shard; running as DDP")
-    if fsdp_active(cfg):
+    if cfg.fsdp_active:
         from ..parallel.fsdp import FullyShardedDataParallel, resolve_reshard_after_forward
 
         reshard = resolve_reshard_after_forward(o.fsdp_reshard_after_forward, cfg.parallel.pp > 1)
@@ -50,4 +43,4 @@ def wrap_model_chunks(models, cfg, parallel: ParallelContext, print_fn=print) ->
             for m in models]
 
 
-__all__ = ["fsdp_active", "model_params_dtype", "wrap_model_chunks"]
+__all__ = ["model_params_dtype", "wrap_model_chunks"]

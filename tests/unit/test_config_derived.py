@@ -16,7 +16,7 @@ from megatronish.checkpoint.common import jsonable
 from megatronish.config import DataConfig, ModelConfig, RunConfig, default_ffn_hidden_size, gpt2
 from megatronish.errors import ConfigError, UserError
 from megatronish.parallel import dims as dims_module
-from megatronish.parallel.dims import ParallelDims, check_layer_split, effective_sequence_parallel
+from megatronish.parallel.dims import ParallelDims, check_layer_split
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PKG = os.path.join(ROOT, "megatronish")
@@ -84,28 +84,30 @@ def test_num_microbatches_is_one_property():
 @pytest.mark.parametrize("flag, tp", [(False, 1), (True, 1), (False, 2), (True, 2), (True, 4)])
 def test_effective_sequence_parallel(flag, tp):
     expected = flag and tp > 1
-    assert effective_sequence_parallel(flag, tp) is expected
     cfg = cfg_of(["--tensor-model-parallel-size", str(tp)] + (["--sequence-parallel"] if flag else []), world=tp)
     assert cfg.sequence_parallel is expected and cfg.sequence_parallel_flag is flag
-    # consumers read the one rule: the pipeline tensor shape and the memory formula
+    # consumers take the resolved boolean: the pipeline tensor shape and the memory formula
     from megatronish.parallel.pipeline.schedules import pipeline_tensor_shape
     from megatronish.training.memory import activation_bytes_per_layer
 
-    assert pipeline_tensor_shape(32, 2, 64, tp=tp, sequence_parallel=flag)[0] == (32 // tp if expected else 32)
-    assert activation_bytes_per_layer(32, 2, 64, 8, t=tp, sequence_parallel=flag, recompute="full") == \
+    sp = cfg.sequence_parallel
+    assert pipeline_tensor_shape(32, 2, 64, tp=tp, sequence_parallel=sp)[0] == (32 // tp if expected else 32)
+    assert activation_bytes_per_layer(32, 2, 64, 8, t=tp, sequence_parallel=sp, recompute="full") == \
         2 * 32 * 2 * 64 / (tp if expected else 1)
 
 
 def test_effective_sequence_parallel_in_one_place():
     assert isinstance(RunConfig.__dict__["sequence_parallel"], property)
-    assert modules_matching(r"sequence_parallel\)? and (self\.)?\w+ > 1") == {"parallel/dims.py"}
+    assert modules_matching(r"sequence_parallel(_flag)?\)? and (self\.)?[\w.]+ > 1") == {"config.py"}
+    assert modules_matching(r"effective_sequence_parallel") == set()
 
 
-def test_layers_read_the_one_sequence_parallel_rule():
+def test_layers_take_the_resolved_sequence_parallel():
     from megatronish.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    assert not ColumnParallelLinear(8, 8, sequence_parallel=True).sequence_parallel  # TP 1: a no-op
-    assert not RowParallelLinear(8, 8, sequence_parallel=True).sequence_parallel
+    for sp in (False, True):
+        assert ColumnParallelLinear(8, 8, sequence_parallel=sp).sequence_parallel is sp
+        assert RowParallelLinear(8, 8, sequence_parallel=sp).sequence_parallel is sp
 
 
 # ------------------------------------------------------------------ FFN hidden size default
@@ -254,3 +256,12 @@ def test_user_errors_are_one_family(capsys):
         exit_on_config_error(bad_split)
     assert e.value.code == 2
     assert capsys.readouterr().err == "error: --split 'x' must hold 1 to 3 non-negative numbers\n"
+
+
+# ------------------------------------------------------------------ FSDP2 active
+@pytest.mark.parametrize("flag, world", [(False, 2), (True, 1), (True, 2)])
+def test_fsdp_active_is_one_property(flag, world):
+    cfg = cfg_of(["--use-torch-fsdp2"] if flag else [], world=world)
+    assert cfg.fsdp_active is (flag and world > 1)
+    assert isinstance(RunConfig.__dict__["fsdp_active"], property)
+    assert modules_matching(r"use_torch_fsdp2.*\.dp \* ") == {"config.py"}

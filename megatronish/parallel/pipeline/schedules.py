@@ -36,7 +36,6 @@ from collections import deque
 import torch
 
 from ...errors import ConfigError
-from ..dims import effective_sequence_parallel
 from .timeline import span
 
 __all__ = [
@@ -149,7 +148,7 @@ def pipeline_tensor_shape(seq_length: int, micro_batch_size: int, hidden_size: i
                           sequence_parallel: bool = False) -> tuple[int, int, int]:
     """Shape of the tensors passed between stages: ``(s/cp [/tp under sequence parallelism], b, h)``."""
     s = seq_length // cp
-    if effective_sequence_parallel(sequence_parallel, tp):
+    if sequence_parallel:  # resolved: RunConfig.sequence_parallel
         s //= tp
     return (s, micro_batch_size, hidden_size)
 
