@@ -111,7 +111,7 @@ class GenerationSession:
 def load_generator(cfg, args) -> GenerationSession:
     """Distributed init, parallel context, this rank's model slice (bf16/fp16 with ``--bf16``/``--fp16``,
     else fp32; on CUDA when available), checkpoint load (collective)."""
-    from ..training.pretrain import init_distributed
+    from ..training.initialize import init_distributed
 
     init_distributed(cfg.train.distributed_backend, cfg.train.distributed_timeout_minutes)
     ctx = groups.initialize_model_parallel(cfg.parallel)

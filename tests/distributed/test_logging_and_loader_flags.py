@@ -23,8 +23,9 @@ from megatronish.data.loader import MicroBatchLoader
 from megatronish.data.mock import MockGPTDataset
 from megatronish.parallel import groups
 from megatronish.testing import run_distributed
-from megatronish.training import pretrain as pretrain_mod
-from megatronish.training.pretrain import _batch_reader, pretrain
+from megatronish.training import initialize
+from megatronish.training.batches import batch_reader
+from megatronish.training.pretrain import pretrain
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--max-position-embeddings", "16", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
@@ -60,7 +61,7 @@ def test_num_workers_give_identical_batches_and_resume(tmp_path):
     train, _, _ = build_gpt_datasets([prefix], "100,0,0", 16, 1, (200, None, None), eod_id=128,
                                      cache_dir=str(tmp_path / "c"))
     for ds in (train, MockGPTDataset(128, 16, seed=2)):
-        read = _batch_reader(ds)
+        read = batch_reader(ds)
         ref = _batches(read, 0)
         assert len(ref) == 18
         for workers in (2, 4):
@@ -73,7 +74,7 @@ def _run(argv, world, slow_rank=None):
     groups.destroy_model_parallel()
     cfg = configs_from_args(parse_args(BASE + argv), world)
     if slow_rank is not None and int(os.environ["RANK"]) == slow_rank:
-        real = pretrain_mod._forward_step
+        real = initialize.make_forward_step
 
         def slowed(*a, **k):
             step = real(*a, **k)
@@ -84,7 +85,7 @@ def _run(argv, world, slow_rank=None):
 
             return forward_step
 
-        pretrain_mod._forward_step = slowed
+        initialize.make_forward_step = slowed
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         state = pretrain(cfg)

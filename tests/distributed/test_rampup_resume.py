@@ -9,7 +9,7 @@ from megatronish.arguments import configs_from_args, parse_args
 from megatronish.config import rampup_global_batch_size
 from megatronish.parallel import groups
 from megatronish.testing import run_distributed
-from megatronish.training import pretrain as pretrain_mod
+from megatronish.training import batches
 from megatronish.training.pretrain import pretrain
 
 ITERS = 10
@@ -23,17 +23,17 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
 
 def _run(rank, world, argv, metrics):
     groups.destroy_model_parallel()
-    loaders, real = [], pretrain_mod.MicroBatchLoader
+    loaders, real = [], batches.MicroBatchLoader
 
     def recorded(*a, **kw):  # the loaders the run builds, by worker count
         loaders.append(kw["num_workers"])
         return real(*a, **kw)
 
-    pretrain_mod.MicroBatchLoader = recorded
+    batches.MicroBatchLoader = recorded
     try:
         state = pretrain(configs_from_args(parse_args(BASE + argv + ["--metrics-file", metrics]), world))
     finally:
-        pretrain_mod.MicroBatchLoader = real
+        batches.MicroBatchLoader = real
     return state.iteration, state.consumed_samples, loaders
 
 

@@ -31,7 +31,7 @@ from megatronish.parallel.mappings import (
 from megatronish.testing import free_port
 from megatronish.training import watchdog
 from megatronish.training.failure import run_rank
-from megatronish.training.pretrain import init_distributed
+from megatronish.training.initialize import init_distributed
 
 TIMEOUT_S = 3.0  # the process groups' timeout
 LIMIT_S = 30.0

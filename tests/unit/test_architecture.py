@@ -24,7 +24,7 @@ FLOORS = {
 SIDEWAYS = {
     ("megatronish.config", "megatronish.data.tokenizers"),
     ("megatronish.inference", "megatronish.arguments"),
-    ("megatronish.inference", "megatronish.training.pretrain"),
+    ("megatronish.inference", "megatronish.training.initialize"),
 }
 
 
@@ -208,9 +208,9 @@ def test_collectives_go_through_the_recorder():
                         + "\n".join(direct))
 
 
-# Modules over the line limit that are still to be split along their seams: these two are next. Nothing may join
+# Modules over the line limit that are still to be split along their seams: this one is next. Nothing may join
 # this list.
-LONG_MODULES = {"megatronish/arguments.py", "megatronish/training/pretrain.py"}
+LONG_MODULES = {"megatronish/arguments.py"}
 MAX_LINES = 600
 
 

@@ -47,7 +47,7 @@ def test_attention_backends_compute_the_same_attention(docs):
 
 
 def test_attention_backend_flag_and_cpu_note(monkeypatch):
-    from megatronish.training.pretrain import run_notes
+    from megatronish.training.initialize import run_notes
 
     monkeypatch.setenv("MEGATRONISH_DEVICE", "cpu")
     for backend in ("auto", "flash", "fused", "unfused", "local"):
@@ -138,11 +138,12 @@ def _loop_events(rank, world, argv):
 
     from megatronish import device
     from megatronish.parallel import groups
+    from megatronish.training import evaluate as evaluation
     from megatronish.training import pretrain as loop
 
     groups.destroy_model_parallel()
     rec = _Recorder(gc)
-    loop.gc = rec
+    loop.gc = evaluation.gc = rec  # the loop's collections and those around evaluations
     emptied = []
     device.empty_cache = lambda: emptied.append(1)
     argv = BASE + ["--global-batch-size", "2", "--train-iters", "6", "--eval-interval", "3", "--eval-iters", "1",

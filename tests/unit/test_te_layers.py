@@ -151,13 +151,13 @@ def test_te_recipes_map_megatron_flags(fake_te, monkeypatch):
 def test_pretrain_uses_te_layers_for_the_flag(fake_te, monkeypatch):
     import dataclasses
 
-    from megatronish.training.pretrain import _enable_fp8
+    from megatronish.training.initialize import enable_fp8_linears
 
     m = _model()
     cfg = dataclasses.replace(m.config, transformer_impl="transformer_engine")
     with monkeypatch.context() as cuda:
         cuda.setenv("MEGATRONISH_DEVICE", "cuda")
-        mgr = _enable_fp8([m], cfg)  # no --fp8-format: TE layers in the parameters' precision
+        mgr = enable_fp8_linears([m], cfg)  # no --fp8-format: TE layers in the parameters' precision
     assert type(mgr).__name__ == "TeManager" and mgr.recipe is None and len(mgr.linears) == 8
     _loss_and_grads(m)
     assert [c for c in fake_te if c[0] == "autocast"][0][1] is False

@@ -1,0 +1,174 @@
+"""One iteration: Megatron's ``forward_step`` and its loss, the schedule over the iteration's microbatches, the
+NaN check and gradient finalization (DP, SP, embedding group) (:func:`compute_gradients`), then the optimizer
+step (unscale, clip, step), FP8 scales and the LR/WD schedule (:func:`apply_update`)."""
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from .. import device
+from ..model.moe import stats as moe_stats
+from ..parallel import comm_log as comm
+from ..parallel.context_parallel import split_for_context_parallel
+from ..parallel.ddp import finalize_model_grads
+from . import nan_check
+from .batches import data_iterators, microbatches, model_arg
+from .metrics import print_rank_last
+from .state import StepResult
+from .timers import Timers
+
+if TYPE_CHECKING:
+    from ..parallel.context import ParallelContext
+    from ..parallel.pipeline.timeline import PipelineTimeline
+    from .state import TrainContext, TrainState
+
+__all__ = ["make_forward_step", "loss_sums", "print_rank0", "compute_gradients", "apply_update", "train_step"]
+
+
+def loss_sums(stats: list[dict], parallel: ParallelContext) -> torch.Tensor:
+    """``[sum of token losses, loss tokens]`` of the whole global batch (Megatron's reporting: each microbatch
+    reports both, summed over microbatches and DP x CP), on every rank (sent from the last pipeline stage)."""
+    sums = torch.zeros(2, dtype=torch.float32, device=device.current_device())
+    if parallel.is_last_stage:
+        sums = torch.stack([s["lm loss"].float() for s in stats]).sum(0)
+        group = parallel.dp_cp_group
+        if group is not None and group.size() > 1:
+            comm.all_reduce(sums, group=group)
+    if parallel.pp_size > 1:
+        comm.broadcast(sums, src=parallel.ranks("pp")[-1], group=parallel.pp_group)
+    return sums
+
+
+def _reported_loss(stats: list[dict], parallel: ParallelContext) -> float:
+    """The iteration's loss: the token-weighted mean over the global batch (Megatron's), on every rank."""
+    total, tokens = loss_sums(stats, parallel).tolist()
+    return total / max(tokens, 1.0)
+
+
+
+def make_forward_step(reset_position_ids: bool, parallel: ParallelContext, per_token_loss: bool = False):
+    """Megatron's ``forward_step``/``loss_func``. Each microbatch reports ``[token-loss sum, loss tokens]`` of
+    this rank's tokens. The loss back-propagated is the microbatch's token mean (the schedule divides it by the
+    number of microbatches), or under ``per_token_loss`` the token sum (the gradients are divided by the global
+    batch's token count after the backward)."""
+    cp, cp_rank, cp_group = parallel.cp_size, parallel.cp_rank, parallel.cp_group
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        docs = batch.get("document_ids")  # --reset-attention-mask: the whole sequence's (attention sees all of it)
+        if cp > 1:  # this CP rank's two chunks of every [b, s] tensor (Megatron's get_batch_on_this_cp_rank)
+            batch = {k: split_for_context_parallel(v, 1, cp, cp_rank) for k, v in batch.items()}
+        position_ids = batch["position_ids"].long() if reset_position_ids else None
+        output = model(batch["tokens"].long(), position_ids=position_ids, labels=batch["labels"].long(),
+                       document_ids=docs)
+        mask = batch["loss_mask"].float()
+
+        def loss_func(losses):  # per-token losses [b, s] -> masked token mean (or sum)
+            total = (losses.float() * mask).sum()
+            report = {"lm loss": torch.stack([total.detach(), mask.sum()])}
+            if per_token_loss:
+                return total, report
+            if cp == 1:
+                return total / mask.sum().clamp(min=1), report
+            # The token count of the whole sequence: summed over CP. Gradients flow through this rank's sum only
+            # and are averaged over DP x CP, hence the factor CP.
+            num_tokens = mask.sum()
+            comm.all_reduce(num_tokens, group=cp_group)
+            return total * cp / num_tokens.clamp(min=1), report
+
+        return output, loss_func
+
+    return forward_step
+
+
+def print_rank0():
+    """``print`` on rank 0 only (the first pipeline stage holds the most)."""
+    return lambda msg: print_rank_last(dist.get_rank() == 0, msg)
+
+
+def compute_gradients(run: TrainContext, state: TrainState, timeline: PipelineTimeline | None = None,
+                      batches: list[dict] | None = None) -> float:
+    """Forward and backward of the global batch at ``state.consumed_samples`` (its size from the ramp under
+    ``--rampup-batch-size``; ``batches``: its micro-batches read ahead by the loader, None: read here), the NaN
+    check and the gradient finalization; returns the iteration's loss. The gradients are then in the DDP buffers
+    (``param.main_grad``)."""
+    cfg = run.cfg
+    timers = run.timers or Timers(0)
+    num_mb = cfg.num_microbatches_at(state.consumed_samples)
+    for c in run.chunks:
+        c.zero_grad_buffer()
+    if batches is None:
+        with timers("batch-generator"):
+            batches = list(microbatches(run.train_ds, state.consumed_samples, cfg.train.micro_batch_size, num_mb,
+                                         torch.device("cpu"), run.parallel))
+    it = data_iterators(run, run.train_ds, state.consumed_samples, num_mb, batches)
+    if cfg.model.num_experts is not None:  # the routers' losses take the main loss's backward scale
+        per_token = cfg.train.calculate_per_token_loss
+        moe_stats.start_step(run.models, run.optimizer.loss_scale / (1 if per_token else num_mb), per_token)
+    with run.memory.measure(), timers("forward-backward"):  # saved-activation bytes / allocator peak, first iteration
+        stats = run.schedule(run.forward_step, it, model_arg(run), num_mb, timeline=timeline)
+    if run.checkpointer is not None:  # --async-save: the snapshot is taken before anything below changes the state
+        run.checkpointer.wait_for_snapshot()
+    run.memory.report(print_fn=print_rank0())
+    if run.compiler is not None:
+        run.compiler.report()  # the compile time, once
+    nan_check.inject_for_test(run.chunks, stats, state.iteration + 1)  # a test hook; nothing unless asked
+    # --check-for-nan-in-loss-and-grad: before the optimizer step; before the data-parallel reduction where it has
+    # not started yet (the rank that produced a NaN is named), after it under --overlap-grad-reduce and FSDP2 (whose
+    # backward reduce-scatters)
+    check = functools.partial(nan_check.check_loss_and_grads, run.models, run.chunks, stats,
+                              iteration=state.iteration + 1, check_grads=run.optimizer.grad_scaler is None)
+    early = cfg.train.check_for_nan_in_loss_and_grad and not cfg.optim.overlap_grad_reduce \
+        and all(hasattr(c, "grad_buffer") for c in run.chunks)
+    if early:
+        check()
+    num_tokens = None
+    if cfg.train.calculate_per_token_loss:  # this rank's loss tokens (last stage; finalize sends them on)
+        num_tokens = torch.zeros((), dtype=torch.float32, device=device.current_device())
+        if stats:
+            num_tokens = torch.stack([s["lm loss"][1].float() for s in stats]).sum()
+    with timers("grads-reduce-scatter" if cfg.optim.use_distributed_optimizer else "grads-all-reduce"):
+        finalize_model_grads(run.chunks, run.parallel, num_tokens)
+    if cfg.train.check_for_nan_in_loss_and_grad and not early:
+        check()
+    if cfg.model.num_experts is not None:
+        moe_stats.update_expert_biases(run.models, run.parallel)
+    if cfg.train.empty_unused_memory_level >= 1:
+        device.empty_cache()
+    return _reported_loss(stats, run.parallel)
+
+
+def apply_update(run: TrainContext, state: TrainState, loss: float) -> StepResult:
+    """The optimizer step on the finalized gradients, FP8 scales, the LR/WD schedule; advances ``state``."""
+    batch = run.cfg.global_batch_size_at(state.consumed_samples)
+    with (run.timers or Timers(0))("optimizer"):
+        update_successful, grad_norm = run.optimizer.step()  # unscale/overflow check, clip, step, copy back
+    if run.fp8 is not None:
+        run.fp8.update()  # amax histories and next scales, once per optimizer step
+    if update_successful:  # Megatron: the LR/WD schedule advances only with an applied update
+        run.scheduler.step(increment=batch)
+    if run.cfg.train.empty_unused_memory_level >= 2:
+        device.empty_cache()
+    state.iteration += 1
+    state.consumed_samples += batch
+    state.history.append((state.iteration, loss))
+    return StepResult(loss, update_successful, grad_norm, batch)
+
+
+def train_step(run: TrainContext, state: TrainState, timeline: PipelineTimeline | None = None,
+               batches: list[dict] | None = None) -> StepResult:
+    """One iteration on the global batch at ``state.consumed_samples`` (``batches``: its micro-batches, read ahead
+    by the loader; None: read here); advances ``state``."""
+    loss = compute_gradients(run, state, timeline, batches)
+    cfg = run.cfg
+    moe = None
+    if cfg.model.num_experts is not None:  # collective: every rank, before the update advances the state
+        moe = moe_stats.step_metrics(run.models, run.parallel, cfg.model,
+                                     cfg.num_microbatches_at(state.consumed_samples))
+    result = apply_update(run, state, loss)
+    result.moe = moe
+    return result
+
