@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from kernel_support import import_interpreted, not_interpreted_mark
 from megatronish.testing import run_distributed
+from support.kernel_support import import_interpreted, not_interpreted_mark
 
 kernels, _triton, _mods = import_interpreted("fused_cross_entropy", "fused_norms", "fused_rope", "fused_swiglu")
 fused_cross_entropy = _mods[0]

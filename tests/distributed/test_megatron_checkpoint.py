@@ -21,9 +21,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import megatron_core_support as mcs
 from megatronish.checkpoint import CheckpointError
 from megatronish.testing import run_distributed
+from support import megatron_core_support as mcs
 
 TP, PP, ITER = 2, 2, 7
 

@@ -9,7 +9,7 @@ import pytest
 
 from megatronish.data.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
 from megatronish.testing import subprocess_env
-from tokenizer_files import make_hf_tokenizer_json
+from support.tokenizer_files import make_hf_tokenizer_json
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

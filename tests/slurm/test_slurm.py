@@ -1,7 +1,7 @@
 """The sbatch scripts on a real Slurm: slurmctld and two slurmd daemons simulating two nodes on this host
 (scripts/slurm/local_cluster.sh). Runs as root with Slurm installed or apt-get available (marker ``slurm``;
 tests/conftest.py skips it otherwise, with the reason); where apt-get cannot install the packages (no reachable
-package registry) it skips with that reason (tests/slurm_support.py).
+package registry) it skips with that reason (tests/support/slurm_support.py).
 
 * pretrain_gpt.sbatch on 2 nodes (torchrun per node, c10d rendezvous), TP 2 across the nodes, and the
   one-task-per-process variant at the same time: exit code, metrics, checkpoint;
@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from slurm_support import up_outcome
+from support.slurm_support import up_outcome
 
 pytestmark = pytest.mark.slurm
 

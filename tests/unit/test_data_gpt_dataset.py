@@ -180,7 +180,7 @@ def test_per_split_paths(data):
 
 # --------------------------------------------------------------------- megatron-core as oracle
 def test_same_samples_as_megatron_core(data):
-    from megatron_core_support import import_or_skip  # under CI a failure, not a skip
+    from support.megatron_core_support import import_or_skip  # under CI a failure, not a skip
     import_or_skip("megatron.core")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -152,7 +152,7 @@ def test_bad_arguments():
 
 
 def test_against_megatron_core_helpers():
-    from megatron_core_support import import_or_skip  # under CI a failure, not a skip
+    from support.megatron_core_support import import_or_skip  # under CI a failure, not a skip
     import_or_skip("megatron.core")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -197,7 +197,7 @@ def test_missing_files(tmp_path):
 
 # ---------------------------------------------------------------------- megatron-core as oracle
 def _mcore_indexed():
-    from megatron_core_support import import_or_skip  # under CI a failure, not a skip
+    from support.megatron_core_support import import_or_skip  # under CI a failure, not a skip
     import_or_skip("megatron.core")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -9,13 +9,13 @@ import time
 import numpy as np
 import pytest
 
-import tokenizer_files as tf
 from megatronish.data.indexed_dataset import IndexedDataset
 from megatronish.data.preprocess import encoder, inputs, pipeline
 from megatronish.data.preprocess import workers as preprocess_workers
 from megatronish.data.tokenizers import TokenizerError, build_tokenizer
 from megatronish.testing import subprocess_env
 from megatronish.tools import preprocess_data
+from support import tokenizer_files as tf
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

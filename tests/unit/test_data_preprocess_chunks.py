@@ -7,11 +7,11 @@ import os
 import numpy as np
 import pytest
 
-import tokenizer_files as tf
 from megatronish.data.indexed_dataset import IndexedDataset
 from megatronish.data.preprocess import encoder, inputs
 from megatronish.data.tokenizers import build_tokenizer
 from megatronish.tools import preprocess_data
+from support import tokenizer_files as tf
 
 RUNS = [(1, 1), (2, 1), (3, 1), (2, 2), (3, 3)]  # (--workers, --partitions)
 

@@ -3,7 +3,7 @@ truncations and byte flips of a ``.idx``, a ``.bin``, a checkpoint's ``.metadata
 (SentencePiece model, tokenizer.json, tiktoken ranks, GPT-2 encoder.json / vocab.bpe) give the project's user error
 or exactly what the damaged file says, every time: never another exception, a segfault (the compiled sample reader
 and the tokenizer libraries included: each category runs in its own process) or a hang (a time limit).
-The targets are in tests/fuzz_targets.py."""
+The targets are in tests/support/fuzz_targets.py."""
 import json
 import os
 import subprocess
@@ -14,7 +14,7 @@ import pytest
 from megatronish.testing import subprocess_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TARGETS = os.path.join(os.path.dirname(HERE), "fuzz_targets.py")
+TARGETS = os.path.join(os.path.dirname(HERE), "support", "fuzz_targets.py")
 EXAMPLES = 1000
 CATEGORIES = ("idx", "bin", "checkpoint", "tokenizer")
 
@@ -23,7 +23,7 @@ CATEGORIES = ("idx", "bin", "checkpoint", "tokenizer")
 def fuzzed(tmp_path_factory):
     root = tmp_path_factory.mktemp("fuzz")
     env = subprocess_env(OMP_NUM_THREADS="1", MEGATRONISH_DEVICE="cpu", TIKTOKEN_CACHE_DIR=str(root / "tt"))
-    env["PYTHONPATH"] += os.pathsep + os.path.dirname(HERE)  # the targets import tests/tokenizer_files.py
+    env["PYTHONPATH"] += os.pathsep + os.path.dirname(HERE)  # the targets import tests/support/tokenizer_files.py
     procs = {c: subprocess.Popen([sys.executable, TARGETS, c, str(root / c), str(EXAMPLES)], env=env,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in CATEGORIES}
     out = {}
@@ -52,8 +52,8 @@ def test_damaged_files_give_a_clean_error_or_their_data(fuzzed, category):
 
 def test_gpt2_files_are_read_fresh(tmp_path):
     """An edited encoder.json / vocab.bpe at the same path is read again (tiktoken's loader would cache it)."""
-    from fuzz_targets import _gpt2_small
     from megatronish.data.tokenizers import build_tokenizer
+    from support.fuzz_targets import _gpt2_small
 
     vocab, merges = _gpt2_small(str(tmp_path))
     first = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)

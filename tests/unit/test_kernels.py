@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernel_support import import_interpreted, not_interpreted_mark
 from megatronish.model.rope import RotaryEmbedding, apply_rotary  # loads no kernel module, so no triton
 from megatronish.parallel.cross_entropy import vocab_parallel_cross_entropy
+from support.kernel_support import import_interpreted, not_interpreted_mark
 
 kernels, _triton, _mods = import_interpreted("fused_cross_entropy")
 fused_ce = _mods[0].vocab_parallel_cross_entropy

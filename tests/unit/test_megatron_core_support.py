@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-import megatron_core_support as mcs
+from support import megatron_core_support as mcs
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

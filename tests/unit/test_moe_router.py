@@ -275,7 +275,7 @@ def test_pad_to_capacity_by_hand():
 # ============================================================================================ megatron-core
 @pytest.fixture(scope="module")
 def mcore():
-    from megatron_core_support import import_or_skip  # under CI a failure, not a skip
+    from support.megatron_core_support import import_or_skip  # under CI a failure, not a skip
     return import_or_skip("megatron.core.transformer.moe.moe_utils")
 
 

@@ -28,7 +28,7 @@ def _formula(consumed, start, inc, samples, gbs):
 
 @pytest.mark.parametrize("start, inc, samples, gbs, per_step", RAMPS)
 def test_batch_sizes_match_the_formula_and_megatron_core(start, inc, samples, gbs, per_step):
-    from megatron_core_support import import_or_skip  # under CI a failure, not a skip
+    from support.megatron_core_support import import_or_skip  # under CI a failure, not a skip
     calc_mod = import_or_skip("megatron.core.num_microbatches_calculator")
     calc = calc_mod.RampupBatchsizeNumMicroBatchesCalculator(
         global_batch_size=gbs, micro_batch_size=per_step, data_parallel_size=1, decrease_batch_size_if_needed=False,

@@ -3,7 +3,7 @@ reachable package registry) skip them with one line saying why; anything else fa
 import os
 import re
 
-from slurm_support import INSTALL_FAILURES, up_outcome
+from support.slurm_support import INSTALL_FAILURES, up_outcome
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts",
                       "slurm", "local_cluster.sh")

@@ -1,7 +1,7 @@
 """Fuzz targets run by tests/unit/test_fuzz_readers.py, one category per process (a segfault in a reader,
 compiled helpers included, ends only this process and is reported with the example that caused it):
 
-    PYTHONPATH=.:tests python tests/fuzz_targets.py <idx|bin|checkpoint|tokenizer> <work dir> <examples>
+    PYTHONPATH=.:tests python tests/support/fuzz_targets.py <idx|bin|checkpoint|tokenizer> <work dir> <examples>
 
 Each example damages one good file (a truncation, or 1-4 byte flips) chosen by hypothesis (derandomized), and the
 reader must either raise the project's user error for that file or return exactly what the (damaged) file says.
@@ -201,7 +201,7 @@ def _bytes_to_unicode():
 
 def run_tokenizer(work, examples):
     from megatronish.data.tokenizers import build_tokenizer
-    from tokenizer_files import make_hf_tokenizer_json, make_sentencepiece, make_tiktoken_json
+    from support.tokenizer_files import make_hf_tokenizer_json, make_sentencepiece, make_tiktoken_json
 
     vocab, merge = _gpt2_small(work)
     files = {"sp": make_sentencepiece(work), "hf": make_hf_tokenizer_json(work), "tiktoken": make_tiktoken_json(work),
