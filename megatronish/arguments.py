@@ -474,8 +474,9 @@ def moe_layer_freq(text: str):
     return value
 
 
-def _rules(args) -> dict[type, dict]:
-    """The config fields whose value is not the flag of the same name: a renamed flag or Megatron's rule."""
+def _rules(args, load_resolved: tuple[str, int | None] | None = None) -> dict[type, dict]:
+    """The config fields whose value is not the flag of the same name: a renamed flag or Megatron's rule (and
+    the ``--load`` checkpoint that ``--use-checkpoint-args`` resolved)."""
     constant_wd = args.weight_decay_incr_style == "constant"
     return {
         ModelConfig: dict(
@@ -500,6 +501,7 @@ def _rules(args) -> dict[type, dict]:
         DataConfig: dict(data_path=list(args.data_path or []),
                          split=args.split if args.split is not None else DataConfig.split,
                          vocab_size_flag=args.vocab_size),
+        CheckpointConfig: dict(load_resolved=load_resolved),
     }
 
 
@@ -594,8 +596,8 @@ class _Draft:
                    cfg.sequence_parallel_flag, run=cfg)
 
 
-def _draft(args, world_size: int, errors: list[str]) -> _Draft:
-    rules = _rules(args)
+def _draft(args, world_size: int, errors: list[str], load_resolved=None) -> _Draft:
+    rules = _rules(args, load_resolved)
     parallel = _parallel_dims(args, world_size, errors)
     model = None
     if not _missing_required(args):
@@ -603,7 +605,8 @@ def _draft(args, world_size: int, errors: list[str]) -> _Draft:
     return _Draft(model=model, parallel=parallel, train=_from_flags(TrainingConfig, args, rules[TrainingConfig]),
                   optim=_from_flags(OptimizerConfig, args, rules[OptimizerConfig]),
                   logging=_from_flags(LoggingConfig, args, {}), data=_from_flags(DataConfig, args, rules[DataConfig]),
-                  checkpoint=_from_flags(CheckpointConfig, args, {}), sequence_parallel_flag=args.sequence_parallel)
+                  checkpoint=_from_flags(CheckpointConfig, args, rules[CheckpointConfig]),
+                  sequence_parallel_flag=args.sequence_parallel)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -990,12 +993,13 @@ def validate(cfg: RunConfig) -> None:
     _raise(_problems(_Draft.of(cfg), []))
 
 
-def _validated(args: argparse.Namespace, world_size: int, for_training: bool = True) -> RunConfig:
+def _validated(args: argparse.Namespace, world_size: int, for_training: bool = True,
+               load_resolved: tuple[str, int | None] | None = None) -> RunConfig:
     if not for_training and args.micro_batch_size is None:  # generation: one sequence per micro-batch
         args = copy.copy(args)  # the caller's namespace stays as given
         args.micro_batch_size = 1
     errors = _flag_problems(args, for_training)
-    draft = _draft(args, world_size, errors)
+    draft = _draft(args, world_size, errors, load_resolved)
     _raise(_problems(draft, errors, for_training))
     return draft.run
 
@@ -1009,12 +1013,19 @@ def validate_args(args: argparse.Namespace, world_size: int, *, for_training: bo
 
 def configs_from_args(args: argparse.Namespace, world_size: int, *, for_training: bool = True) -> RunConfig:
     """Validate ``args`` and build the :class:`RunConfig` (derived values filled as Megatron-LM does).
-    ``for_training=False``: see :func:`validate_args` (the micro-batch size defaults to 1)."""
-    if getattr(args, "use_checkpoint_args", False):
-        from .checkpoint.args import apply_checkpoint_args  # reads the --load checkpoint's config
+    ``for_training=False``: see :func:`validate_args` (the micro-batch size defaults to 1). Under
+    ``--use-checkpoint-args`` the ``--load`` checkpoint is resolved once, here: its stored config fills the flags
+    (of a copy: ``args`` stays as given) and the loader loads that iteration (``CheckpointConfig.load_resolved``)."""
+    load_resolved = None
+    if getattr(args, "use_checkpoint_args", False) and args.load:  # without --load: validation names it
+        from .checkpoint.args import checkpoint_arg_values, resolve_load  # reads the checkpoint's config
 
-        apply_checkpoint_args(args)
-    cfg = _validated(args, world_size, for_training)
+        load_resolved = resolve_load(args.load)
+        values = checkpoint_arg_values(args, load_resolved[0])
+        args = copy.copy(args)
+        for dest, value in values.items():
+            setattr(args, dest, value)
+    cfg = _validated(args, world_size, for_training, load_resolved)
     # The model's true vocabulary is the tokenizer's, built here once (it may read files) and kept on cfg.data.
     cfg.model = dataclasses.replace(cfg.model, vocab_size=int(cfg.data.tokenizer.vocab_size))
     return cfg

@@ -489,6 +489,9 @@ class CheckpointConfig:
     exit_signal: str = "SIGTERM"  # SIGTERM | SIGINT | SIGUSR1 | SIGUSR2
     exit_duration_in_mins: float | None = None
     exit_interval: int | None = None
+    # (iteration directory, iteration) of the --load checkpoint, resolved once when --use-checkpoint-args read its
+    # config (checkpoint.args.resolve_load); the loader loads that one. None: the loader resolves --load itself.
+    load_resolved: tuple[str, int | None] | None = None
 
 
 @dataclass

@@ -1,9 +1,13 @@
 """``--use-checkpoint-args``: take the model-shape flags from the ``--load`` checkpoint's config (Megatron's
 ``load_args_from_checkpoint``). Flags Megatron fills only when unset on the command line stay as given;
-the architecture switches are always taken from the checkpoint."""
+the architecture switches are always taken from the checkpoint.
+
+The ``--load`` path is resolved once (:func:`resolve_load`, the tracker followed); ``configs_from_args`` keeps
+that ``(iteration directory, iteration)`` on ``CheckpointConfig.load_resolved``, so the flags and the loaded
+weights come from the same iteration and the loader does not resolve the path again."""
 from __future__ import annotations
 
-from . import megatron_format
+from . import layout, megatron_format
 from .dcp_io import CheckpointError
 from .offline import read_checkpoint_meta
 
@@ -32,32 +36,41 @@ _FORCED = ("position_embedding_type", "rotary_percent", "rotary_base", "normaliz
 # Not taken: the token dispatcher is the run's choice (it changes no weight; Megatron keeps the command line's).
 
 
-def apply_checkpoint_args(args) -> None:
-    """Fill ``args`` (an argparse namespace) from the config stored in the ``--load`` checkpoint."""
-    if not args.load:
-        return  # validate_args reports the missing --load
+def resolve_load(load: str) -> tuple[str, int | None]:
+    """``(iteration directory, iteration)`` of the ``--load`` checkpoint (its tracker followed), once per run."""
     try:
-        meta = _megatron_meta(args.load) if megatron_format.is_megatron(args.load) else read_checkpoint_meta(args.load)
+        found = layout.resolve(load)
+    except CheckpointError as e:
+        raise CheckpointError(f"--use-checkpoint-args: {e}") from None
+    if found is None:
+        raise CheckpointError(f"--use-checkpoint-args: no checkpoint at {load}: no {layout.TRACKER} there and it is "
+                              "not an iter_XXXXXXX directory")
+    return found
+
+
+def checkpoint_arg_values(args, iter_dir: str) -> dict:
+    """The flag values (argparse dests) that the config stored in ``iter_dir`` gives a run with the flags ``args``
+    (which are only read)."""
+    try:
+        meta = _megatron_meta(iter_dir) if megatron_format.is_megatron(iter_dir) else read_checkpoint_meta(iter_dir)
     except CheckpointError as e:
         raise CheckpointError(f"--use-checkpoint-args: {e}") from None
     model = (meta.get("config") or {}).get("model") or {}
     if not model:
         raise CheckpointError(f"--use-checkpoint-args: checkpoint {meta['iter_dir']} stores no model config")
-    for field in _IF_UNSET:
-        if model.get(field) is not None and getattr(args, field, None) is None:
-            setattr(args, field, model[field])
-    for field in _FORCED:
-        if field in model and hasattr(args, field):
-            setattr(args, field, model[field])
+    values = {field: model[field] for field in _IF_UNSET
+              if model.get(field) is not None and getattr(args, field, None) is None}
+    values.update({field: model[field] for field in _FORCED if field in model and hasattr(args, field)})
     heads, groups = model.get("num_attention_heads"), model.get("num_query_groups")
     if groups is not None:
-        args.group_query_attention = groups != heads
-        args.num_query_groups = groups
+        values.update(group_query_attention=groups != heads, num_query_groups=groups)
     data = (meta.get("config") or {}).get("data") or {}
     if args.tokenizer_type is None and args.vocab_size is None and args.vocab_file is None:
         if data.get("tokenizer_type"):
-            args.tokenizer_type = data["tokenizer_type"]
+            values["tokenizer_type"] = data["tokenizer_type"]
         if data.get("vocab_size_flag") is not None:
-            args.vocab_size = data["vocab_size_flag"]
-        elif model.get("vocab_size") is not None and args.tokenizer_type in (None, "NullTokenizer"):
-            args.tokenizer_type, args.vocab_size = "NullTokenizer", model["vocab_size"] - 1
+            values["vocab_size"] = data["vocab_size_flag"]
+        elif model.get("vocab_size") is not None and values.get("tokenizer_type", args.tokenizer_type) in (
+                None, "NullTokenizer"):
+            values["tokenizer_type"], values["vocab_size"] = "NullTokenizer", model["vocab_size"] - 1
+    return values

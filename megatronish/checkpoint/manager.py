@@ -107,7 +107,7 @@ class Checkpointer:
         ck = self.ck
         if not ck.load:
             return False
-        found = layout.resolve(ck.load)
+        found = ck.load_resolved or layout.resolve(ck.load)  # resolved by --use-checkpoint-args, or here
         self._warn_incomplete(ck.load, found)
         if found is None:
             if ck.exit_on_missing_checkpoint:

@@ -59,3 +59,18 @@ def test_mixture_of_experts_flags_come_from_the_checkpoint(tmp_path):
         assert getattr(got, field) == getattr(model, field), field
     # the dispatcher is the run's choice (it changes no weight): the command line's, as in Megatron
     assert got.moe_token_dispatcher_type == "allgather"
+
+
+def test_the_load_path_is_resolved_once_and_the_flags_stay_as_given(ckpt, monkeypatch):
+    from megatronish.checkpoint import layout
+
+    d, _ = ckpt
+    args = parse_args(RUN + ["--load", d, "--use-checkpoint-args"])
+    given = dict(vars(args))
+    calls = []
+    resolve = layout.resolve
+    monkeypatch.setattr(layout, "resolve", lambda path: calls.append(path) or resolve(path))
+    cfg = configs_from_args(args, 1)
+    assert vars(args) == given  # the namespace is only read
+    assert cfg.checkpoint.load_resolved == (layout.checkpoint_dir(d, 4), 4)
+    assert calls.count(d) == 1  # the root's tracker is read once; the loader takes cfg.checkpoint.load_resolved
