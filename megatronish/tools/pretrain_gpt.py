@@ -11,6 +11,7 @@ def main(argv=None):
     cfg = exit_on_config_error(lambda: configs_from_args(parse_args(argv), world_size), once_per_node=True)
     from ..training.failure import run_rank
     from ..training.pretrain import pretrain
+    from ..training.watchdog import Watch
 
     # A bad data file, tokenizer file or checkpoint is one line (once for the job), exit 2; a non-finite loss exits
     # 3, a lost peer 4; the other ranks stop within seconds (docs/reliability.md).
@@ -18,5 +19,6 @@ def main(argv=None):
     # rank's collectives in collectives-<restart>.json beside the metrics file, else in --save, else here.
     metrics = cfg.logging.metrics_file
     report_dir = (os.path.dirname(metrics) or ".") if metrics else cfg.checkpoint.save
-    run_rank(lambda: pretrain(cfg), report_dir=report_dir)
+    watch = Watch()  # this process's rank watchdog: the run starts it, run_rank ends the job through it
+    run_rank(lambda: pretrain(cfg, watch), watch=watch, report_dir=report_dir)
 

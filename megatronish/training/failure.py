@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ..errors import EXIT_BUG, EXIT_PEER_LOST, TrainingFailure, UserError
 from ..parallel import comm_log
-from . import watchdog
+from .watchdog import RankWatchdog, Watch
 
 __all__ = ["run_rank", "is_peer_failure"]
 
@@ -138,19 +138,20 @@ def _diagnose_collective(wd, err: BaseException, report_dir: str | None, deadlin
     _end(EXIT_PEER_LOST, wd)
 
 
-def run_rank(fn: Callable[[], T], *, report_dir: str | None = None) -> T:
+def run_rank(fn: Callable[[], T], *, watch: Watch | None = None, report_dir: str | None = None) -> T:
     """Run one rank's work ``fn()``; on failure report it once for the job and end the process (see the
     module docstring). On success mark the rank finished for the watchdog and return ``fn()``'s result.
-    ``report_dir``: where a failed collective's rings of every rank go (default: the current directory)."""
-    watchdog.enable()
+    ``watch``: the process's watchdog, which ``fn`` starts (None: no watchdog). ``report_dir``: where a failed
+    collective's rings of every rank go (default: the current directory)."""
+    watch = watch or Watch()
     try:
         result = fn()
     except (UserError, TrainingFailure) as err:
-        _fail(err.exit_code, _lines(err), None)
+        _fail(err.exit_code, _lines(err), None, watch.watchdog)
     except SystemExit:
         raise
     except BaseException as err:  # noqa: B036 - a rank that dies must tell the others
-        wd = watchdog.current()
+        wd = watch.watchdog
         if wd is not None and is_peer_failure(err):
             wd.reporting = True
             deadline = time.monotonic() + wd.timeout + 5 * wd.interval
@@ -160,16 +161,14 @@ def run_rank(fn: Callable[[], T], *, report_dir: str | None = None) -> T:
             if found is not None:  # the rank that saw the cause prints it
                 wd.wait_printed()
                 _end(found[0], wd)
-        _fail(EXIT_BUG, None, traceback.format_exc())
-    wd = watchdog.current()
-    if wd is not None:
-        wd.finish()
+        _fail(EXIT_BUG, None, traceback.format_exc(), wd)
+    if watch.watchdog is not None:
+        watch.watchdog.finish()
     return result
 
 
-def _fail(code: int, lines: list[str] | None, tb: str | None) -> None:
+def _fail(code: int, lines: list[str] | None, tb: str | None, wd: RankWatchdog | None) -> None:
     """Record the failure for the job, print it once (a traceback: on every rank that had one), end."""
-    wd = watchdog.current()
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else None
     text = (lines or [tb.strip().splitlines()[-1]])[0]
     should_print = True

@@ -23,12 +23,12 @@ from ..parallel import groups
 from ..parallel.pipeline.schedules import get_forward_backward_func, pipeline_tensor_shape
 from ..parallel.random import set_random_seed
 from ..precision.fp8 import Fp8Manager, Fp8Recipe, check_transformer_impl, enable_fp8
-from . import watchdog
 from .compile import Compiler
 from .memory import ActivationMeter, report_theoretical_memory
 from .state import TrainContext, TrainState
 from .step import make_forward_step, print_rank0
 from .timers import Timers
+from .watchdog import Watch
 from .wrap import model_params_dtype, wrap_model_chunks
 
 __all__ = ["setup", "init_distributed", "build_datasets", "enable_fp8_linears", "run_notes"]
@@ -94,12 +94,14 @@ def _tensor_shape(cfg):
 
 
 
-def setup(cfg) -> tuple[TrainContext, TrainState]:
-    """Everything before the first iteration, in the fixed order of the module docstring (collective)."""
+def setup(cfg, watch: Watch | None = None) -> tuple[TrainContext, TrainState]:
+    """Everything before the first iteration, in the fixed order of the module docstring (collective). ``watch``:
+    the entry point's watchdog, started here once the process group is up (None: none, as for test harnesses)."""
     t, o = cfg.train, cfg.optim
     check_transformer_impl(cfg.model.transformer_impl)  # before any process group (TE needs CUDA)
     init_distributed(t.distributed_backend, t.distributed_timeout_minutes)
-    watchdog.start(dist.get_rank(), dist.get_world_size())  # entry points only: a failed or lost rank ends the job
+    if watch is not None:  # entry points: a failed or lost rank ends the job
+        watch.start(dist.get_rank(), dist.get_world_size())
     hcp = cfg.model.hierarchical_context_parallel_sizes
     parallel = groups.initialize_model_parallel(cfg.parallel, timeout_minutes=t.distributed_timeout_minutes,
                                                 hierarchical_cp_inner=hcp[0] if hcp else None)

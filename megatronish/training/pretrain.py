@@ -27,14 +27,16 @@ from .logger import TrainLogger, write_timeline
 from .profiler import Profiler
 from .state import StepResult, TrainContext, TrainCounters, TrainState
 from .step import apply_update, compute_gradients, train_step
+from .watchdog import Watch
 
 __all__ = ["pretrain", "setup", "train_step", "compute_gradients", "apply_update", "evaluate", "TrainLogger",
            "TrainContext", "TrainCounters", "TrainState", "StepResult"]
 
 
-def pretrain(cfg) -> TrainState:
-    """Train (and evaluate) as configured by a :class:`megatronish.config.RunConfig`."""
-    run, state = setup(cfg)
+def pretrain(cfg, watch: Watch | None = None) -> TrainState:
+    """Train (and evaluate) as configured by a :class:`megatronish.config.RunConfig`. ``watch``: the entry point's
+    rank watchdog (:class:`megatronish.training.watchdog.Watch`), started by ``setup``."""
+    run, state = setup(cfg, watch)
     t = cfg.train
     train_iters = 0 if t.skip_train else t.train_iters
     logger = TrainLogger(run, train_iters)

@@ -41,29 +41,11 @@ import torch.distributed as dist
 from ..errors import EXIT_PEER_LOST
 from ..parallel import comm_log
 
-__all__ = ["RankWatchdog", "enable", "start", "current", "launched_by_launcher", "set_parent_death_signal",
-           "data_worker_init"]
+__all__ = ["RankWatchdog", "Watch", "start", "launched_by_launcher", "set_parent_death_signal", "data_worker_init"]
 
 _PR_SET_PDEATHSIG = 1
 DEFAULT_INTERVAL = 1.0
 DEFAULT_TIMEOUT = 45.0  # seconds without a heartbeat from another host before its rank counts as lost
-
-_current: "RankWatchdog | None" = None
-_enabled = False
-
-
-def enable() -> None:
-    """Let :func:`start` start a watchdog in this process (entry points call it through
-    ``megatronish.training.failure.run_rank``; library callers and test harnesses that exit ranks on their own
-    schedule leave it off)."""
-    global _enabled
-    _enabled = True
-
-
-def current() -> "RankWatchdog | None":
-    """The watchdog of this process (None before :func:`start` or in a one-process run without a launcher)."""
-    return _current
-
 
 def launched_by_launcher() -> bool:
     """Whether a launcher process (torchrun's agent, Slurm's step daemon) started this process."""
@@ -349,11 +331,8 @@ class RankWatchdog:
 
 def start(rank: int, world_size: int, *, interval: float | None = None,
           timeout: float | None = None) -> RankWatchdog | None:
-    """Start this process's watchdog after ``init_process_group`` (once; later calls return the first). None
-    unless :func:`enable` was called, for a one-process run without a launcher, or without a store address."""
-    global _current
-    if _current is not None or not _enabled:
-        return _current
+    """Start a watchdog for this process after ``init_process_group``. None for a one-process run without a
+    launcher, or without a store address."""
     launcher = launched_by_launcher()
     if world_size == 1 and not launcher:
         return None
@@ -362,8 +341,24 @@ def start(rank: int, world_size: int, *, interval: float | None = None,
         if launcher:
             set_parent_death_signal()
         return None
-    _current = RankWatchdog(rank, world_size, host, int(port),
-                            interval=interval or _env_float("MEGATRONISH_WATCHDOG_INTERVAL", DEFAULT_INTERVAL),
-                            timeout=timeout or _env_float("MEGATRONISH_HEARTBEAT_TIMEOUT", DEFAULT_TIMEOUT),
-                            watch_launcher=launcher).start()
-    return _current
+    return RankWatchdog(rank, world_size, host, int(port),
+                        interval=interval or _env_float("MEGATRONISH_WATCHDOG_INTERVAL", DEFAULT_INTERVAL),
+                        timeout=timeout or _env_float("MEGATRONISH_HEARTBEAT_TIMEOUT", DEFAULT_TIMEOUT),
+                        watch_launcher=launcher).start()
+
+
+class Watch:
+    """One process's watchdog, owned by the entry point: it makes a ``Watch`` and hands it to the run, which starts
+    the watchdog once ``init_process_group`` is done (``setup``), and to ``failure.run_rank``, which reads it when
+    the rank fails or finishes. A run handed none (library callers, test harnesses that exit ranks on their own
+    schedule) starts no watchdog."""
+
+    def __init__(self):
+        self.watchdog: RankWatchdog | None = None  # None until started (or in a one-process run without a launcher)
+
+    def start(self, rank: int, world_size: int, *, interval: float | None = None,
+              timeout: float | None = None) -> RankWatchdog | None:
+        """Start the watchdog (once; later calls return the first)."""
+        if self.watchdog is None:
+            self.watchdog = start(rank, world_size, interval=interval, timeout=timeout)
+        return self.watchdog

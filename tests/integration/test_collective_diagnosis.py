@@ -1,7 +1,7 @@
 """Mismatched collectives end the job with one line naming the collective and the rank that is elsewhere.
 
 Each job is two ranks started with ``fork`` that go through the training entry's path: ``run_rank`` (the watchdog
-on), ``init_distributed`` and ``initialize_model_parallel`` with a 3 s process-group timeout, ``watchdog.start``.
+on), ``init_distributed`` and ``initialize_model_parallel`` with a 3 s process-group timeout, ``Watch.start``.
 Two jobs run side by side:
 
 - ``skip``: rank 1 skips a tensor-parallel all-reduce and waits in a barrier over the world;
@@ -71,14 +71,16 @@ def _rank(case, rank, world, port, out_dir):
         comm_log.reset()  # not the records of the process this one was forked from
         torch.set_num_threads(1)
 
+        watch = watchdog.Watch()
+
         def work():
             init_distributed("gloo", TIMEOUT_S / 60)
             ctx = groups.initialize_model_parallel(ParallelDims(world_size=world, tp=world),
                                                    timeout_minutes=TIMEOUT_S / 60)
-            watchdog.start(dist.get_rank(), dist.get_world_size())
+            watch.start(dist.get_rank(), dist.get_world_size())
             CASES[case](rank, ctx)
 
-        run_rank(work, report_dir=out_dir)
+        run_rank(work, watch=watch, report_dir=out_dir)
         code = 0
     finally:
         sys.stdout.flush()
