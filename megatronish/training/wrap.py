@@ -12,8 +12,6 @@ import torch
 from ..parallel.context import ParallelContext
 from ..parallel.ddp import DistributedDataParallel
 
-_warned = False
-
 
 def model_params_dtype(cfg) -> torch.dtype:
     """The dtype the model's parameters are built in: fp32 under FSDP2 (its policy casts for compute)."""
@@ -21,11 +19,9 @@ def model_params_dtype(cfg) -> torch.dtype:
 
 
 def wrap_model_chunks(models, cfg, parallel: ParallelContext, print_fn=print) -> list:
-    """One DDP or FSDP2 wrapper per model chunk (collective)."""
-    global _warned
+    """One DDP or FSDP2 wrapper per model chunk (collective); called once per run, which warns once."""
     o = cfg.optim
-    if o.use_torch_fsdp2 and not cfg.fsdp_active and not _warned:
-        _warned = True
+    if o.use_torch_fsdp2 and not cfg.fsdp_active:
         print_fn("WARNING: --use-torch-fsdp2 with a data-parallel size of 1: nothing to shard; running as DDP")
     if cfg.fsdp_active:
         from ..parallel.fsdp import FullyShardedDataParallel, resolve_reshard_after_forward
