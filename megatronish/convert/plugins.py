@@ -139,16 +139,13 @@ def save_hf(args, src: Source) -> None:
 def check_target_layout(cfg: ModelConfig, tp: int, pp: int) -> None:
     if tp < 1 or pp < 1:
         raise ConvertError("--target-tensor-parallel-size and --target-pipeline-parallel-size must be >= 1")
-    from ..model.build import check_layer_split
-
     derived_kv = cfg.kv_channels * cfg.num_attention_heads == cfg.hidden_size
     try:
         dims = ParallelDims(world_size=tp * pp, tp=tp, pp=pp,
                             tie_embeddings=not cfg.untie_embeddings_and_output_weights)
         dims.validate_model(num_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
                             num_query_groups=cfg.num_query_groups, hidden_size=cfg.hidden_size if derived_kv else None,
-                            ffn_hidden_size=cfg.ffn_hidden_size)
-        check_layer_split(cfg.num_layers, pp)
+                            ffn_hidden_size=cfg.ffn_hidden_size)  # the layer split included
     except ConfigError as e:
         raise ConvertError(f"target layout --target-tensor-parallel-size {tp} --target-pipeline-parallel-size "
                            f"{pp}: {e}") from None
