@@ -230,3 +230,73 @@ def test_no_module_over_the_line_limit():
                     if n > MAX_LINES and rel not in LONG_MODULES:
                         long.append(f"{rel}: {n} lines")
     assert not long, f"modules over {MAX_LINES} lines (split them along their seams):\n" + "\n".join(long)
+
+
+# Module-level state that is mutated at run time, and why it may live in a module global. Everything else a run
+# changes is owned by an object the run passes explicitly (the parallel context, the model, the Checkpointer,
+# the watchdog's Watch, ...). Nothing joins this list without its reason.
+MUTABLE_GLOBALS = {
+    ("megatronish.parallel.groups", "_current"): "Megatron's parallel_state accessors, for users' code, read the "
+                                                 "context the last initialize_model_parallel returned",
+    ("megatronish.parallel.comm_log", "_LOG"): "the per-process ring of collectives a failed rank reports (every "
+                                               "collective of the process, whichever object issued it)",
+    ("megatronish.parallel.random", "_TRACKER"): "Megatron's get_cuda_rng_tracker(): the RNG streams, still read "
+                                                 "by the model and the checkpointer through the accessor",
+    ("megatronish.precision.fp8", "_FP8_ENABLED"): "fp8_autocast(enabled): a process-wide switch scoped by a with "
+                                                   "block, as Transformer Engine's is",
+    # caches of facts about this process's machine or inputs (computed once, never changed after)
+    ("megatronish.device", "_nvtx"): "the NVTX range of the CUDA profiler's capture, opened and closed in pairs",
+    ("megatronish.precision.fp8", "_SCALED_MM_OK"): "whether torch._scaled_mm works on a device type",
+    ("megatronish.checkpoint.common", "_CODE_VERSION"): "the package's version and git commit",
+    ("megatronish.checkpoint.state", "_LIBC"): "the C library handle",
+    ("megatronish.checkpoint.tensor_archive", "_FORMATS"): "torch.save's byte layout, learnt once per setting",
+    ("megatronish.checkpoint.dcp_io.archive", "_LAYOUTS"): "the storage layouts of pickled metadata seen",
+}
+_MUTATORS = {"append", "extend", "insert", "pop", "popitem", "remove", "clear", "update", "setdefault", "add",
+             "discard", "appendleft", "__setitem__"}
+
+
+def _mutable_globals(path):
+    """``(line, name)`` of module globals rebound through ``global`` statements, and of module-level containers
+    (dict, list, set literals or calls) mutated inside a function."""
+    tree = ast.parse(open(path).read())
+    containers = {}
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) \
+            else []
+        value = getattr(node, "value", None)
+        mutable = isinstance(value, (ast.Dict, ast.List, ast.Set)) or (
+            isinstance(value, ast.Call) and ast.unparse(value.func).split(".")[-1] in
+            {"dict", "list", "set", "defaultdict", "OrderedDict", "deque", "Counter"})
+        for t in targets:
+            if mutable and isinstance(t, ast.Name):
+                containers[t.id] = node.lineno
+    found = set()
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Global):
+                found.update((node.lineno, name) for name in node.names)
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr in _MUTATORS and isinstance(node.func.value, ast.Name) \
+                    and node.func.value.id in containers:
+                found.add((node.lineno, node.func.value.id))
+            elif isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+                for t in getattr(node, "targets", None) or [node.target]:
+                    if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name) and t.value.id in containers:
+                        found.add((node.lineno, t.value.id))
+    return sorted(found)
+
+
+def test_no_mutable_module_globals():
+    """No module keeps run-time state in a module global (``global`` rebinding, or a module-level dict/list/set
+    mutated by its functions) outside MUTABLE_GLOBALS: such state has an owner the run passes explicitly."""
+    found = [f"{name}:{line} {glob}" for name, path in _modules().items() for line, glob in _mutable_globals(path)
+             if (name, glob) not in MUTABLE_GLOBALS]
+    assert not found, ("module-level state changed at run time (give it an owner the run passes, or list it in "
+                       "MUTABLE_GLOBALS with the reason):\n" + "\n".join(found))
+    modules = _modules()
+    stale = [f"{name}.{glob}" for name, glob in MUTABLE_GLOBALS
+             if name not in modules or f"\n{glob}" not in "\n" + open(modules[name]).read()]
+    assert not stale, "MUTABLE_GLOBALS lists names no module defines any more (remove them):\n" + "\n".join(stale)
