@@ -32,8 +32,9 @@ from .config import (
     rampup_steps,
 )
 from .errors import CommandLineParser, ConfigError, UserError
-from .parallel.dims import ParallelDims, virtual_stages_from_layers
+from .parallel.dims import ParallelDims
 from .parallel.pipeline.schedules import check_interleaving
+from .parallel_config import parallel_dims, validate_model, virtual_stages_from_layers
 
 __all__ = ["build_parser", "parse_args", "validate", "validate_args", "configs_from_args", "exit_on_config_error",
            "NOT_YET_SUPPORTED", "NotYet", "TOKENIZER_TYPES", "SUPPORTED_TOKENIZER_TYPES"]
@@ -559,7 +560,7 @@ def _parallel_dims(args, world_size: int, errors: list[str]) -> ParallelDims | N
         errors.append(str(e))
         vp = 1
     try:
-        return ParallelDims(world_size=world_size, tp=args.tensor_model_parallel_size,
+        return parallel_dims(world_size=world_size, tp=args.tensor_model_parallel_size,
                             pp=args.pipeline_model_parallel_size, vp=vp, cp=args.context_parallel_size,
                             ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size,
                             tie_embeddings=not args.untie_embeddings_and_output_weights)
@@ -709,8 +710,8 @@ def _collect(errors: list[str], check: Callable[[], None]) -> bool:
 def _problems(d: _Draft, errors: list[str], for_training: bool = True) -> list[str]:
     """``errors`` plus every problem of the configs, in the order of the flag groups."""
     m, dims = d.model, d.parallel
-    fits = m is not None and dims is not None and _collect(errors, lambda: dims.validate_model(
-        num_layers=m.num_layers, num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
+    fits = m is not None and dims is not None and _collect(errors, lambda: validate_model(
+        dims, num_layers=m.num_layers, num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
         seq_length=m.seq_length, sequence_parallel=d.run.sequence_parallel,
         hidden_size=m.hidden_size if m.kv_channels is None else None, ffn_hidden_size=m.ffn_hidden_size))
     if for_training:

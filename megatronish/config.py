@@ -117,7 +117,7 @@ class ModelConfig:
 
     def problems(self) -> list[str]:
         """This model's own problems, one line each (its fit to the parallel layout is
-        :meth:`ParallelDims.validate_model`'s)."""
+        :func:`megatronish.parallel_config.validate_model`'s)."""
         out = []
         if self.kv_channels is None:
             out.append(f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "

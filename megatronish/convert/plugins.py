@@ -14,7 +14,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ConfigError
-from ..parallel.dims import ParallelDims
+from ..parallel_config import parallel_dims, validate_model
 from .core import hf_to_ours, ours_to_hf
 from .hf_config import (
     GPT2,
@@ -141,11 +141,11 @@ def check_target_layout(cfg: ModelConfig, tp: int, pp: int) -> None:
         raise ConvertError("--target-tensor-parallel-size and --target-pipeline-parallel-size must be >= 1")
     derived_kv = cfg.kv_channels * cfg.num_attention_heads == cfg.hidden_size
     try:
-        dims = ParallelDims(world_size=tp * pp, tp=tp, pp=pp,
-                            tie_embeddings=not cfg.untie_embeddings_and_output_weights)
-        dims.validate_model(num_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
-                            num_query_groups=cfg.num_query_groups, hidden_size=cfg.hidden_size if derived_kv else None,
-                            ffn_hidden_size=cfg.ffn_hidden_size)  # the layer split included
+        dims = parallel_dims(world_size=tp * pp, tp=tp, pp=pp,
+                             tie_embeddings=not cfg.untie_embeddings_and_output_weights)
+        validate_model(dims, num_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
+                       num_query_groups=cfg.num_query_groups, hidden_size=cfg.hidden_size if derived_kv else None,
+                       ffn_hidden_size=cfg.ffn_hidden_size)  # the layer split included
     except ConfigError as e:
         raise ConvertError(f"target layout --target-tensor-parallel-size {tp} --target-pipeline-parallel-size "
                            f"{pp}: {e}") from None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ..config import ModelConfig
 from ..parallel.context import ParallelContext
-from ..parallel.dims import check_layer_split  # the one layer-split rule, re-exported here
+from ..parallel_config import check_layer_split  # the one layer-split check, re-exported here
 from .gpt import GPTModel
 
 __all__ = ["build_model_chunks", "check_layer_split"]

@@ -29,47 +29,28 @@ import itertools
 from dataclasses import dataclass
 from typing import ClassVar, Sequence
 
-from ..errors import ConfigError
+from ..errors import ConfigError  # noqa: F401 - re-exported: older imports take it from here
 
-__all__ = ["ConfigError", "ParallelDims", "masked_rank_groups", "check_layer_split", "virtual_stages_from_layers"]
-
-
-_TP = "--tensor-model-parallel-size"
-_PP = "--pipeline-model-parallel-size"
-_CP = "--context-parallel-size"
-_EP = "--expert-model-parallel-size"
-_ETP = "--expert-tensor-parallel-size"
-_VP = "--num-virtual-stages-per-pipeline-rank (or --num-layers-per-virtual-pipeline-stage)"
-_WORLD = "the world size {n} (torchrun --nproc-per-node x --nnodes)"
+__all__ = ["DegreeError", "ParallelDims", "masked_rank_groups", "layer_split_error"]
 
 
-def check_layer_split(num_layers: int, pp: int, vp: int = 1) -> None:
-    """Raise :class:`ConfigError` unless ``num_layers`` splits evenly into ``pp * vp`` (virtual) stages.
+class DegreeError(ValueError):
+    """Degrees that do not fit, stated in numbers only. ``kind`` names the rule and ``values`` holds its numbers;
+    ``megatronish.config`` turns them into the line that names the flags to change (``parallel_dims``,
+    ``check_layer_split``)."""
 
-    The one place of the "layers divide evenly by PP x VP" rule (argument validation, ``validate_model``,
-    ``layer_range`` and ``build_model_chunks`` all call it)."""
+    def __init__(self, kind: str, message: str, **values):
+        super().__init__(message)
+        self.kind, self.values = kind, values
+
+
+def layer_split_error(num_layers: int, pp: int, vp: int = 1) -> DegreeError | None:
+    """The one "layers divide evenly by PP x VP" rule: None when ``num_layers`` splits evenly into ``pp * vp``
+    (virtual) stages, else the :class:`DegreeError` saying so."""
     if num_layers % (pp * vp) == 0:
-        return
-    if vp > 1:
-        raise ConfigError(
-            f"--num-layers {num_layers} is not divisible by {_PP} {pp} x {vp} virtual "
-            f"stages per rank (set by --num-layers-per-virtual-pipeline-stage or "
-            f"--num-virtual-stages-per-pipeline-rank) = {pp * vp}; every virtual stage must hold the same number "
-            f"of layers: choose --num-layers a multiple of {pp * vp}, or change the pipeline size or the "
-            f"virtual-stage size")
-    raise ConfigError(
-        f"--num-layers {num_layers} is not divisible by {_PP} {pp}; every pipeline "
-        f"stage must hold the same number of layers: choose --num-layers a multiple of {pp} or another "
-        f"pipeline size")
-
-
-def virtual_stages_from_layers(num_layers: int | None, pp: int, layers_per_virtual_stage: int) -> int:
-    """Virtual stages per pipeline rank for ``--num-layers-per-virtual-pipeline-stage N``: ``L / (p * N)``."""
-    n = layers_per_virtual_stage
-    if n < 1 or num_layers is None or pp < 1 or num_layers % (pp * n):
-        raise ConfigError(f"--num-layers {num_layers} / {_PP} {pp} is not a multiple of "
-                          f"--num-layers-per-virtual-pipeline-stage {n}")
-    return num_layers // (pp * n)
+        return None
+    return DegreeError("layer_split", f"{num_layers} layers do not split evenly into pp {pp} x vp {vp} stages",
+                       num_layers=num_layers, pp=pp, vp=vp)
 
 
 @functools.lru_cache(maxsize=256)
@@ -129,82 +110,28 @@ class ParallelDims:
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
-        flags = {"world_size": "the world size (torchrun --nproc-per-node x --nnodes)", "tp": _TP, "pp": _PP,
-                 "vp": _VP, "cp": _CP, "ep": _EP, "etp": _ETP}
-        for name, flag in flags.items():
+        for name in ("world_size", "tp", "pp", "vp", "cp", "ep", "etp"):
             value = getattr(self, name)
             if name == "etp" and value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{flag} must be an integer >= 1, got {value!r}")
+                raise DegreeError("not_positive", f"{name} must be an integer >= 1, got {value!r}", name=name,
+                                  value=value)
         if not isinstance(self.tie_embeddings, bool):
-            raise ConfigError(f"tie_embeddings must be a bool (--untie-embeddings-and-output-weights), "
-                              f"got {self.tie_embeddings!r}")
+            raise DegreeError("tie_embeddings", f"tie_embeddings must be a bool, got {self.tie_embeddings!r}",
+                              value=self.tie_embeddings)
         model = self.tp * self.pp * self.cp
         if self.world_size % model:
-            raise ConfigError(
-                f"{_TP} {self.tp} x {_PP} {self.pp} x {_CP} {self.cp} = {model} does not divide "
-                f"{_WORLD.format(n=self.world_size)}; change these degrees so that their product divides the "
-                f"world size, or launch a multiple of {model} processes")
+            raise DegreeError("world", f"tp {self.tp} x pp {self.pp} x cp {self.cp} = {model} does not divide the "
+                              f"world size {self.world_size}", tp=self.tp, pp=self.pp, cp=self.cp, model=model,
+                              world_size=self.world_size)
         stage = self.tp * self.cp * self.dp
         if stage % (self.expert_tp * self.ep):
-            raise ConfigError(
-                f"{_EP} {self.ep} x {_ETP} {self.expert_tp} = {self.ep * self.expert_tp} does not divide the "
-                f"{stage} ranks of a pipeline stage (world size {self.world_size} / {_PP} {self.pp}, = "
-                f"{_TP} {self.tp} x {_CP} {self.cp} x data-parallel {self.dp}); the expert layers lay those ranks "
-                f"out as expert-TP x EP x expert-DP, so choose EP x expert-TP dividing {stage}")
+            raise DegreeError("experts", f"ep {self.ep} x etp {self.expert_tp} does not divide the {stage} ranks of "
+                              f"a pipeline stage", ep=self.ep, etp=self.expert_tp, stage=stage, tp=self.tp,
+                              cp=self.cp, dp=self.dp, pp=self.pp, world_size=self.world_size)
         if self.vp > 1 and self.pp == 1:
-            raise ConfigError(
-                f"{_VP} gives {self.vp} virtual stages per pipeline rank, which needs pipeline parallelism, but "
-                f"{_PP} is 1; raise {_PP} above 1 or drop the virtual-stage flag")
-
-    def validate_model(self, *, num_layers: int, num_attention_heads: int, num_query_groups: int | None = None,
-                       seq_length: int | None = None, sequence_parallel: bool = False,
-                       hidden_size: int | None = None, ffn_hidden_size: int | None = None) -> None:
-        """Check model shapes against the degrees; raise :class:`ConfigError` naming the flag at fault.
-
-        ``--sequence-parallel`` at TP 1 is accepted and is a no-op (Megatron-LM silently turns it off).
-        ``hidden_size`` is checked against the head count because the head dimension (``--kv-channels``) is
-        derived from it; pass ``hidden_size=None`` when ``--kv-channels`` is given explicitly.
-        """
-        tp, cp = self.tp, self.cp
-        for flag, value in (("--num-layers", num_layers), ("--num-attention-heads", num_attention_heads),
-                            ("--num-query-groups", num_query_groups), ("--seq-length", seq_length),
-                            ("--hidden-size", hidden_size), ("--ffn-hidden-size", ffn_hidden_size)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigError(f"{flag} must be an integer >= 1, got {value!r}")
-        if num_attention_heads % tp:
-            raise ConfigError(
-                f"--num-attention-heads {num_attention_heads} is not divisible by {_TP} {tp}; "
-                f"choose a tensor-parallel size that divides the head count")
-        if num_query_groups is not None:
-            if num_query_groups % tp:
-                raise ConfigError(
-                    f"--num-query-groups {num_query_groups} is not divisible by {_TP} {tp}; "
-                    f"choose a tensor-parallel size that divides the number of query groups")
-            if num_attention_heads % num_query_groups:
-                raise ConfigError(
-                    f"--num-attention-heads {num_attention_heads} is not divisible by "
-                    f"--num-query-groups {num_query_groups}; each query group must hold the same number of heads")
-        if hidden_size is not None and hidden_size % num_attention_heads:
-            raise ConfigError(
-                f"--hidden-size {hidden_size} is not divisible by --num-attention-heads {num_attention_heads}; "
-                f"change one of them (or set --kv-channels explicitly)")
-        if ffn_hidden_size is not None and ffn_hidden_size % tp:
-            raise ConfigError(
-                f"--ffn-hidden-size {ffn_hidden_size} is not divisible by {_TP} {tp}; "
-                f"choose an FFN size that is a multiple of the tensor-parallel size")
-        if seq_length is not None:
-            if cp > 1 and seq_length % (2 * cp):
-                raise ConfigError(
-                    f"--seq-length {seq_length} is not divisible by 2 x {_CP} {cp} = {2 * cp} (context parallelism "
-                    f"splits the sequence into 2*CP chunks for load balance); change --seq-length or {_CP}")
-            if sequence_parallel and seq_length % (tp * cp):
-                per_cp = f" x {_CP} {cp}" if cp > 1 else ""
-                raise ConfigError(
-                    f"--seq-length {seq_length} is not divisible by {_TP} {tp}{per_cp} under --sequence-parallel; "
-                    f"change --seq-length or {_TP}, or drop --sequence-parallel")
-        check_layer_split(num_layers, self.pp, self.vp)
+            raise DegreeError("vp_without_pp", f"vp {self.vp} needs pp > 1", vp=self.vp)
 
     # ------------------------------------------------------------------ degrees and coordinates
     @property
@@ -355,7 +282,9 @@ class ParallelDims:
 
     def layers_per_stage(self, num_layers: int) -> int:
         """Layers of one model chunk (one virtual stage of one pipeline rank): ``L / (p * v)``."""
-        check_layer_split(num_layers, self.pp, self.vp)
+        error = layer_split_error(num_layers, self.pp, self.vp)
+        if error is not None:
+            raise error
         return num_layers // (self.pp * self.vp)
 
     def layer_range(self, num_layers: int, pp_rank: int, vp_stage: int = 0) -> range:

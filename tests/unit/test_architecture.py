@@ -16,7 +16,7 @@ FLOORS = {
     "arguments": 5, "training": 5, "convert": 5, "testing": 5, "inference": 5,
     "checkpoint": 4, "optim": 4, "precision": 4,
     "model": 3,
-    "config": 2, "kernels": 2, "data": 2,
+    "config": 2, "parallel_config": 2, "kernels": 2, "data": 2,
     "parallel": 1,
     "errors": 0, "device": 0, "__init__": 0, "_C": 0,
 }
@@ -300,3 +300,56 @@ def test_no_mutable_module_globals():
     stale = [f"{name}.{glob}" for name, glob in MUTABLE_GLOBALS
              if name not in modules or f"\n{glob}" not in "\n" + open(modules[name]).read()]
     assert not stale, "MUTABLE_GLOBALS lists names no module defines any more (remove them):\n" + "\n".join(stale)
+
+
+# The modules of floors 0-3 whose code (not docstrings or comments) names a command-line flag, and why. Everything
+# else there speaks of values: the flags live in arguments, config and parallel_config (degrees: parallel/ raises a
+# DegreeError with numbers, parallel_config names the flags).
+FLAG_STRINGS_ALLOWED = {
+    "megatronish.config": "flags -> configs: the configs' own validation lines name their flags",
+    "megatronish.parallel_config": "the parallel layout's validation lines name the degree and shape flags",
+    "megatronish.errors": "every entry point's parser: the closest known flag for a misspelt one",
+    "megatronish.data": "data errors name --data-path / --split / the tokenizer flags a user must fix",
+    "megatronish.kernels": "one configuration error names the kernel flags asked for on a machine without them",
+    "megatronish.model.gpt": "GPTModel asks kernels for the flags it was built with (one configuration error)",
+    "megatronish.model.rope": "the rotary dimension's error names --kv-channels x --rotary-percent",
+    "megatronish.parallel.cross_entropy": "the loss's argument check names --label-smoothing (the value's flag)",
+    "megatronish.parallel.context_parallel": "an unknown --cp-comm-type names its flag and the choices",
+    "megatronish.parallel.fsdp": "an unknown --fsdp-reshard-after-forward policy names its flag and the choices",
+    "megatronish.parallel.pipeline.schedules": "check_interleaving's line names the batch and pipeline flags "
+                                               "(argument validation calls it)",
+}
+
+
+def _megatron_flags():
+    from megatronish.arguments import build_parser
+
+    return {s for a in build_parser()._actions for s in a.option_strings if s.startswith("--")}
+
+
+def _code_strings(tree):
+    """String constants of a module's code: every str literal that is not a docstring."""
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr)
+                  and isinstance(node.body[0].value, ast.Constant)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            yield node.value
+
+
+def test_no_flag_strings_below_floor_4():
+    import re
+
+    flags, word = _megatron_flags(), re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+    found = {}
+    for name, path in _modules().items():
+        if FLOORS[_room(name)] > 3:
+            continue
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        named = {m for s in _code_strings(tree) for m in word.findall(s) if m in flags}
+        if named and not any(name == a or name.startswith(a + ".") for a in FLAG_STRINGS_ALLOWED):
+            found[name] = sorted(named)
+    assert not found, f"flag strings below floor 4 (name values, or add the module to the allow-list with why): {found}"
+    assert not any(name.startswith("megatronish.parallel.dims") for name in FLAG_STRINGS_ALLOWED)

@@ -10,13 +10,14 @@ import re
 
 import pytest
 
-from megatronish import arguments
+from megatronish import arguments, parallel_config
 from megatronish.arguments import configs_from_args, exit_on_config_error, parse_args, validate_args
 from megatronish.checkpoint.common import jsonable
 from megatronish.config import DataConfig, ModelConfig, RunConfig, default_ffn_hidden_size, gpt2
 from megatronish.errors import ConfigError, UserError
 from megatronish.parallel import dims as dims_module
-from megatronish.parallel.dims import ParallelDims, check_layer_split
+from megatronish.parallel.dims import DegreeError, ParallelDims
+from megatronish.parallel_config import check_layer_split, validate_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PKG = os.path.join(ROOT, "megatronish")
@@ -162,26 +163,27 @@ def test_layer_split_is_one_rule_with_one_message():
         check_layer_split(6, 2, 2)
     message = str(direct.value)
     d = ParallelDims(world_size=2, pp=2, vp=2)
-    with pytest.raises(ConfigError) as via_range:
+    with pytest.raises(DegreeError) as via_range:  # parallel/ states the numbers, config names the flags
         d.layer_range(6, 0, 0)
+    assert "--" not in str(via_range.value) and via_range.value.kind == "layer_split"
     with pytest.raises(ConfigError) as via_model:
-        d.validate_model(num_layers=6, num_attention_heads=2)
+        validate_model(d, num_layers=6, num_attention_heads=2)
     with pytest.raises(ConfigError) as via_flags:
         validate_args(parse_args(without("--num-layers") + ["--num-layers", "6", "--pipeline-model-parallel-size", "2",
                                                            "--num-virtual-stages-per-pipeline-rank", "2"]), 2)
-    assert str(via_range.value) == str(via_model.value) == message
+    assert str(via_model.value) == message
     assert message in str(via_flags.value).splitlines()
-    assert modules_matching(r"num_layers % |\blayers % pp") == {"parallel/dims.py"}
+    assert modules_matching(r"num_layers % \(pp \* vp\)|\blayers % pp") == {"parallel/dims.py"}
 
 
 # ------------------------------------------------------------------ virtual stages from layers per stage
 def test_virtual_stages_from_layers_per_virtual_stage():
     cfg = cfg_of(["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2",
                   "--global-batch-size", "8"], world=2)
-    assert cfg.parallel.vp == 8 // (2 * 2) == dims_module.virtual_stages_from_layers(8, 2, 2)
+    assert cfg.parallel.vp == 8 // (2 * 2) == parallel_config.virtual_stages_from_layers(8, 2, 2)
     assert cfg_of(["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "4",
                    "--global-batch-size", "8"], world=2).parallel.vp == 4
-    assert modules_matching(r"virtual_stages_from_layers\(") == {"parallel/dims.py", "arguments.py"}
+    assert modules_matching(r"virtual_stages_from_layers\(") == {"parallel_config.py", "arguments.py"}
 
 
 # ------------------------------------------------------------------ the tokenizer, built once

@@ -7,7 +7,8 @@ from collections import defaultdict
 
 import pytest
 
-from megatronish.parallel.dims import ConfigError, ParallelDims, masked_rank_groups
+from megatronish.parallel.dims import ConfigError, DegreeError, ParallelDims, masked_rank_groups
+from megatronish.parallel_config import parallel_dims, validate_model
 
 
 # ---------------------------------------------------------------- independent brute force
@@ -267,8 +268,11 @@ def test_value_object():
     (dict(world_size=4, etp=0), ["--expert-tensor-parallel-size"]),
 ])
 def test_invalid_degrees(kwargs, flags):
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(DegreeError) as plain:  # parallel/ states the numbers only
         ParallelDims(**kwargs)
+    assert "--" not in str(plain.value) and isinstance(plain.value, ValueError)
+    with pytest.raises(ConfigError) as e:  # config names the flags
+        parallel_dims(**kwargs)
     for flag in flags:
         assert flag in str(e.value)
     assert isinstance(e.value, ValueError)
@@ -300,7 +304,7 @@ GOOD_MODEL = dict(num_layers=8, num_attention_heads=8, num_query_groups=4, seq_l
 ])
 def test_invalid_model(dims, override, flags):
     with pytest.raises(ConfigError) as e:
-        ParallelDims(**dims).validate_model(**{**GOOD_MODEL, **override})
+        validate_model(ParallelDims(**dims), **{**GOOD_MODEL, **override})
     for flag in flags:
         assert flag in str(e.value)
 
@@ -308,19 +312,20 @@ def test_invalid_model(dims, override, flags):
 @pytest.mark.parametrize("dims", [dict(world_size=1), dict(world_size=4, tp=4), dict(world_size=8, tp=2, pp=4, vp=2),
                                   dict(world_size=16, tp=2, cp=2, pp=2, vp=2), dict(world_size=8, tp=2, cp=4)])
 def test_valid_model(dims):
-    ParallelDims(**dims).validate_model(**GOOD_MODEL)
+    validate_model(ParallelDims(**dims), **GOOD_MODEL)
 
 
 def test_sequence_parallel_at_tp1_is_a_noop():
-    # Megatron-LM turns --sequence-parallel off at TP 1, so an odd sequence length is fine there.
-    ParallelDims(world_size=2, pp=2).validate_model(num_layers=2, num_attention_heads=2, seq_length=7,
-                                                    sequence_parallel=True)
+    # Megatron-LM turns --sequence-parallel off at TP 1 (RunConfig.sequence_parallel is False there), so an odd
+    # sequence length is fine.
+    validate_model(ParallelDims(world_size=2, pp=2), num_layers=2, num_attention_heads=2, seq_length=7,
+                   sequence_parallel=False)
 
 
 def test_sequence_parallel_with_cp_needs_tp_times_cp():
     # seq 20 passes the 2*CP = 4 chunk check, but its 10 tokens per CP rank do not split over TP 4.
     with pytest.raises(ConfigError, match="--sequence-parallel"):
-        ParallelDims(world_size=8, tp=4, cp=2).validate_model(num_layers=1, num_attention_heads=4, seq_length=20,
-                                                              sequence_parallel=True)
-    ParallelDims(world_size=8, tp=4, cp=2).validate_model(num_layers=1, num_attention_heads=4, seq_length=24,
-                                                          sequence_parallel=True)
+        validate_model(ParallelDims(world_size=8, tp=4, cp=2), num_layers=1, num_attention_heads=4, seq_length=20,
+                       sequence_parallel=True)
+    validate_model(ParallelDims(world_size=8, tp=4, cp=2), num_layers=1, num_attention_heads=4, seq_length=24,
+                   sequence_parallel=True)

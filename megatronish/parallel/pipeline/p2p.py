@@ -78,7 +78,7 @@ class P2PCommunicator:
     def _check(self, t: torch.Tensor, what: str) -> torch.Tensor:
         if tuple(t.shape) != self.tensor_shape:
             raise ValueError(f"pipeline {what} has shape {tuple(t.shape)} but the pipeline tensor shape is "
-                             f"{self.tensor_shape} ([seq / (TP under --sequence-parallel) / CP, micro batch, "
+                             f"{self.tensor_shape} ([seq / (TP under sequence parallelism) / CP, micro batch, "
                              f"hidden]); every stage must output [s, b, h] of that shape")
         if t.dtype != self.dtype:
             raise ValueError(f"pipeline {what} has dtype {t.dtype} but the pipeline dtype is {self.dtype}; "

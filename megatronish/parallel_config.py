@@ -1,0 +1,129 @@
+"""The parallel layout against the flags: ``ParallelDims`` (``parallel/dims.py``) states a problem with the
+degrees in numbers only (:class:`~megatronish.parallel.dims.DegreeError`); the lines here name the flags to change
+(the words users see). Also the model's shapes against the degrees (:func:`validate_model`) and the virtual-stage
+count from ``--num-layers-per-virtual-pipeline-stage``."""
+from __future__ import annotations
+
+from .errors import ConfigError
+from .parallel.dims import DegreeError, ParallelDims, layer_split_error
+
+__all__ = ["parallel_dims", "check_layer_split", "validate_model", "virtual_stages_from_layers"]
+_TP = "--tensor-model-parallel-size"
+_PP = "--pipeline-model-parallel-size"
+_CP = "--context-parallel-size"
+_EP = "--expert-model-parallel-size"
+_ETP = "--expert-tensor-parallel-size"
+_VP = "--num-virtual-stages-per-pipeline-rank (or --num-layers-per-virtual-pipeline-stage)"
+_WORLD = "the world size {n} (torchrun --nproc-per-node x --nnodes)"
+_DEGREE_FLAGS = {"world_size": "the world size (torchrun --nproc-per-node x --nnodes)", "tp": _TP, "pp": _PP,
+                 "vp": _VP, "cp": _CP, "ep": _EP, "etp": _ETP}
+
+
+def _degree_line(e: DegreeError) -> str:
+    """The flag line of a :class:`DegreeError` from ``ParallelDims``."""
+    v = e.values
+    if e.kind == "not_positive":
+        return f"{_DEGREE_FLAGS[v['name']]} must be an integer >= 1, got {v['value']!r}"
+    if e.kind == "tie_embeddings":
+        return f"tie_embeddings must be a bool (--untie-embeddings-and-output-weights), got {v['value']!r}"
+    if e.kind == "world":
+        return (f"{_TP} {v['tp']} x {_PP} {v['pp']} x {_CP} {v['cp']} = {v['model']} does not divide "
+                f"{_WORLD.format(n=v['world_size'])}; change these degrees so that their product divides the "
+                f"world size, or launch a multiple of {v['model']} processes")
+    if e.kind == "experts":
+        stage = v["stage"]
+        return (f"{_EP} {v['ep']} x {_ETP} {v['etp']} = {v['ep'] * v['etp']} does not divide the "
+                f"{stage} ranks of a pipeline stage (world size {v['world_size']} / {_PP} {v['pp']}, = "
+                f"{_TP} {v['tp']} x {_CP} {v['cp']} x data-parallel {v['dp']}); the expert layers lay those ranks "
+                f"out as expert-TP x EP x expert-DP, so choose EP x expert-TP dividing {stage}")
+    if e.kind == "vp_without_pp":
+        return (f"{_VP} gives {v['vp']} virtual stages per pipeline rank, which needs pipeline parallelism, but "
+                f"{_PP} is 1; raise {_PP} above 1 or drop the virtual-stage flag")
+    if e.kind == "layer_split":
+        num_layers, pp, vp = v["num_layers"], v["pp"], v["vp"]
+        if vp > 1:
+            return (f"--num-layers {num_layers} is not divisible by {_PP} {pp} x {vp} virtual "
+                    f"stages per rank (set by --num-layers-per-virtual-pipeline-stage or "
+                    f"--num-virtual-stages-per-pipeline-rank) = {pp * vp}; every virtual stage must hold the same "
+                    f"number of layers: choose --num-layers a multiple of {pp * vp}, or change the pipeline size or "
+                    f"the virtual-stage size")
+        return (f"--num-layers {num_layers} is not divisible by {_PP} {pp}; every pipeline "
+                f"stage must hold the same number of layers: choose --num-layers a multiple of {pp} or another "
+                f"pipeline size")
+    return str(e)
+
+
+def parallel_dims(**degrees) -> ParallelDims:
+    """``ParallelDims(**degrees)``; degrees that do not fit raise :class:`ConfigError` naming the flags."""
+    try:
+        return ParallelDims(**degrees)
+    except DegreeError as e:
+        raise ConfigError(_degree_line(e)) from None
+
+
+def check_layer_split(num_layers: int, pp: int, vp: int = 1) -> None:
+    """Raise :class:`ConfigError` unless ``num_layers`` splits evenly into ``pp * vp`` (virtual) stages (the rule
+    is ``parallel.dims.layer_split_error``; argument validation, :func:`validate_model` and
+    ``build_model_chunks`` call this)."""
+    error = layer_split_error(num_layers, pp, vp)
+    if error is not None:
+        raise ConfigError(_degree_line(error))
+
+
+def virtual_stages_from_layers(num_layers: int | None, pp: int, layers_per_virtual_stage: int) -> int:
+    """Virtual stages per pipeline rank for ``--num-layers-per-virtual-pipeline-stage N``: ``L / (p * N)``."""
+    n = layers_per_virtual_stage
+    if n < 1 or num_layers is None or pp < 1 or num_layers % (pp * n):
+        raise ConfigError(f"--num-layers {num_layers} / {_PP} {pp} is not a multiple of "
+                          f"--num-layers-per-virtual-pipeline-stage {n}")
+    return num_layers // (pp * n)
+
+
+def validate_model(dims: ParallelDims, *, num_layers: int, num_attention_heads: int,
+                   num_query_groups: int | None = None, seq_length: int | None = None,
+                   sequence_parallel: bool = False, hidden_size: int | None = None,
+                   ffn_hidden_size: int | None = None) -> None:
+    """Check model shapes against the degrees; raise :class:`ConfigError` naming the flag at fault.
+
+    ``sequence_parallel`` is the resolved one (``RunConfig.sequence_parallel``: off at TP 1, as in Megatron-LM).
+    ``hidden_size`` is checked against the head count because the head dimension (``--kv-channels``) is
+    derived from it; pass ``hidden_size=None`` when ``--kv-channels`` is given explicitly.
+    """
+    tp, cp = dims.tp, dims.cp
+    for flag, value in (("--num-layers", num_layers), ("--num-attention-heads", num_attention_heads),
+                        ("--num-query-groups", num_query_groups), ("--seq-length", seq_length),
+                        ("--hidden-size", hidden_size), ("--ffn-hidden-size", ffn_hidden_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{flag} must be an integer >= 1, got {value!r}")
+    if num_attention_heads % tp:
+        raise ConfigError(
+            f"--num-attention-heads {num_attention_heads} is not divisible by {_TP} {tp}; "
+            f"choose a tensor-parallel size that divides the head count")
+    if num_query_groups is not None:
+        if num_query_groups % tp:
+            raise ConfigError(
+                f"--num-query-groups {num_query_groups} is not divisible by {_TP} {tp}; "
+                f"choose a tensor-parallel size that divides the number of query groups")
+        if num_attention_heads % num_query_groups:
+            raise ConfigError(
+                f"--num-attention-heads {num_attention_heads} is not divisible by "
+                f"--num-query-groups {num_query_groups}; each query group must hold the same number of heads")
+    if hidden_size is not None and hidden_size % num_attention_heads:
+        raise ConfigError(
+            f"--hidden-size {hidden_size} is not divisible by --num-attention-heads {num_attention_heads}; "
+            f"change one of them (or set --kv-channels explicitly)")
+    if ffn_hidden_size is not None and ffn_hidden_size % tp:
+        raise ConfigError(
+            f"--ffn-hidden-size {ffn_hidden_size} is not divisible by {_TP} {tp}; "
+            f"choose an FFN size that is a multiple of the tensor-parallel size")
+    if seq_length is not None:
+        if cp > 1 and seq_length % (2 * cp):
+            raise ConfigError(
+                f"--seq-length {seq_length} is not divisible by 2 x {_CP} {cp} = {2 * cp} (context parallelism "
+                f"splits the sequence into 2*CP chunks for load balance); change --seq-length or {_CP}")
+        if sequence_parallel and seq_length % (tp * cp):
+            per_cp = f" x {_CP} {cp}" if cp > 1 else ""
+            raise ConfigError(
+                f"--seq-length {seq_length} is not divisible by {_TP} {tp}{per_cp} under --sequence-parallel; "
+                f"change --seq-length or {_TP}, or drop --sequence-parallel")
+    check_layer_split(num_layers, dims.pp, dims.vp)
