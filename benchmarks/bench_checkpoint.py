@@ -12,6 +12,7 @@
    the faster). Before every read both the checkpoint files and the raw files are dropped from the page
    cache (``posix_fadvise DONTNEED``), so both reads come from the disk (or whatever cache the disk has below the
    OS); the checkpoint and the raw file alternate which is timed first. Median of ``--reps``.
+   Each load is timed again without CRC-32 verification (``--no-verify-checkpoint``), in the same round.
 2. (``--only throughput``: the Checkpointer rows only; ``--only ranks``: the ``dcp_io`` rows only.)
 3. Loop blocking: ``pretrain()`` three times on the same shape — no saves, ``--save-interval K`` synchronous,
    and the same with ``--async-save`` — timing the wall time of the loop and the time the loop spends inside
@@ -195,7 +196,8 @@ def _checkpointer_side(a, root, rank, world):
             for p in params:
                 p.zero_()
 
-    def load(_):
+    def load(_, verify=True):
+        ck.ck.no_verify_checkpoint = not verify
         ck.load(TrainState())
 
     def check():
@@ -229,8 +231,8 @@ def _storage_side(a, root, rank, world):
         for t in target.values():
             t.pieces[0].tensor.zero_()
 
-    def load(path):
-        dcp_io.load(target, path)
+    def load(path, verify=True):
+        dcp_io.load(target, path, verify=verify)
 
     def check():
         assert all(torch.equal(target[k].pieces[0].tensor, state[k].pieces[0].tensor) for k in state)
@@ -245,7 +247,7 @@ def _rank_io(rank, world, port, root, a, side, out):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     save, clear, load, check, what = side(a, root, rank, world)
     raw = os.path.join(root, f"raw_{rank}.bin")
-    times = {"save": [], "load": [], "write": [], "dwrite": [], "read": [], "dread": []}
+    times = {"save": [], "load": [], "load_nv": [], "write": [], "dwrite": [], "read": [], "dread": []}
 
     def timed(key, fn):
         dist.barrier()
@@ -265,22 +267,23 @@ def _rank_io(rank, world, port, root, a, side, out):
         shutil.rmtree(warm)
     for rep in range(a.reps):
         # the disk's own speed and ours alternate which goes first (a VM disk's host cache favours recent data)
-        first, second = (("save", "write", "dwrite"), ("load", "read", "dread")) if rep % 2 == 0 else \
-            (("dwrite", "write", "save"), ("dread", "read", "load"))
+        first, second = (("save", "write", "dwrite"), ("load", "read", "dread", "load_nv")) if rep % 2 == 0 else \
+            (("dwrite", "write", "save"), ("load_nv", "dread", "read", "load"))
         ck = None
         writers = {"write": raw_write, "dwrite": raw_direct_write}
         for key in first:
             result = timed(key, (lambda: save(None)) if key == "save" else (lambda: writers[key](raw, nbytes)))
             ck = result if key == "save" else ck
         for key in second:
-            if key == "load":
+            if key in ("load", "load_nv"):
                 clear()
             drop_cache(raw)
             if rank == 0:
                 drop_cache(ck)
-            readers = {"read": raw_read, "dread": raw_direct_read, "load": load}
+            readers = {"read": raw_read, "dread": raw_direct_read, "load": load,
+                       "load_nv": lambda path: load(path, verify=False)}
             timed(key, lambda: readers[key](raw if key in ("read", "dread") else ck))
-            if key == "load":
+            if key in ("load", "load_nv"):
                 check()
         dist.barrier()
         if rank == 0:
@@ -322,6 +325,8 @@ def io_throughput(a, root, sides):
             disk = min(t["read"], t.get("dread") or t["read"])
             print(f"  load  {gb / t['load']:6.3f} GB/s   raw read, same bytes per rank:  page cache "
                   f"{gb / t['read']:6.3f} GB/s, O_DIRECT {dread} GB/s   ratio to the faster {disk / t['load']:.2f}")
+            print(f"  load without CRC-32 verification (--no-verify-checkpoint) {gb / t['load_nv']:6.3f} GB/s   "
+                  f"verified / unverified load time {t['load'] / t['load_nv']:.3f}")
 
 
 def loop_blocking(a, root):

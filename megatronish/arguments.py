@@ -331,6 +331,7 @@ def build_parser(prog: str = "pretrain_gpt.py", description: str = "Pretrain a G
     flag(g, "--finetune", **on, help="load the model only: iteration 0, fresh optimizer, schedule and RNG")
     flag(g, "--exit-on-missing-checkpoint", **on, help="with --load: a missing checkpoint is an error")
     flag(g, "--use-checkpoint-args", **on, help="take the model-shape flags from the --load checkpoint")
+    flag(g, "--no-verify-checkpoint", **on, help="skip the CRC-32 check of the checkpoint data read on load")
     flag(g, "--ckpt-format", default="torch_dist",
          choices=["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"],
          help="checkpoint format (only torch_dist is available)")

@@ -484,6 +484,7 @@ class CheckpointConfig:
     finetune: bool = False
     exit_on_missing_checkpoint: bool = False
     use_checkpoint_args: bool = False
+    no_verify_checkpoint: bool = False  # skip the CRC-32 check of the tensor data read on load
     ckpt_format: str = "torch_dist"
     exit_signal_handler: bool = False
     exit_signal: str = "SIGTERM"  # SIGTERM | SIGINT | SIGUSR1 | SIGUSR2

@@ -155,7 +155,7 @@ class Checkpointer:
         for key, t in (fp8_targets or {}).items():
             entries.add(FP8 + key, Sharded.whole(t))
 
-        dcp_io.load(entries, iter_dir, process_group=self._group, index=md)
+        dcp_io.load(entries, iter_dir, process_group=self._group, index=md, verify=not ck.no_verify_checkpoint)
 
         if param_state is not None:
             loaded = {id(p): states for p, states in param_state}

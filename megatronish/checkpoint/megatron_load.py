@@ -122,7 +122,7 @@ def _load_torch_dist(ckpt, src: TorchDist, load_optim: bool) -> None:
                                   f"parameter's shape {list(entry.global_shape)} (an optimizer layout tied to the "
                                   "saving run); pass --no-load-optim")
         dcp_io.check_shape(key, stored, entry)
-    dcp_io.load(entries, src.iter_dir, process_group=ckpt._group)
+    dcp_io.load(entries, src.iter_dir, process_group=ckpt._group, verify=not ckpt.ck.no_verify_checkpoint)
     if param_state is not None:
         ckpt.opt.load_sharded_param_state(lambda p: got[id(p)])
         ckpt.opt.load_scalar_state_dict({"step": _find_step(src.common), "started": True})

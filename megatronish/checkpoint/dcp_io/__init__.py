@@ -12,7 +12,7 @@ separate blocks along the split dimension; each is its own piece.
 Loading is weights-only: tensors are read with ``torch.load(weights_only=True)`` (or, for a plain contiguous chunk,
 its ``data.pkl`` is unpickled weights-only onto the meta device and the data read straight into the destination),
 JSON entries are decoded as JSON, and DCP's ``.metadata`` index is unpickled with an allow-list of DCP's own
-classes.
+classes. Every tensor item is checked against the CRC-32s of its archive as it is read (``verify``, the default).
 
 Files are DCP's (``__<rank>_0.distcp``, byte for byte what ``FileSystemWriter`` writes): :class:`Writer` writes each
 rank's file with large sequential writes straight from tensor memory on a background thread and one fsync;
@@ -20,7 +20,8 @@ rank's file with large sequential writes straight from tensor memory on a backgr
 
 The modules: :mod:`.entries` (what a rank hands over), :mod:`.codec` (JSON with exact tensors), :mod:`.planner`
 (DCP's planners for our entries), :mod:`.index` (the index read safely, the files checked), :mod:`.archive` (a
-stored chunk's ``torch.save`` archive parsed and read into place), :mod:`.reader`, :mod:`.buffers` (ordered,
+stored chunk's ``torch.save`` archive parsed and read into place), :mod:`.verify` (the CRC-32 checks on load),
+:mod:`.reader`, :mod:`.buffers` (ordered,
 ``O_DIRECT`` file writes), :mod:`.writer`, :mod:`.faults` (a test's write fault), :mod:`.api` (save and load).
 """
 from ...errors import CheckpointError
@@ -31,10 +32,11 @@ from .entries import METADATA_FILE, Obj, Piece, Sharded, check_shape, gc_paused,
 from .faults import SAVE_FAULT_ENV, WriteFault
 from .index import check_files, read_index
 from .planner import LoadPlanner, SavePlanner
-from .reader import Reader, read_ahead_own_shard, read_bytes_entry, read_range, read_tensor
+from .reader import Reader, load_item, read_ahead_own_shard, read_bytes_entry, read_range, read_tensor
+from .verify import archive_problem, item_name
 from .writer import Writer
 
 __all__ = ["METADATA_FILE", "SAVE_FAULT_ENV", "BouncePool", "CheckpointError", "LoadPlanner", "Obj", "Piece", "Reader",
-           "SavePlanner", "Sharded", "WriteFault", "Writer", "check_files", "check_shape", "decode", "dumps", "encode",
-           "first_failure", "gc_paused", "load", "loads", "narrow", "read_ahead_own_shard", "read_bytes_entry",
-           "read_index", "read_range", "read_tensor", "save"]
+           "SavePlanner", "Sharded", "WriteFault", "Writer", "archive_problem", "check_files", "check_shape",
+           "decode", "dumps", "encode", "first_failure", "gc_paused", "item_name", "load", "load_item", "loads",
+           "narrow", "read_ahead_own_shard", "read_bytes_entry", "read_index", "read_range", "read_tensor", "save"]

@@ -57,9 +57,11 @@ def save(state: dict, iter_dir: str, process_group=None, no_dist: bool = False, 
         raise CheckpointError(first_failure(e, iter_dir, "saving")) from None
 
 
-def load(state: dict, iter_dir: str, process_group=None, no_dist: bool = False, index: Metadata | None = None) -> dict:
+def load(state: dict, iter_dir: str, process_group=None, no_dist: bool = False, index: Metadata | None = None,
+         verify: bool = True) -> dict:
     """Fill every :class:`Sharded` piece of ``state`` in place; return the decoded :class:`Obj` entries. ``index``:
-    the directory's index when the caller has already read it with :func:`read_index` and :func:`check_files`.
+    the directory's index when the caller has already read it with :func:`read_index` and :func:`check_files`;
+    ``verify``: check every tensor item against its CRC-32s as it is read (:class:`~.reader.Reader`).
 
     Each rank plans and reads its own pieces (a load plan depends only on the rank's entries and the index; DCP's
     gather and scatter of every rank's plan would add nothing): DCP runs per rank, and over ``process_group`` the
@@ -71,7 +73,7 @@ def load(state: dict, iter_dir: str, process_group=None, no_dist: bool = False, 
     try:
         with warnings.catch_warnings(), gc_paused():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.load(state, storage_reader=Reader(iter_dir, index), planner=planner, no_dist=True)
+            dcp.load(state, storage_reader=Reader(iter_dir, index, verify), planner=planner, no_dist=True)
     except dcp.api.CheckpointException as e:
         error = first_failure(e, iter_dir, "loading")
     except CheckpointError as e:

@@ -24,6 +24,7 @@ from .archive import pread_exact, read_into
 from .codec import loads
 from .entries import narrow
 from .index import check_files, read_index
+from .verify import Checksums, archive_problem, damaged, item_name
 
 
 class Reader(FileSystemReader):
@@ -34,11 +35,17 @@ class Reader(FileSystemReader):
     chunk, or a block of leading-dimension rows) into a contiguous CPU destination is one ``preadv`` into the
     destination's memory (no temporary tensor, no second copy). Anything else (a column block, a non-contiguous
     or device destination, stream transforms) takes DCP's path: ``torch.load`` of the item, then a copy.
+
+    ``verify`` (the default): every tensor item is checked against its archive's CRC-32s, the direct reads as the
+    bytes arrive (:func:`~.archive.read_into`), any other item read whole and checked before it is decoded; a
+    mismatch is one error naming the shard file and the item. Items with storage transforms (not written by this
+    program) are read by DCP unchecked.
     """
 
-    def __init__(self, path: str, index: Metadata | None = None):
+    def __init__(self, path: str, index: Metadata | None = None, verify: bool = True):
         super().__init__(path)
         self._index = index  # already read and checked by the caller
+        self.verify = verify
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         md = self._index
@@ -54,25 +61,40 @@ class Reader(FileSystemReader):
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        for relative_path, items in per_file.items():
-            items.sort(key=lambda r: self.storage_data[r.storage_index].offset)  # one forward pass over the file
-            with open(os.path.join(str(self.path), relative_path), "rb", buffering=0) as f:
-                ahead = ReadAhead(f.fileno(), [self.storage_data[r.storage_index] for r in items])
-                for item in items:
-                    info = self.storage_data[item.storage_index]
-                    ahead.advance(info.offset)
-                    if item.type == LoadItemType.BYTE_IO:
-                        planner.load_bytes(item, io.BytesIO(pread_exact(f.fileno(), info.offset, info.length)))
-                        continue
-                    target = planner.resolve_tensor(item).detach()
-                    if not read_into(f, info, item, target):
-                        stored = torch.load(_create_file_view(f, info.offset, info.length), map_location="cpu",
-                                            weights_only=True)
-                        target.copy_(narrow(stored, item.storage_offsets, item.lengths))
-                    planner.commit_tensor(item, target)
+        checks = Checksums() if self.verify else None
+        try:
+            for relative_path, items in per_file.items():
+                self._read_file(relative_path, items, planner, checks)
+        except BaseException:
+            if checks is not None:
+                checks.pool.shutdown(wait=True)  # the read's own error is the one reported
+            raise
+        if checks is not None:
+            checks.finish()  # the last checks, then the first mismatch if any
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(None)
         return fut
+
+    def _read_file(self, relative_path: str, items: list[ReadItem], planner, checks: Checksums | None) -> None:
+        items.sort(key=lambda r: self.storage_data[r.storage_index].offset)  # one forward pass over the file
+        with open(os.path.join(str(self.path), relative_path), "rb", buffering=0) as f:
+            ahead = ReadAhead(f.fileno(), [self.storage_data[r.storage_index] for r in items])
+            for item in items:
+                info = self.storage_data[item.storage_index]
+                ahead.advance(info.offset)
+                if item.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(item, io.BytesIO(pread_exact(f.fileno(), info.offset, info.length)))
+                    continue
+                target = planner.resolve_tensor(item).detach()
+                where = (f.name, item_name(item.storage_index)) if self.verify else None
+                if not read_into(f, info, item, target, where, checks):
+                    if where is not None:
+                        stored = load_item(pread_exact(f.fileno(), info.offset, info.length), *where)
+                    else:
+                        stored = torch.load(_create_file_view(f, info.offset, info.length), map_location="cpu",
+                                            weights_only=True)
+                    target.copy_(narrow(stored, item.storage_offsets, item.lengths))
+                planner.commit_tensor(item, target)
 
 
 class ReadAhead:
@@ -156,8 +178,22 @@ def read_range(iter_dir: str, info, key: str) -> tuple[bytes, str]:
     return raw, path
 
 
-def read_tensor(iter_dir: str, md: Metadata, key: str) -> torch.Tensor:
-    """Assemble one global tensor from its stored chunks (weights-only reads, no collectives)."""
+def load_item(raw: bytes, path: str, key: str, verify: bool = True) -> torch.Tensor:
+    """One stored tensor item (``raw``: its ``torch.save`` archive from shard ``path``) decoded weights-only, its
+    records checked against their CRC-32s first unless ``verify`` is False."""
+    problem = archive_problem(raw) if verify else None
+    if problem is not None:
+        raise damaged(path, key, problem)
+    try:
+        return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    except Exception as e:  # any decoding failure is a damaged file
+        raise CheckpointError(f"cannot read {key!r} from checkpoint shard {path}: {type(e).__name__}: "
+                              f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
+
+
+def read_tensor(iter_dir: str, md: Metadata, key: str, verify: bool = True) -> torch.Tensor:
+    """Assemble one global tensor from its stored chunks (weights-only reads, each checked against its CRC-32s
+    unless ``verify`` is False; no collectives)."""
     tmd = md.state_dict_metadata.get(key)
     if not isinstance(tmd, TensorStorageMetadata):
         raise CheckpointError(f"checkpoint {iter_dir} has no tensor {key!r}")
@@ -168,9 +204,6 @@ def read_tensor(iter_dir: str, md: Metadata, key: str) -> torch.Tensor:
             raise CheckpointError(f"{key!r} in {iter_dir} uses storage transforms {info.transform_descriptors}, "
                                   "which this reader does not support")
         raw, path = read_range(iter_dir, info, key)
-        try:
-            part = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-        except Exception as e:  # any decoding failure is a damaged file
-            raise CheckpointError(f"cannot read {key!r} from checkpoint shard {path}: {e}") from None
+        part = load_item(raw, path, item_name(MetadataIndex(key, chunk.offsets)), verify)
         narrow(out, chunk.offsets, chunk.sizes).copy_(part)
     return out
