@@ -10,7 +10,7 @@ import sys
 
 from ..arguments import exit_on_config_error
 from ..parallel.dims import ConfigError
-from .server import GenerationServer, RequestError, broadcast_from_rank0, follow, parse_request
+from .server import GenerationServer, RequestError, ServerLimits, broadcast_from_rank0, follow, parse_request
 from .setup import build_generation_parser, configs_for_generation, load_generator
 from .text import generate_text
 
@@ -31,18 +31,26 @@ def _check_port(host: str, port: int) -> None:
                               "--port or --host") from None
 
 
+def _server_limits(args) -> ServerLimits:
+    try:
+        return ServerLimits.from_args(args)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def server_main(argv=None) -> None:
     parser = build_generation_parser("run_text_generation_server.py",
                                      "Serve text generation from a checkpoint over HTTP (Megatron-LM's PUT /api).",
                                      server=True)
     args = parser.parse_args(argv)
     cfg = exit_on_config_error(lambda: configs_for_generation(args, _world_size()), once_per_node=True)
+    limits = exit_on_config_error(lambda: _server_limits(args))
     if int(os.environ.get("RANK", "0")) == 0:
         exit_on_config_error(lambda: _check_port(args.host, args.port))
     session = exit_on_config_error(lambda: load_generator(cfg, args))
     try:
         if session.parallel.rank == 0:
-            GenerationServer(session, args.host, args.port).serve_forever()
+            GenerationServer(session, args.host, args.port, limits).serve_forever()
         else:
             follow(session)
     except KeyboardInterrupt:

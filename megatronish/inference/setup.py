@@ -18,6 +18,7 @@ from ..parallel import groups
 from ..parallel.context import ParallelContext
 from ..parallel.dims import ConfigError
 from .engine import Generator
+from .server import add_server_args
 
 __all__ = ["GenerationSession", "add_generation_args", "build_generation_parser", "configs_for_generation",
            "load_generator"]
@@ -35,6 +36,7 @@ def add_generation_args(parser: argparse.ArgumentParser, *, server: bool = False
         g.add_argument("--port", type=int, default=5000, help="port of the HTTP server (rank 0)")
         g.add_argument("--host", default="127.0.0.1",
                        help="address to listen on (default: this machine only; 0.0.0.0 serves the network)")
+        add_server_args(g)
     if cli:
         g.add_argument("--prompts", nargs="+", default=None, metavar="PROMPT", help="prompts, each one argument")
         g.add_argument("--prompt-file", default=None,
