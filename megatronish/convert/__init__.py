@@ -1,6 +1,7 @@
-"""Checkpoint conversion between Hugging Face (``GPT2LMHeadModel``, ``LlamaForCausalLM``, and the mixtures of
-experts ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``) and our global tensors /
-checkpoints. ``tools/checkpoint/convert.py`` is the command line; docs/convert.md the rules."""
+"""Checkpoint conversion between Hugging Face (``GPT2LMHeadModel``; the dense ``LlamaForCausalLM``,
+``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``; the mixtures of experts ``MixtralForCausalLM``,
+``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``) and our global tensors / checkpoints.
+``tools/checkpoint/convert.py`` is the command line; docs/convert.md the rules."""
 from .core import (
            hf_state_dict_to_ours,
            hf_to_ours,

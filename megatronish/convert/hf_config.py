@@ -1,27 +1,56 @@
-"""Hugging Face ``config.json`` <-> :class:`ModelConfig`, for ``GPT2LMHeadModel``, ``LlamaForCausalLM`` and
-the mixture-of-experts ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM`` and ``Qwen3MoeForCausalLM``.
+"""Hugging Face ``config.json`` <-> :class:`ModelConfig`, for ``GPT2LMHeadModel`` and the Llama-flavored
+families: the dense ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` and
+the mixture-of-experts ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``.
 
 A GPT-2 config becomes our GPT-2 flavor (LayerNorm, learned absolute positions, biases, GELU — the tanh
-approximation ``--openai-gelu`` for HF's ``gelu_new``); a Llama config our Llama flavor (RMSNorm, rotate-half
-RoPE, SwiGLU, grouped-query attention). The MoE families are the Llama flavor with MoE MLPs (docs/convert.md,
-"Mixture of experts"): Mixtral's router (softmax, top-k, renormalised) is ours without
-``--moe-router-pre-softmax``; Qwen's ``norm_topk_prob=false`` (softmax, top-k, not renormalised) is ours with it;
-Qwen2-MoE adds the sigmoid-gated shared expert and q/k/v biases (``--add-qkv-bias``), Qwen3-MoE the per-head
-query/key RMSNorm (``--qk-layernorm``). Settings either side cannot express are a :class:`ConvertError`.
+approximation ``--openai-gelu`` for HF's ``gelu_new``); every other family our Llama flavor (RMSNorm, rotate-half
+RoPE, SwiGLU, grouped-query attention). The Llama-flavored families differ only in the switches of
+:data:`FAMILIES` (one row each): q/k/v biases (``--add-qkv-bias``; Qwen2 always, Qwen2-MoE by ``qkv_bias``),
+per-head q/k RMSNorm (``--qk-layernorm``; Qwen3), how config.json turns on sliding-window attention (rejected
+when the window is shorter than the sequence) and the MoE router style (docs/convert.md, "Mixture of experts":
+Mixtral's renormalised top-k is ours without ``--moe-router-pre-softmax``; Qwen's ``norm_topk_prob=false`` is
+ours with it; Qwen2-MoE adds the sigmoid-gated shared expert). ``head_dim`` (``--kv-channels``) and tied
+embeddings are read from config.json for every family. Settings either side cannot express are a
+:class:`ConvertError`.
 """
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 from ..config import ModelConfig
 from ..errors import ConvertError
 from ..model.moe.layer import is_moe_layer
 
-GPT2, LLAMA = "GPT2LMHeadModel", "LlamaForCausalLM"
+GPT2, LLAMA, MISTRAL = "GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM"
+QWEN2, QWEN3 = "Qwen2ForCausalLM", "Qwen3ForCausalLM"
 MIXTRAL, QWEN2_MOE, QWEN3_MOE = "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"
-MOE_ARCHITECTURES = (MIXTRAL, QWEN2_MOE, QWEN3_MOE)
-ARCHITECTURES = (GPT2, LLAMA, *MOE_ARCHITECTURES)
-_MODEL_TYPE = {GPT2: "gpt2", LLAMA: "llama", MIXTRAL: "mixtral", QWEN2_MOE: "qwen2_moe", QWEN3_MOE: "qwen3_moe"}
+
+
+@dataclass(frozen=True)
+class Family:
+    """What sets one Llama-flavored family apart; everything else (RMSNorm, RoPE, SwiGLU, GQA, ``head_dim``,
+    tied embeddings, the tensor names) is shared."""
+    model_type: str
+    qkv_bias: bool | str = False  # q/k/v biases: never, always, or the config.json key that switches them
+    qk_norm: bool = False  # per-head q/k RMSNorm (``q_norm``/``k_norm``; ours --qk-layernorm)
+    window_switch: str | None = None  # key that must be true for ``sliding_window`` to apply (Qwen); None: none
+    linear_bias: bool = False  # ``attention_bias``/``mlp_bias`` switch every linear bias (Llama only)
+    moe: str | None = None  # None: dense MLPs; "mixtral" / "qwen": the MoE config style (experts, router)
+
+
+FAMILIES = {  # first match wins on export when no source config.json says which (Llama before Mistral)
+    LLAMA: Family("llama", linear_bias=True),
+    MISTRAL: Family("mistral"),
+    QWEN2: Family("qwen2", qkv_bias=True, window_switch="use_sliding_window"),
+    QWEN3: Family("qwen3", qk_norm=True, window_switch="use_sliding_window"),
+    MIXTRAL: Family("mixtral", moe="mixtral"),
+    QWEN2_MOE: Family("qwen2_moe", qkv_bias="qkv_bias", window_switch="use_sliding_window", moe="qwen"),
+    QWEN3_MOE: Family("qwen3_moe", qk_norm=True, window_switch="use_sliding_window", moe="qwen"),
+}
+MOE_ARCHITECTURES = tuple(a for a, f in FAMILIES.items() if f.moe)
+ARCHITECTURES = (GPT2, *FAMILIES)
+_MODEL_TYPE = {GPT2: "gpt2", **{a: f.model_type for a, f in FAMILIES.items()}}
 _ARCH_OF_TYPE = {v: k for k, v in _MODEL_TYPE.items()}
 _TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
 
@@ -93,14 +122,23 @@ def model_config_from_hf(hf: dict, *, true_vocab_size: int | None = None, make_v
     h, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
     layers = int(hf["num_hidden_layers"])
     n = int(hf.get("max_position_embeddings", 2048))
-    if arch == LLAMA:
+    fam = FAMILIES[arch]
+    _check_window(hf, arch, fam, n, where)
+    if fam.linear_bias:
         attn_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
         _require(attn_bias == mlp_bias, where,
                  f"attention_bias={attn_bias} with mlp_bias={mlp_bias} is not supported (--disable-bias-linear "
                  "switches all linear biases together)")
-        specific = dict(add_bias_linear=attn_bias, ffn_hidden_size=int(hf["intermediate_size"]))
-    else:
-        specific = _moe_from_hf(hf, arch, layers, where)
+    else:  # Qwen3's attention_bias would bias o_proj too, without MLP biases: no flag of ours does that
+        attn_bias = False
+        _require(not hf.get("attention_bias", False), where,
+                 f"attention_bias=true is not supported for {arch} (an o_proj bias without MLP biases has no "
+                 "equivalent here); convert a model with attention_bias false")
+    qkv_bias = hf.get(fam.qkv_bias, True) if isinstance(fam.qkv_bias, str) else fam.qkv_bias  # absent: true
+    specific = dict(add_bias_linear=attn_bias, add_qkv_bias=bool(qkv_bias) and not attn_bias,
+                    qk_layernorm=fam.qk_norm, ffn_hidden_size=int(hf["intermediate_size"]))
+    if fam.moe:
+        specific.update(_moe_from_hf(hf, arch, layers, where))
     cfg = ModelConfig(num_layers=layers, hidden_size=h, num_attention_heads=heads,
                       num_query_groups=int(hf.get("num_key_value_heads") or heads),
                       kv_channels=int(hf.get("head_dim") or h // heads),
@@ -113,13 +151,27 @@ def model_config_from_hf(hf: dict, *, true_vocab_size: int | None = None, make_v
     return cfg, arch
 
 
+def _check_window(hf: dict, arch: str, fam: Family, seq: int, where: str) -> None:
+    """Sliding-window attention is not built here: a window shorter than the sequence (``max_position_embeddings``,
+    the length we train at) is an error; a window that covers the sequence is full causal attention. Qwen
+    families apply ``sliding_window`` only under ``use_sliding_window: true`` (whatever ``max_window_layers``)."""
+    window = hf.get("sliding_window")
+    if fam.window_switch is not None and not hf.get(fam.window_switch, False):
+        window = None
+    if window is None or int(window) >= seq:
+        return
+    on = f"{fam.window_switch}=true with " if fam.window_switch else ""
+    raise ConvertError(f"{where}: {on}sliding_window {window} is shorter than the sequence length {seq} "
+                       f"(max_position_embeddings): {arch} with sliding-window attention is not supported (full "
+                       f"causal attention only); set \"sliding_window\": null"
+                       + (f" (or \"{fam.window_switch}\": false)" if fam.window_switch else "")
+                       + f" in config.json for full attention, or max_position_embeddings <= {window}")
+
+
 def _moe_from_hf(hf: dict, arch: str, layers: int, where: str) -> dict:
-    """Our MoE (and attention) settings of a Mixtral / Qwen2-MoE / Qwen3-MoE ``config.json``."""
-    if arch == MIXTRAL:
+    """Our MoE settings of a Mixtral / Qwen2-MoE / Qwen3-MoE ``config.json``."""
+    if FAMILIES[arch].moe == "mixtral":
         experts = hf.get("num_local_experts", hf.get("num_experts"))
-        window = hf.get("sliding_window")
-        _require(window is None, where, f"sliding_window {window} is not supported (full causal attention only); "
-                                        "convert a model with sliding_window null")
         jitter = float(hf.get("router_jitter_noise") or 0.0)
         _require(jitter == 0.0, where, f"router_jitter_noise {jitter} is not supported (our router adds no input "
                                        "jitter); set it to 0")
@@ -127,8 +179,6 @@ def _moe_from_hf(hf: dict, arch: str, layers: int, where: str) -> dict:
         renormalise, moe_layers = True, [1] * layers
     else:
         experts = hf.get("num_experts", hf.get("num_local_experts"))
-        _require(not hf.get("use_sliding_window", False), where,
-                 "use_sliding_window=true is not supported (full causal attention only)")
         ffn, moe_ffn = int(hf["intermediate_size"]), int(hf["moe_intermediate_size"])
         renormalise = bool(hf.get("norm_topk_prob", False))
         step, dense = int(hf.get("decoder_sparse_step", 1) or 1), set(hf.get("mlp_only_layers") or [])
@@ -139,21 +189,18 @@ def _moe_from_hf(hf: dict, arch: str, layers: int, where: str) -> dict:
     out = dict(num_experts=int(experts), moe_router_topk=int(hf.get("num_experts_per_tok", 2)),
                moe_router_score_function="softmax", moe_router_pre_softmax=not renormalise,
                moe_layer_freq=1 if all(moe_layers) else moe_layers, ffn_hidden_size=ffn, moe_ffn_hidden_size=moe_ffn,
-               moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)), add_bias_linear=False)
+               moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)))
     if arch == QWEN2_MOE:
         shared = int(hf.get("shared_expert_intermediate_size") or 0)
         _require(shared >= 1, where, f"shared_expert_intermediate_size {shared}: Qwen2-MoE needs a shared expert")
-        out.update(moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True,
-                   add_qkv_bias=bool(hf.get("qkv_bias", True)))  # transformers 4 has no key: always biased
-    if arch == QWEN3_MOE:
-        _require(not hf.get("attention_bias", False), where,
-                 "attention_bias=true is not supported for Qwen3-MoE (expert models here have no o_proj bias)")
-        out.update(qk_layernorm=True)
+        out.update(moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True)
     return out
 
 
-def architecture_of(cfg: ModelConfig, where: str = "checkpoint") -> str:
-    """Which HF architecture expresses our model config (or a :class:`ConvertError` naming the setting)."""
+def architecture_of(cfg: ModelConfig, where: str = "checkpoint", *, base: dict | None = None) -> str:
+    """Which HF architecture expresses our model config (or a :class:`ConvertError` naming the setting).
+    ``base``: the config.json the model came from; its family is chosen when it fits (a Mistral stays a
+    Mistral, though a Llama expresses the same model)."""
     _require(not getattr(cfg, "apply_layernorm_1p", False), where,
              "--apply-layernorm-1p (zero-centered norm weights) has no HF equivalent in this converter")
     gpt2_like = (cfg.normalization == "LayerNorm" and cfg.position_embedding_type == "learned_absolute"
@@ -172,14 +219,27 @@ def architecture_of(cfg: ModelConfig, where: str = "checkpoint") -> str:
         _require(cfg.rotary_percent == 1.0, where, "Llama rotates whole heads (--rotary-percent must be 1.0)")
         if cfg.num_experts:
             return _moe_architecture(cfg, where)
-        _require(not cfg.qk_layernorm, where, "--qk-layernorm on a dense model has no Hugging Face equivalent here "
-                                              "(Llama has no query/key norm)")
-        _require(not (cfg.add_qkv_bias and not cfg.add_bias_linear), where,
-                 "--add-qkv-bias without the other linear biases has no Llama equivalent")
-        return LLAMA
+        return _dense_architecture(cfg, where, architecture_of_safe(base))
     raise ConvertError(f"{where}: unknown architecture: normalization={cfg.normalization}, "
                        f"position_embedding_type={cfg.position_embedding_type}, swiglu={cfg.swiglu} is neither "
                        f"GPT-2 (LayerNorm, learned_absolute, GELU) nor Llama (RMSNorm, rope, SwiGLU)")
+
+
+def _dense_architecture(cfg: ModelConfig, where: str, prefer: str | None) -> str:
+    """The dense family of :data:`FAMILIES` whose switches are the config's: ``prefer`` when it fits, else the
+    first that does."""
+    qkv_only = cfg.add_qkv_bias and not cfg.add_bias_linear
+
+    def fits(f: Family) -> bool:
+        return (not f.moe and f.qk_norm == cfg.qk_layernorm and (f.linear_bias or not cfg.add_bias_linear)
+                and qkv_only == bool(f.qkv_bias))
+
+    found = [a for a, f in FAMILIES.items() if fits(f)]
+    _require(bool(found), where,
+             f"--qk-layernorm={cfg.qk_layernorm} with q/k/v-only biases={qkv_only} (--add-qkv-bias) and all linear "
+             f"biases={cfg.add_bias_linear} (--disable-bias-linear off) has no dense Hugging Face equivalent here "
+             "(Llama: no biases or all; Mistral: none; Qwen2: q/k/v biases only; Qwen3: --qk-layernorm, no biases)")
+    return prefer if prefer in found else found[0]
 
 
 def _moe_architecture(cfg: ModelConfig, where: str) -> str:
@@ -215,7 +275,7 @@ def _moe_architecture(cfg: ModelConfig, where: str) -> str:
 def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32", *, base: dict | None = None) -> dict:
     """``config.json`` for our model config. ``base``: the config.json the model came from (token ids and
     other keys that do not decide the weights are kept from it)."""
-    arch = architecture_of(cfg)
+    arch = architecture_of(cfg, base=base)
     out = {k: v for k, v in (base or {}).items() if architecture_of_safe(base) == arch}
     out.update(architectures=[arch], model_type=_MODEL_TYPE[arch], vocab_size=cfg.vocab_size,
                initializer_range=cfg.init_method_std, torch_dtype=dtype,
@@ -240,9 +300,19 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32", *, base: dict
                    rope_theta=float(cfg.rotary_base),
                    rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rotary_base)},
                    hidden_act="silu", attention_dropout=cfg.attention_dropout)
-        if arch == LLAMA:
+        fam = FAMILIES[arch]
+        if fam.linear_bias:
             out.update(attention_bias=cfg.add_bias_linear, mlp_bias=cfg.add_bias_linear, pretraining_tp=1)
+        elif fam.qk_norm:  # Qwen3's switch of q/k/v/o biases
+            out.update(attention_bias=False)
+        if isinstance(fam.qkv_bias, str):
+            out[fam.qkv_bias] = cfg.add_qkv_bias
+        if fam.window_switch:  # full causal attention
+            out[fam.window_switch] = False
         else:
+            out.update(sliding_window=None)
+        out.pop("layer_types", None)  # transformers derives it (every layer full attention)
+        if fam.moe:
             out.update(_moe_to_hf(cfg, arch))
     return out
 
@@ -251,18 +321,14 @@ def _moe_to_hf(cfg: ModelConfig, arch: str) -> dict:
     coeff = cfg.moe_aux_loss_coeff
     coeff = float(coeff if isinstance(coeff, (int, float)) else coeff[0])
     common = dict(num_experts_per_tok=cfg.moe_router_topk, router_aux_loss_coef=coeff, output_router_logits=False)
-    if arch == MIXTRAL:
+    if FAMILIES[arch].moe == "mixtral":
         return dict(common, num_local_experts=cfg.num_experts, intermediate_size=cfg.moe_ffn_hidden_size,
-                    sliding_window=None, router_jitter_noise=0.0)
+                    router_jitter_noise=0.0)
     dense = [i for i in range(cfg.num_layers) if not is_moe_layer(cfg, i)]
     out = dict(common, num_experts=cfg.num_experts, moe_intermediate_size=cfg.moe_ffn_hidden_size,
-               norm_topk_prob=not cfg.moe_router_pre_softmax, decoder_sparse_step=1, mlp_only_layers=dense,
-               use_sliding_window=False)
+               norm_topk_prob=not cfg.moe_router_pre_softmax, decoder_sparse_step=1, mlp_only_layers=dense)
     if arch == QWEN2_MOE:
-        out.update(shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
-                   qkv_bias=cfg.add_qkv_bias)
-    else:
-        out.update(attention_bias=False)
+        out.update(shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size)
     return out
 
 

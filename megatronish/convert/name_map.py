@@ -28,7 +28,7 @@ import torch
 
 from ..config import ModelConfig
 from ..model.moe.layer import is_moe_layer
-from .hf_config import GPT2, LLAMA, MIXTRAL, MOE_ARCHITECTURES, QWEN2_MOE, ConvertError
+from .hf_config import FAMILIES, GPT2, MIXTRAL, QWEN2_MOE, ConvertError
 
 WORD = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"
@@ -195,7 +195,7 @@ def build_entries(cfg: ModelConfig, arch: str, padded_vocab: int, prefix: str | 
                     _same(f"{o}mlp.linear_fc2.bias", f"{h}mlp.c_proj.bias")]
         out += [_same("decoder.final_layernorm.weight", f"{p}ln_f.weight"),
                 _same("decoder.final_layernorm.bias", f"{p}ln_f.bias")]
-    elif arch == LLAMA or arch in MOE_ARCHITECTURES:
+    elif arch in FAMILIES:  # every Llama-flavored family: one table, the config's switches pick the tensors
         kinds = ("weight", "bias") if cfg.add_bias_linear else ("weight",)
         qkv_kinds = ("weight", "bias") if cfg.qkv_bias else ("weight",)
         out.append(_vocab_entry(WORD, "model.embed_tokens.weight", V, padded_vocab))
@@ -207,7 +207,7 @@ def build_entries(cfg: ModelConfig, arch: str, padded_vocab: int, prefix: str | 
                                  tuple(f"{h}self_attn.{x}_proj.{kind}" for x in "qkv"),
                                  lambda q, k, v: qkv_to_ours(q, k, v, groups),
                                  lambda x: qkv_from_ours(x, heads, groups, d)))
-            if cfg.qk_layernorm:  # Qwen3: per-head RMSNorm of queries and keys
+            if cfg.qk_layernorm:  # Qwen3 / Qwen3-MoE: per-head RMSNorm of queries and keys
                 out += [_same(f"{o}self_attention.{x}_layernorm.weight", f"{h}self_attn.{x}_norm.weight")
                         for x in "qk"]
             for kind in kinds:

@@ -99,7 +99,8 @@ def load_megatronish(args) -> Source:
     elif cfg.vocab_size > rows:
         raise ConvertError(f"{where}: vocabulary size {cfg.vocab_size} in the config is larger than the padded "
                            f"vocabulary ({rows} rows); pass --true-vocab-size <= {rows}")
-    arch = architecture_of(cfg, where)
+    hf_config = (conf.get("convert") or {}).get("hf_config")
+    arch = architecture_of(cfg, where, base=hf_config)  # the source's family when it fits (Mistral stays one)
     expect = expected_global_shapes(cfg)
     for name, shape in expect.items():
         if name not in stored:
@@ -114,7 +115,6 @@ def load_megatronish(args) -> Source:
         raise ConvertError(f"{where}: unexpected tensor {extra[0]!r} for its config")
     order = [e.ours for e in build_entries(cfg, arch, rows)]
     specs = [(n, tuple(stored[n]["shape"]), stored[n]["dtype"]) for n in order]
-    hf_config = (conf.get("convert") or {}).get("hf_config")
     return Source(cfg, arch, specs, lambda: iter_model_tensors(args.load_dir, order), hf_config=hf_config,
                   origin=f"megatronish:{where}")
 

@@ -7,8 +7,12 @@ import torch
 _LLAMA_LIKE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=8,
                    num_key_value_heads=4, max_position_embeddings=32, rms_norm_eps=1e-5, rope_theta=10000.0,
                    attention_dropout=0.0)
-# Four experts, two per token; Qwen's experts are narrower than its dense MLPs (moe_intermediate_size).
-_MOE = {
+# What sets each family apart (the rest is _LLAMA_LIKE): Qwen3's head_dim differs from hidden/heads (64/8);
+# Mistral attends over the whole sequence (no sliding window); Qwen2 has q/k/v biases by construction.
+# MoE: four experts, two per token; Qwen's experts are narrower than its dense MLPs (moe_intermediate_size).
+_FAMILY = {
+    "MistralForCausalLM": dict(sliding_window=None),
+    "Qwen3ForCausalLM": dict(head_dim=16),
     "MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48),
     "Qwen2MoeForCausalLM": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                 shared_expert_intermediate_size=40, norm_topk_prob=False),
@@ -18,9 +22,11 @@ _MOE = {
 
 
 def tiny_hf_model(arch: str, *, vocab: int = 100, seed: int = 0, tied: bool | None = None, **over):
-    """A small fp32 ``GPT2LMHeadModel`` (tanh GELU), ``LlamaForCausalLM`` or mixture of experts
-    (``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``: 4 experts, top-2) with random
-    weights (biases, norms and the embedding included), dropout off, SDPA attention."""
+    """A small fp32 ``GPT2LMHeadModel`` (tanh GELU), dense Llama-flavored model (``LlamaForCausalLM``,
+    ``MistralForCausalLM``, ``Qwen2ForCausalLM`` with q/k/v biases, ``Qwen3ForCausalLM`` with q/k norms and
+    ``head_dim`` 16) or mixture of experts (``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``,
+    ``Qwen3MoeForCausalLM``: 4 experts, top-2) with random weights (biases, norms and the embedding included),
+    dropout off, SDPA attention."""
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -31,7 +37,7 @@ def tiny_hf_model(arch: str, *, vocab: int = 100, seed: int = 0, tied: bool | No
         config_cls, cls = transformers.GPT2Config, transformers.GPT2LMHeadModel
     else:
         kw = dict(_LLAMA_LIKE, vocab_size=vocab, tie_word_embeddings=False if tied is None else tied,
-                  **_MOE.get(arch, {}))
+                  **_FAMILY.get(arch, {}))
         name = arch.removesuffix("ForCausalLM")
         config_cls, cls = getattr(transformers, f"{name}Config"), getattr(transformers, arch)
     kw.update(over)

@@ -1,4 +1,4 @@
-"""Convert checkpoints between Hugging Face (GPT-2, Llama, Mixtral, Qwen2/3-MoE) and megatronish (Megatron-LM's CLI).
+"""Convert checkpoints between Hugging Face (GPT-2, Llama, Mistral, Qwen2/3, Mixtral, Qwen2/3-MoE) and megatronish.
 
     megatronish-convert-checkpoint --model-type GPT --loader hf --saver megatronish \\
         --load-dir hf/llama --save-dir ckpts/llama --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2

@@ -1,4 +1,5 @@
-"""Tiny Hugging Face GPT-2 and Llama (GQA) converted to our global tensors and loaded at TP 2 x PP 2 (4 ranks):
+"""Tiny Hugging Face GPT-2, Llama (GQA), Mistral, Qwen2 (q/k/v biases; tied and untied) and Qwen3 (q/k norm,
+head_dim 16) converted to our global tensors and loaded at TP 2 x PP 2 (4 ranks):
 the pipeline, run stage by stage, gives transformers' logits (fp32, rtol 1e-5; logits near zero to 1e-5 of the
 largest). Every rank builds the same HF model from the same seed and takes its slices of the converted tensors
 (``split_global`` with each parameter's ``TensorDesc``)."""
@@ -14,6 +15,10 @@ from megatronish.parallel.mappings import gather_from_tensor_model_parallel_regi
 from megatronish.testing import assert_parity, run_distributed
 
 V, B, S = 100, 2, 16
+# name -> (architecture, tiny_hf_model overrides)
+DENSE = {"gpt2": ("GPT2LMHeadModel", {}), "llama": ("LlamaForCausalLM", {}), "mistral": ("MistralForCausalLM", {}),
+         "qwen2": ("Qwen2ForCausalLM", {}), "qwen2_tied": ("Qwen2ForCausalLM", {"tied": True}),
+         "qwen3": ("Qwen3ForCausalLM", {})}
 
 
 def _worker(rank, world):
@@ -21,8 +26,8 @@ def _worker(rank, world):
     tp, tp_rank = 2, groups.get_tensor_model_parallel_rank()
     pp_rank = groups.get_pipeline_model_parallel_rank()
     out = {}
-    for arch in ("GPT2LMHeadModel", "LlamaForCausalLM"):
-        hf = tiny_hf_model(arch, vocab=V)
+    for name, (arch, over) in DENSE.items():
+        hf = tiny_hf_model(arch, vocab=V, **over)
         cfg, a = model_config_from_hf(hf.config.to_dict())
         tensors = hf_state_dict_to_ours(hf.state_dict(), cfg, a, tp=tp)
         (model,) = build_model_chunks(cfg, ctx)
@@ -38,15 +43,16 @@ def _worker(rank, world):
                 model.set_input_tensor(x)
                 logits = gather_from_tensor_model_parallel_region(model(ids), ctx.tp_group)[..., :V]
                 ref = hf(input_ids=ids).logits
-                out[a] = (logits - ref).abs().max().item()
-                assert_parity(logits, ref, f"{a} logits at TP 2 x PP 2", rtol=1e-5)
+                out[name] = (logits - ref).abs().max().item()
+                assert_parity(logits, ref, f"{name} logits at TP 2 x PP 2", rtol=1e-5)
     return out
 
 
 def test_hf_logits_at_tp2_pp2():
     results = run_distributed(_worker, 4)
     last = [r for r in results if r]
-    assert len(last) == 2 and all(set(r) == {"GPT2LMHeadModel", "LlamaForCausalLM"} for r in last)
+    assert len(last) == 2 and all(set(r) == set(DENSE) for r in last)
+    print("max |logits - transformers'|:", last[0])
 
 
 # ---- mixture of experts: converted checkpoints loaded by pretrain at EP 2 x PP 2 --------------------------------

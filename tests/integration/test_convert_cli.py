@@ -1,7 +1,9 @@
 """tools/checkpoint/convert.py end to end.
 
-* HF -> megatronish -> HF through files is bitwise identical per tensor (GPT-2 and Llama with GQA; the
-  export sharded into several safetensors files with an index) and loads in transformers.
+* HF -> megatronish -> HF through files is bitwise identical per tensor (GPT-2 and Llama with GQA through the
+  script in a subprocess; Mistral, Qwen2 with tied embeddings and Qwen3 through its ``main`` in this process;
+  the export sharded into several safetensors files with an index) and loads in transformers as the same
+  family with the same logits.
 * A checkpoint trained by ``pretrain`` at TP 2 x PP 2 (GPT-2 with --openai-gelu; Llama with GQA, untied,
   padded vocabulary) exported to HF: transformers' loss on the validation batch equals our evaluation loss on
   the same batch; converted back HF -> megatronish and loaded with ``--finetune`` at TP 2 x PP 2 it evaluates
@@ -28,6 +30,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CLI = os.path.join(ROOT, "tools", "checkpoint", "convert.py")
 
 
+def _convert_in_process(*argv):
+    from megatronish.tools import convert_checkpoint
+
+    convert_checkpoint.main(["--model-type", "GPT", *argv])
+
+
 def _convert(*argv):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     r = subprocess.run([sys.executable, CLI, "--model-type", "GPT", *argv], capture_output=True, text=True, env=env,
@@ -39,15 +47,18 @@ def _convert(*argv):
 def test_round_trip_bitwise(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    for arch in ("GPT2LMHeadModel", "LlamaForCausalLM"):
+    for arch, over, convert in (("GPT2LMHeadModel", {}, _convert), ("LlamaForCausalLM", {}, _convert),
+                                ("MistralForCausalLM", {}, _convert_in_process),
+                                ("Qwen2ForCausalLM", {"tied": True}, _convert_in_process),
+                                ("Qwen3ForCausalLM", {}, _convert_in_process)):
         src, ours, back = (str(tmp_path / f"{arch}_{x}") for x in ("hf", "ours", "back"))
-        hf = tiny_hf_model(arch, vocab=100)
+        hf = tiny_hf_model(arch, vocab=100, **over)
         hf.save_pretrained(src)
-        _convert("--loader", "hf", "--saver", "megatronish", "--load-dir", src, "--save-dir", ours,
-                 "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2")
+        convert("--loader", "hf", "--saver", "megatronish", "--load-dir", src, "--save-dir", ours,
+                "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2")
         assert open(os.path.join(ours, "latest_checkpointed_iteration.txt")).read().strip() == "release"
-        _convert("--loader", "megatronish", "--saver", "hf", "--load-dir", ours, "--save-dir", back,
-                 "--max-shard-size", "60KB")
+        convert("--loader", "megatronish", "--saver", "hf", "--load-dir", ours, "--save-dir", back,
+                "--max-shard-size", "60KB")
         assert os.path.exists(os.path.join(back, "model.safetensors.index.json"))
         a, b = HFReader(src), HFReader(back)
         assert sorted(a.names()) == sorted(b.names()), arch

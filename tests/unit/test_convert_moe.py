@@ -165,10 +165,10 @@ def test_generation_with_kv_cache_matches_transformers(models):
 def test_config_errors(models):
     mixtral = models["mixtral"].config.to_dict()
     qwen3 = models["qwen3_norm_topk_dense_layer"].config.to_dict()
-    for hf, match in [({**mixtral, "sliding_window": 4096}, "sliding_window 4096"),
+    for hf, match in [({**mixtral, "sliding_window": 16}, "sliding_window 16 is shorter than the sequence length 32"),
                       ({**mixtral, "router_jitter_noise": 0.1}, "router_jitter_noise 0.1"),
                       ({**qwen3, "attention_bias": True}, "attention_bias=true"),
-                      ({**qwen3, "use_sliding_window": True}, "use_sliding_window=true"),
+                      ({**qwen3, "use_sliding_window": True, "sliding_window": 16}, "use_sliding_window=true"),
                       ({**qwen3, "mlp_only_layers": [0, 1, 2, 3]}, "no layer is a mixture of experts")]:
         with pytest.raises(ConvertError, match=match):
             model_config_from_hf(hf)
@@ -177,7 +177,8 @@ def test_config_errors(models):
                           (dict(moe_expert_capacity_factor=1.0), "--moe-expert-capacity-factor"),
                           (dict(moe_router_score_function="sigmoid"), "softmax"),
                           (dict(moe_layer_freq=2), "every layer"),
-                          (dict(num_experts=None, qk_layernorm=True), "--qk-layernorm on a dense model")]:
+                          (dict(num_experts=None, qk_layernorm=True, add_qkv_bias=True),
+                           "no dense Hugging Face equivalent")]:
         with pytest.raises(ConvertError, match=match):
             hf_config_from_model(dataclasses.replace(cfg, **change))
 
