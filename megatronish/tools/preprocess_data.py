@@ -25,6 +25,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
+from ..data.preprocess.formats import TEXT_DOCUMENT_PER
 from ..data.preprocess.inputs import PreprocessError
 from ..data.preprocess.pipeline import run
 from ..data.tokenizers import TOKENIZER_TYPES
@@ -34,12 +35,18 @@ from ..errors import EXIT_USER_ERROR, CommandLineParser, UserError
 def get_parser() -> argparse.ArgumentParser:
     parser = CommandLineParser(description=__doc__.split("\n\n")[0])
     group = parser.add_argument_group("input data")
-    group.add_argument("--input", type=str, required=True, help="JSON-lines file (.gz allowed) or glob")
-    group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract from each line")
+    group.add_argument("--input", type=str, required=True,
+                       help="a JSON-lines (.jsonl, .json), text (.txt) or Parquet (.parquet) file, the first two "
+                            "optionally .gz or .zst; a datasets.save_to_disk directory; or a glob of them")
+    group.add_argument("--json-keys", nargs="+", default=["text"],
+                       help="keys to extract from each line (Parquet/Arrow: columns; text: the output's name)")
+    group.add_argument("--text-document-per", choices=TEXT_DOCUMENT_PER, default="line",
+                       help=".txt inputs: each line is a document (empty lines skipped), or each file is one")
     group.add_argument("--split-sentences", action="store_true", help="one sequence per sentence")
     group.add_argument("--keep-newlines", action="store_true", help="keep newlines when splitting sentences")
     group.add_argument("--skip-bad-lines", action="store_true",
-                       help="skip lines that are not JSON objects with the keys (default: stop with an error)")
+                       help="skip lines (rows, text files) that are not JSON objects with the keys, hold a value "
+                            "that is not text, or are not UTF-8 (default: stop with an error)")
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", type=str, required=True, choices=TOKENIZER_TYPES)
     group.add_argument("--tokenizer-model", type=str, default=None)

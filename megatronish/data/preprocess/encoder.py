@@ -1,5 +1,6 @@
-"""A task's lines to token arrays: JSON parsing, sentence splitting, tokenizing (in the worker processes, or
-parsing in the main process when it has a core to spare)."""
+"""A task's lines (or rows) to token arrays: JSON parsing (or text lines, whole text files, Parquet/Arrow rows),
+sentence splitting, tokenizing (in the worker processes, or parsing in the main process when it has a core to
+spare)."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ import numpy
 
 from ..indexed_dataset import DType
 from ..tokenizers import build_tokenizer
+from .formats import TEXT, Records, input_format
 from .inputs import PreprocessError, Task, read_error
 
 try:  # several times faster than json at parsing the lines; optional (see Encoder._parse)
@@ -87,6 +89,10 @@ class Encoder:
 
     def parse_task(self, task: Task) -> Tuple[dict, List[Dict[str, List[str]]]]:
         """The first half of :meth:`encode_task`: its dict without "keys", and the parsed documents."""
+        if isinstance(task.data, Records):
+            return self._parse_records(task.data)
+        if input_format(task.path) == TEXT:
+            return self._parse_text(self.read(task))
         args = self.args
         data = self.read(task)
         lines = data.split(b"\n")  # each line parsed from its bytes: no decode of the whole task to str first
@@ -105,6 +111,51 @@ class Encoder:
                 return {"lines": len(lines), "bytes": len(data), "error": (i, msg)}, []
             bad.append((i, msg))
         return {"lines": len(lines), "bytes": len(data), "docs": len(docs), "skipped": bad}, docs
+
+    def _collect(self, units: List, add, nbytes: int) -> Tuple[dict, List[Dict[str, List[str]]]]:
+        """:meth:`parse_task`'s result for ``units`` (text lines, rows) that ``add(unit, docs)`` appends to the
+        documents, returning what is wrong with a unit instead, if anything (``add`` may skip a unit: no document)."""
+        bad: List[Tuple[int, str]] = []
+        docs: List[Dict[str, List[str]]] = []
+        for i, unit in enumerate(units):
+            msg = add(unit, docs)
+            if msg is None:
+                continue
+            if not self.args.skip_bad_lines:
+                return {"lines": len(units), "bytes": nbytes, "error": (i, msg)}, []
+            bad.append((i, msg))
+        return {"lines": len(units), "bytes": nbytes, "docs": len(docs), "skipped": bad}, docs
+
+    def _parse_records(self, records: Records) -> Tuple[dict, List[Dict[str, List[str]]]]:
+        """Rows of a Parquet or Arrow file: each row's ``--json-keys`` values, checked as a JSON line's are."""
+        keys = self.args.json_keys
+        columns = [records.columns[k] for k in keys]
+        rows = [dict(zip(keys, values)) for values in zip(*columns)]
+        return self._collect(rows, self._add, records.nbytes)
+
+    def _parse_text(self, data: bytes) -> Tuple[dict, List[Dict[str, List[str]]]]:
+        """A text task: each line a document (its line end removed; empty lines skipped), or, with
+        ``--text-document-per file``, the whole text one document. Text must be UTF-8."""
+        key = self.args.json_keys[0]
+        if self.args.text_document_per == "file":
+            units = [data]
+        else:
+            units = data.split(b"\n")
+            if not units[-1]:
+                units.pop()  # the text after the last newline (empty unless the file ends without one)
+
+        def add(unit: bytes, docs: List[Dict[str, List[str]]]) -> Optional[str]:
+            if self.args.text_document_per == "line":
+                unit = unit[:-1] if unit.endswith(b"\r") else unit
+                if not unit:
+                    return None
+            try:
+                text = unit.decode("utf-8")
+            except UnicodeDecodeError as err:
+                return f"not UTF-8 text ({err})"
+            return self._add({key: text}, docs)
+
+        return self._collect(units, add, len(data))
 
     def _parse(self, line: Union[str, bytes], docs: List[Dict[str, List[str]]]) -> Optional[str]:
         """Appends the line's document to ``docs``; returns what is wrong with the line instead, if anything.

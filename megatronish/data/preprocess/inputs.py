@@ -1,40 +1,50 @@
-"""The input side of ``megatronish-preprocess-data``: the ``--input`` files (plain or ``.gz``), their lines,
-the byte (or line) ranges of each partition, and the tasks (chunks of whole lines) handed to the workers."""
+"""The input side of ``megatronish-preprocess-data``: the ``--input`` files (JSON lines or text, plain or
+compressed; Parquet; the Arrow files of a ``datasets.save_to_disk`` directory: :mod:`.formats`), the byte (or unit)
+ranges of each partition, and the tasks (chunks of whole lines, or of rows) handed to the workers."""
 from __future__ import annotations
 
 import glob
-import gzip
 import os
-from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
-from ...errors import UserError
+from .formats import (
+    ARROW,
+    PARQUET,
+    TEXT,
+    PreprocessError,
+    Records,
+    by_units,
+    count_rows,
+    dataset_files,
+    input_format,
+    open_binary,
+    record_chunks,
+)
 
 CHUNK_BYTES = 1 << 18  # input bytes per worker task (a chunk always ends at a line end)
 _READ_BYTES = 1 << 22  # read size when counting newlines
 
 
-class PreprocessError(UserError):
-    """An input problem reported to the user without a traceback."""
-
-
 # ------------------------------------------------------------------------------------- input
 def expand_inputs(pattern: str) -> List[str]:
-    if os.path.isfile(pattern):
-        return [pattern]
-    files = sorted(f for f in glob.glob(pattern) if os.path.isfile(f))
+    """The files of ``--input``: a file, a ``datasets.save_to_disk`` directory (its Arrow files), or a glob of
+    them (sorted)."""
+    matches = [pattern] if os.path.exists(pattern) else sorted(glob.glob(pattern))
+    files: List[str] = []
+    for path in matches:
+        if os.path.isdir(path):
+            if len(matches) == 1 or os.path.isfile(os.path.join(path, "state.json")):
+                files.extend(dataset_files(path))
+        elif os.path.isfile(path):
+            files.append(path)
     if not files:
-        raise PreprocessError(f"--input '{pattern}' matches no file (give a .jsonl/.json(.gz) path or a glob)")
+        raise PreprocessError(f"--input '{pattern}' matches no file (give a .jsonl, .txt or .parquet path, "
+                              "optionally .gz/.zst, a datasets.save_to_disk directory, or a glob)")
     return files
 
 
-def _compressed(path: str) -> bool:
-    return path.endswith(".gz")
-
-
 def _open(path: str):
-    if _compressed(path):
-        return gzip.open(path, "rb")
-    return open(path, "rb")
+    return open_binary(path)
 
 
 def read_error(path: str, err: BaseException) -> PreprocessError:
@@ -60,10 +70,24 @@ def iter_lines(files: Sequence[str], start: int = 0, stop: Optional[int] = None)
 def count_lines(files: Sequence[str]) -> int:
     total = 0
     for path in files:
-        with _open(path) as f:
-            for _ in f:
-                total += 1
+        try:
+            with _open(path) as f:
+                for _ in f:
+                    total += 1
+        except (OSError, EOFError) as err:
+            raise read_error(path, err) from None
     return total
+
+
+def count_units(path: str, text_per: str = "line") -> int:
+    """The units a partition boundary may fall between: rows (Parquet, Arrow), 1 (a text file that is one
+    document), lines (anything else)."""
+    fmt = input_format(path)
+    if fmt == TEXT and text_per == "file":
+        return 1
+    if fmt in (PARQUET, ARROW):
+        return count_rows(path)
+    return count_lines([path])
 
 
 def newlines_before(path: str, offset: int) -> int:
@@ -91,8 +115,9 @@ def _line_start_at_or_after(f, pos: int, size: int) -> int:
 
 
 class Segment(NamedTuple):
-    """A contiguous piece of one input file: bytes [start, stop) of a plain file (``lines`` False), or lines
-    [start, stop) (0-based, ``stop`` None = to the end) of any file."""
+    """A contiguous piece of one input file: bytes [start, stop) of a plain file (``lines`` False), or units
+    (:func:`count_units`: lines, rows, or the one document of a text file) [start, stop) (0-based, ``stop`` None
+    = to the end) of any file."""
 
     path: str
     start: int
@@ -100,15 +125,16 @@ class Segment(NamedTuple):
     lines: bool
 
 
-def plan_segments(files: Sequence[str], partitions: int) -> List[List[Segment]]:
-    """The input cut into ``partitions`` contiguous parts, in order, each a list of segments. Plain files are cut
-    by bytes at line starts (a seek and one line read per cut); when a file is compressed, the cuts are line
-    ranges over all files (one counting pass, as compressed files cannot be seeked)."""
+def plan_segments(files: Sequence[str], partitions: int, text_per: str = "line") -> List[List[Segment]]:
+    """The input cut into ``partitions`` contiguous parts, in order, each a list of segments. Plain JSON-lines and
+    text files are cut by bytes at line starts (a seek and one line read per cut); when a file is read by units
+    (:func:`formats.by_units`: compressed, Parquet, Arrow, a document per text file), the cuts are unit ranges over
+    all files (one counting pass for compressed files, which cannot be seeked; Parquet's metadata)."""
     if partitions == 1:
-        return [[Segment(p, 0, None, True) if _compressed(p) else Segment(p, 0, os.path.getsize(p), False)
+        return [[Segment(p, 0, None, True) if by_units(p, text_per) else Segment(p, 0, os.path.getsize(p), False)
                  for p in files]]
-    if any(_compressed(p) for p in files):
-        counts = [count_lines([path]) for path in files]
+    if any(by_units(p, text_per) for p in files):
+        counts = [count_units(path, text_per) for path in files]
         bounds = [sum(counts) * i // partitions for i in range(partitions + 1)]
         parts: List[List[Segment]] = []
         for a, b in zip(bounds[:-1], bounds[1:]):
@@ -145,19 +171,29 @@ def plan_segments(files: Sequence[str], partitions: int) -> List[List[Segment]]:
 
 class Task(NamedTuple):
     """One worker's input: bytes [start, stop) of the plain file ``path`` (``data`` None: the worker reads
-    them), or ``data``, whole lines of ``path`` whose first is line ``start`` (1-based)."""
+    them), or ``data``: whole lines of ``path`` whose first is line ``start`` (1-based), the rows [start, stop)
+    (1-based) of a Parquet or Arrow file (:class:`formats.Records`), or the whole text of a text file that is one
+    document (``start`` 1)."""
 
     path: str
     start: int
     stop: int
-    data: Optional[bytes]
+    data: Optional[Union[bytes, Records]]
 
 
-def iter_tasks(segments: Sequence[Segment]) -> Iterator[Task]:
-    """The segments cut into tasks of about ``CHUNK_BYTES`` that end at line ends, in order."""
+def iter_tasks(segments: Sequence[Segment], keys: Sequence[str] = ("text",), text_per: str = "line") -> Iterator[Task]:
+    """The segments cut into tasks of about ``CHUNK_BYTES`` that end at line ends (or row ends), in order; a text
+    file that is one document is one task. ``keys``: the columns read from Parquet and Arrow files."""
     for seg in segments:
         if seg.lines:
-            yield from _line_tasks(seg)
+            fmt = input_format(seg.path)
+            if fmt == TEXT and text_per == "file":
+                yield _whole_file_task(seg.path)
+            elif fmt in (PARQUET, ARROW):
+                for first, records in record_chunks(seg.path, seg.start, seg.stop, keys, CHUNK_BYTES):
+                    yield Task(seg.path, first + 1, first + 1 + len(records.columns[keys[0]]), records)
+            else:
+                yield from _line_tasks(seg)
             continue
         try:
             with open(seg.path, "rb") as f:
@@ -188,8 +224,16 @@ def _line_tasks(seg: Segment) -> Iterator[Task]:
         yield Task(seg.path, first, first + len(lines), b"".join(lines))
 
 
+def _whole_file_task(path: str) -> Task:
+    try:
+        with _open(path) as f:
+            return Task(path, 1, 2, f.read())
+    except (OSError, EOFError) as err:
+        raise read_error(path, err) from None
+
+
 def segment_bytes(segments: Sequence[Segment]) -> Optional[int]:
-    """Bytes the progress bar counts to (None with a compressed file: its text size is unknown)."""
+    """Bytes the progress bar counts to (None with a file read by units: the size of its text is unknown)."""
     if any(seg.lines for seg in segments):
         return None
     return sum(seg.stop - seg.start for seg in segments)

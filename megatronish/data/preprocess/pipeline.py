@@ -14,6 +14,7 @@ from typing import Dict, Optional, Sequence, Tuple
 from ...errors import TokenizerError
 from ..indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
 from .encoder import Encoder
+from .formats import check_inputs, unit_noun
 from .inputs import (
     PreprocessError,
     Segment,
@@ -124,12 +125,16 @@ def process_segments(args, segments: Sequence[Segment], prefix: str, workers: in
 
     def take(task: Task, res: dict) -> None:
         nonlocal skipped
+        noun = unit_noun(task.path, args.text_document_per)
+
+        def where(i: int) -> str:  # FILE:LINE, FILE:ROW (1-based), or FILE for a text file that is one document
+            return task.path if noun == "file" else f"{task.path}:{numbers.first_line(task) + i}"
+
         if "error" in res:
             i, msg = res["error"]
-            raise PreprocessError(f"{task.path}:{numbers.first_line(task) + i}: {msg}; fix the line or pass "
-                                  "--skip-bad-lines")
+            raise PreprocessError(f"{where(i)}: {msg}; fix the {noun} or pass --skip-bad-lines")
         for i, msg in res["skipped"]:
-            print(f"warning: skipped {task.path}:{numbers.first_line(task) + i}: {msg}", file=sys.stderr)
+            print(f"warning: skipped {where(i)}: {msg}", file=sys.stderr)
         skipped += len(res["skipped"])
         numbers.advance(task, res["lines"])
         ntok = 0
@@ -144,7 +149,7 @@ def process_segments(args, segments: Sequence[Segment], prefix: str, workers: in
         pending: collections.deque = collections.deque()
         window = 3 * workers  # tasks in flight: each worker has the next ones at hand while it encodes one
         parse_here = _main_parses(workers, args.partitions)
-        for i, task in enumerate(iter_tasks(segments)):
+        for i, task in enumerate(iter_tasks(segments, args.json_keys, args.text_document_per)):
             pool.send(i, encoder.parse_columns(task) if parse_here else task)
             pending.append((i, task))
             if len(pending) >= window:
@@ -189,6 +194,7 @@ def _partition_main(args, segments, prefix, workers, index, errors) -> None:
 
 def run(args) -> None:
     files = expand_inputs(args.input)
+    check_inputs(files, args.json_keys)
     try:
         Encoder(args).initializer()  # fail fast, before any worker starts; workers inherit it
     except TokenizerError as err:
@@ -196,7 +202,7 @@ def run(args) -> None:
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     if not os.path.isdir(out_dir):
         raise PreprocessError(f"--output-prefix directory '{out_dir}' does not exist")
-    parts = plan_segments(files, args.partitions)
+    parts = plan_segments(files, args.partitions, args.text_document_per)
     if args.partitions == 1:
         process_segments(args, parts[0], args.output_prefix, args.workers)
         return
