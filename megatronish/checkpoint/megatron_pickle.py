@@ -38,7 +38,7 @@ class EnumValue:
         return f"EnumValue({self.value!r})"
 
 
-_OPAQUE_MODULES = ("numpy", "_io", "io", "transformer_engine")
+_OPAQUE_MODULES = ("numpy", "transformer_engine")  # and io's BytesIO alone (a file opener is refused)
 # Megatron's enums that its args and common state hold (AttnBackend in args, RerunMode/RerunState in the rerun
 # state machine's common state, ...), read as their values without importing Megatron
 MEGATRON_ENUMS = frozenset((

@@ -5,7 +5,8 @@
     python tools/checkpoint/inspect_checkpoint.py CKPT_DIR  # the same, from a checkout
 
 Runs in one process without torch.distributed; reads no tensor data (``--stats`` reads each model tensor,
-one at a time, to print its norm).
+one at a time, to print its norm; ``--verify`` reads every tensor item of every shard file and checks it against
+its CRC-32s: one line per damaged item, exit 1 if any).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import json
 import math
 import sys
 
+from ..checkpoint import dcp_io
 from ..checkpoint.offline import CheckpointError, iter_model_tensors, read_checkpoint_meta
 from ..errors import CommandLineParser
 
@@ -25,15 +27,30 @@ def _numel(shape) -> int:
     return math.prod(shape) if shape else 1
 
 
+def _verify(iter_dir: str) -> int:
+    md = dcp_io.read_index(iter_dir)
+    dcp_io.check_files(iter_dir, md)
+    items, nbytes, problems = dcp_io.verify_directory(iter_dir, md)
+    for line in problems:
+        sys.stderr.write(f"error: {line}\n")
+    print(f"{iter_dir}: {items} tensor items, {nbytes / 1e6:.1f} MB checked, "
+          f"{'no damage found' if not problems else f'{len(problems)} damaged'}")
+    return 1 if problems else 0
+
+
 def main(argv=None) -> int:
     p = CommandLineParser(description=__doc__.splitlines()[0])
     p.add_argument("path", help="a --save directory or one iter_XXXXXXX / release directory in it")
     p.add_argument("--config", action="store_true", help="print the full stored run config")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--stats", action="store_true", help="also read each model tensor and print its norm")
+    p.add_argument("--verify", action="store_true",
+                   help="check every tensor item of the checkpoint against its CRC-32s (reads all of it)")
     a = p.parse_args(argv)
     try:
         meta = read_checkpoint_meta(a.path)
+        if a.verify:
+            return _verify(meta["iter_dir"])
         norms = {name: float(t.float().norm()) for name, t in iter_model_tensors(a.path)} if a.stats else {}
     except CheckpointError as e:
         sys.stderr.write(f"error: {e}\n")

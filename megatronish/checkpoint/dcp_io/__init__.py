@@ -33,10 +33,11 @@ from .faults import SAVE_FAULT_ENV, WriteFault
 from .index import check_files, read_index
 from .planner import LoadPlanner, SavePlanner
 from .reader import Reader, load_item, read_ahead_own_shard, read_bytes_entry, read_range, read_tensor
-from .verify import archive_problem, item_name
+from .verify import archive_problem, item_name, verify_directory
 from .writer import Writer
 
 __all__ = ["METADATA_FILE", "SAVE_FAULT_ENV", "BouncePool", "CheckpointError", "LoadPlanner", "Obj", "Piece", "Reader",
            "SavePlanner", "Sharded", "WriteFault", "Writer", "archive_problem", "check_files", "check_shape",
            "decode", "dumps", "encode", "first_failure", "gc_paused", "item_name", "load", "load_item", "loads",
-           "narrow", "read_ahead_own_shard", "read_bytes_entry", "read_index", "read_range", "read_tensor", "save"]
+           "narrow", "read_ahead_own_shard", "read_bytes_entry", "read_index", "read_range", "read_tensor", "save",
+           "verify_directory"]

@@ -6,7 +6,7 @@ import io
 import os
 
 import torch
-from torch.distributed.checkpoint.filesystem import FileSystemReader, _create_file_view
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -34,7 +34,7 @@ class Reader(FileSystemReader):
     one data record holds the contiguous chunk, so a request that covers a contiguous byte range of it (the whole
     chunk, or a block of leading-dimension rows) into a contiguous CPU destination is one ``preadv`` into the
     destination's memory (no temporary tensor, no second copy). Anything else (a column block, a non-contiguous
-    or device destination, stream transforms) takes DCP's path: ``torch.load`` of the item, then a copy.
+    or device destination) reads the item whole, ``torch.load`` (weights-only) of it, then a copy.
 
     ``verify`` (the default): every tensor item is checked against its archive's CRC-32s, the direct reads as the
     bytes arrive (:func:`~.archive.read_into`), any other item read whole and checked before it is decoded; a
@@ -86,13 +86,9 @@ class Reader(FileSystemReader):
                     planner.load_bytes(item, io.BytesIO(pread_exact(f.fileno(), info.offset, info.length)))
                     continue
                 target = planner.resolve_tensor(item).detach()
-                where = (f.name, item_name(item.storage_index)) if self.verify else None
-                if not read_into(f, info, item, target, where, checks):
-                    if where is not None:
-                        stored = load_item(pread_exact(f.fileno(), info.offset, info.length), *where)
-                    else:
-                        stored = torch.load(_create_file_view(f, info.offset, info.length), map_location="cpu",
-                                            weights_only=True)
+                where = (f.name, item_name(item.storage_index))
+                if not read_into(f, info, item, target, where if self.verify else None, checks):
+                    stored = load_item(pread_exact(f.fileno(), info.offset, info.length), *where, self.verify)
                     target.copy_(narrow(stored, item.storage_offsets, item.lengths))
                 planner.commit_tensor(item, target)
 
