@@ -5,7 +5,12 @@
    124 MB), JSON parsing and .bin/.idx writing included) vs the same tokenizer's fastest batched encode
    (tokenize_batch_flat) of the same texts already parsed and held by the same number of forked workers (the
    limit); limit and tool runs alternate, best of --repeat each (with the best tool run's CPU time: its main
-   process and its workers); then the 2-worker tool against the 1-worker limit, and one worker's stages;
+   process and its workers); the same documents from a Parquet file (row groups of 1024 rows) in the same
+   alternation, with the throughput ratio parquet / jsonl; then the 2-worker tool against the 1-worker limit, and
+   one worker's stages;
+   ``--only preprocess-memory``: peak memory (RSS) of the tool over a Parquet file of ``--parquet-mb`` MB of text
+   (the corpus repeated with a different prefix per copy, row groups of 256 rows) next to the same over a
+   16 MB one: bounded memory does not grow with the file;
 2. random sample reads through GPTDataset.get_batch (tokens, labels, masks; batches of 32) vs raw numpy.memmap
    reads of the same bytes into the same batch array: per-sample slices at random offsets, and one contiguous
    slice (the memory-bandwidth bound); also the per-sample dataset[i] path;
@@ -13,12 +18,15 @@
 
     python benchmarks/bench_data.py [--workers 1 2] [--seq-length 2048] [--only preprocess] [--repeat 3]
         [--corpus-repeat 64]
+    python benchmarks/bench_data.py --only preprocess-memory [--parquet-mb 1024] [--workers 2]
 """
 import argparse
 import json
 import multiprocessing
 import os
 import resource
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
@@ -80,11 +88,16 @@ def bench_preprocess(workers_list, out_dir, repeat=3, corpus_repeat=64):
             chunk, size = [], 0
     _CHUNKS.append(chunk)
     nbytes = os.path.getsize(corpus)
+    parquet = write_parquet(os.path.join(out_dir, "corpus.parquet"), [json.loads(x)["text"] for x in lines],
+                            corpus_repeat, row_group_size=1024)
     results = {}
     for w in workers_list:
         argv = ["--input", corpus, "--output-prefix", os.path.join(out_dir, f"bench{w}"), "--tokenizer-type",
                 "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges, "--append-eod",
                 "--workers", str(w), "--log-interval", "100000000"]
+        argv_parquet = [parquet, os.path.join(out_dir, f"bench{w}_parquet")] + argv[4:]
+        argv_parquet = ["--input", argv_parquet[0], "--output-prefix", argv_parquet[1]] + argv_parquet[2:]
+        t_parquet = float("inf")
         ctx = multiprocessing.get_context("fork")
         with ctx.Pool(w) as pool:
             pool.map(_encode_chunk, range(w))  # warm
@@ -102,10 +115,19 @@ def bench_preprocess(workers_list, out_dir, repeat=3, corpus_repeat=64):
                 t = best_of(lambda: preprocess_data.main(argv), 1)
                 if t < ours:
                     ours, cpu = t, (time.process_time() - main0, _children_cpu() - kids0)
+                if parquet:
+                    t_parquet = min(t_parquet, best_of(lambda: preprocess_data.main(argv_parquet), 1))
         results[w] = (nbytes / ours / 1e6, nbytes / limit / 1e6)
         print(f"preprocess  workers={w}: tool {nbytes / ours / 1e6:6.2f} MB/s, raw batched encode "
               f"{nbytes / limit / 1e6:6.2f} MB/s  ->  ratio {limit / ours:.2f}  (tool CPU: main process "
               f"{cpu[0]:.2f} s, workers {cpu[1]:.2f} s; wall {ours:.2f} s, raw {limit:.2f} s)", flush=True)
+        if parquet:
+            same = [open(os.path.join(out_dir, f"bench{w}{s}_text_document.bin"), "rb").read()
+                    for s in ("", "_parquet")]
+            same = same[0] == same[1]
+            print(f"preprocess  workers={w}: parquet input {nbytes / t_parquet / 1e6:6.2f} MB/s, jsonl input "
+                  f"{nbytes / ours / 1e6:6.2f} MB/s (same documents; MB of the JSON lines)  ->  ratio parquet/jsonl "
+                  f"{ours / t_parquet:.2f}  (wall {t_parquet:.2f} s vs {ours:.2f} s; same .bin: {same})", flush=True)
     preprocess_breakdown(corpus, vocab, merges)
     if 1 in results:
         for w in sorted(results):
@@ -114,6 +136,88 @@ def bench_preprocess(workers_list, out_dir, repeat=3, corpus_repeat=64):
                       f"tool{w}/tool1 {results[w][0] / results[1][0]:.2f}, tool{w}/raw{w} "
                       f"{results[w][0] / results[w][1]:.2f}  (load average {os.getloadavg()[0]:.2f})")
     return os.path.join(out_dir, "bench1_text_document"), results
+
+
+def write_parquet(path, texts, repeat, row_group_size, vary=False):
+    """``texts`` repeated ``repeat`` times into a Parquet file (one ``text`` column), written a copy at a time;
+    ``vary``: each copy's documents start with the copy's number (no two documents alike). None without pyarrow."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        print("pyarrow not installed: no Parquet input case (pip install 'megatronish[data]')")
+        return None
+    schema = pa.schema([("text", pa.string())])
+    with pq.ParquetWriter(path, schema) as writer:
+        for r in range(repeat):
+            batch = [f"[{r}] {t}" for t in texts] if vary else texts
+            writer.write_table(pa.table({"text": batch}, schema=schema), row_group_size=row_group_size)
+    return path
+
+
+def _tree_rss(pid):
+    """Resident bytes of ``pid`` and its descendants (from /proc; 0 for a process that is gone)."""
+    total, stack = 0, [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            with open(f"/proc/{p}/status") as f:
+                total += next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmRSS:"))
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    stack.extend(int(c) for c in f.read().split())
+        except (OSError, StopIteration, ValueError):
+            pass
+    return total
+
+
+def _peak_memory(argv):
+    """(seconds, peak summed RSS of the tool's processes sampled every 20 ms, peak RSS of its largest process)
+    of the tool run as a child process."""
+    t = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), *argv],
+                            stderr=subprocess.DEVNULL)
+    peak = 0
+    while proc.poll() is None:
+        peak = max(peak, _tree_rss(proc.pid))
+        time.sleep(0.02)
+    if proc.returncode != 0:
+        raise RuntimeError(f"preprocess_data exited with {proc.returncode}")
+    largest = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # the largest process that ended
+    return time.perf_counter() - t, peak, largest
+
+
+def bench_parquet_memory(out_dir, parquet_mb=1024, workers=2):
+    """Peak memory of the tool over a Parquet file of ``parquet_mb`` MB of text and over a 16 MB one."""
+    with open(CORPUS, encoding="utf-8") as f:
+        texts = [json.loads(line)["text"] for line in f]
+    per_copy = sum(len(t.encode("utf-8")) for t in texts)
+    vocab, merges = gpt2_files()
+    rows = []
+    for mb in (16, parquet_mb):
+        path = os.path.join(out_dir, f"big{mb}.parquet")
+        copies = max(1, round(mb * 1e6 / per_copy))
+        t = time.perf_counter()
+        if write_parquet(path, texts, copies, row_group_size=256, vary=True) is None:
+            return None
+        made = time.perf_counter() - t
+        argv = ["--input", path, "--output-prefix", os.path.join(out_dir, f"big{mb}"), "--tokenizer-type",
+                "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges, "--append-eod", "--workers",
+                str(workers), "--log-interval", "100000000"]
+        secs, peak, largest = _peak_memory(argv)
+        text_mb, file_mb = copies * per_copy / 1e6, os.path.getsize(path) / 1e6
+        rows.append((text_mb, peak))
+        print(f"preprocess memory  Parquet {file_mb:.0f} MB file ({text_mb:.0f} MB of text, {copies * len(texts)} "
+              f"rows, row groups of 256; written in {made:.0f} s), workers={workers}: {secs:.1f} s "
+              f"({text_mb / secs:.1f} MB/s); peak RSS of all its processes {peak / 1e6:.0f} MB (sum, shared pages "
+              f"counted in each), of its largest process {largest / 1e6:.0f} MB  ->  peak / file "
+              f"{peak / 1e6 / file_mb:.3f}, peak / text {peak / 1e6 / text_mb:.3f}", flush=True)
+        for ext in (".bin", ".idx"):
+            os.remove(os.path.join(out_dir, f"big{mb}_text_document{ext}"))
+        os.remove(path)
+    print(f"preprocess memory  peak RSS at {rows[1][0]:.0f} MB of text / at {rows[0][0]:.0f} MB: "
+          f"{rows[1][1] / rows[0][1]:.2f}")
+    return rows
 
 
 def preprocess_breakdown(corpus, vocab, merges, repeat=3):
@@ -250,9 +354,15 @@ def main():
     parser.add_argument("--repeat", type=int, default=3, help="preprocess: alternating runs of limit and tool")
     parser.add_argument("--corpus-repeat", type=int, default=64,
                         help="preprocess: the bundled corpus (1.94 MB) repeated this many times")
-    parser.add_argument("--only", choices=["preprocess", "reads", "index"], default=None,
+    parser.add_argument("--parquet-mb", type=int, default=1024,
+                        help="preprocess-memory: MB of text in the large Parquet file")
+    parser.add_argument("--only", choices=["preprocess", "preprocess-memory", "reads", "index"], default=None,
                         help="run one part (reads still preprocess the corpus once, untimed when alone)")
     args = parser.parse_args()
+    if args.only == "preprocess-memory":
+        with tempfile.TemporaryDirectory() as out_dir:
+            bench_parquet_memory(out_dir, args.parquet_mb, args.workers[-1])
+        return
     with tempfile.TemporaryDirectory() as out_dir:
         if args.only in (None, "preprocess"):
             prefix, _ = bench_preprocess(args.workers, out_dir, args.repeat, args.corpus_repeat)
