@@ -1,4 +1,5 @@
-"""Tokenize JSON-lines text into indexed datasets: ``{output_prefix}_{key}_{document|sentence}.bin/.idx``.
+"""Tokenize JSON lines, text, Parquet or a datasets.save_to_disk directory into indexed datasets:
+``{output_prefix}_{key}_{document|sentence}.bin/.idx``.
 
 Same flags as Megatron-LM's tools/preprocess_data.py. Each input file is cut into chunks of about
 ``inputs.CHUNK_BYTES`` that end at line ends (found by seeking, without a pass over the file); ``--workers``
@@ -9,8 +10,10 @@ over another, read in order (no pool threads competing with the main process for
 has a core of its own and feeds few workers (``--workers 1`` on two cores), it reads and parses the chunks itself
 and the workers only encode. The output is therefore the same for every worker and partition count. ``--partitions N``
 splits the input bytes into N contiguous ranges (at line starts) processed side by side, each with
-``--workers / N`` workers, and merges them in order. Compressed (.gz) inputs cannot be seeked: the main
-process reads their lines and hands the workers chunks of them, and partitions over them are line ranges.
+``--workers / N`` workers, and merges them in order. Compressed (.gz, .zst) inputs cannot be seeked: the main
+process reads their lines and hands the workers chunks of them, and partitions over them are line ranges; Parquet
+and Arrow rows (read a batch at a time, never a whole file) and whole text files go the same way
+(``megatronish/data/preprocess/formats.py``). Every format gives the bytes of JSON lines of the same documents.
 
 A line that is not JSON, not an object, or lacks a ``--json-keys`` key stops the run with its file
 and line number (``--skip-bad-lines`` skips such lines instead). The .idx is written last and

@@ -1,2 +1,3 @@
-"""Tokenizing JSON-lines text into indexed datasets: the logic behind ``megatronish-preprocess-data``
-(``megatronish/tools/preprocess_data.py``): :mod:`.inputs`, :mod:`.encoder`, :mod:`.workers`, :mod:`.pipeline`."""
+"""Tokenizing JSON lines (and text, Parquet, Arrow: :mod:`.formats`) into indexed datasets: the logic behind
+``megatronish-preprocess-data`` (``megatronish/tools/preprocess_data.py``): :mod:`.inputs`, :mod:`.formats`,
+:mod:`.encoder`, :mod:`.workers`, :mod:`.pipeline`."""
