@@ -1,5 +1,7 @@
-"""FP8 (emulated, hybrid) trains a small GPT; TP 2 FP8 equals TP 1 FP8; selective (and full) recompute give
-bitwise the gradients of no recompute with dropout on, also under FP8 and TP 2 (+SP)."""
+"""FP8 (emulated, hybrid) trains a small GPT; TP 2 FP8 equals TP 1 FP8 (the first step to fp32 rounding: amaxes,
+loss and every gradient; later steps within an FP8 rounding step, since a reduction-order difference that crosses an
+FP8 rounding boundary is carried on by the updates); selective (and full) recompute give bitwise the gradients of no
+recompute with dropout on, also under FP8 and TP 2 (+SP)."""
 import torch
 
 from megatronish.config import gpt2, llama
@@ -69,7 +71,7 @@ def _rel(a, b):
 
 def _fp8_reference():
     recipe = Fp8Recipe(fp8_format="hybrid", fp8_amax_history_len=4, fp8_amax_compute_algo="max")
-    return recipe, _train(_cfg(), 4, fp8=recipe), _train(_cfg(), 4)
+    return recipe, _train(_cfg(), 4, fp8=recipe), _train(_cfg(), 1, fp8=recipe), _train(_cfg(), 1)
 
 
 def test_fp8_hybrid_trains_and_tracks_fp32():
@@ -113,15 +115,25 @@ def test_selective_recompute_bitwise_single_process():
 
 def _worker(rank, world, ref):
     groups.initialize_model_parallel(ParallelDims(world_size=world, tp=2))
-    recipe, (l1, g1, st1), (_, g32, _) = ref
+    recipe, (l1, _, st1), (_, g1, _), (_, g32, _) = ref
     for sp in (False, True):
-        l2, g2, st2 = _train(_cfg(), 4, sp=sp, fp8=recipe)
+        l2, _, st2 = _train(_cfg(), 4, sp=sp, fp8=recipe)
+        _, g2, _ = _train(_cfg(), 1, sp=sp, fp8=recipe)  # the first step's gradients (before any drift)
         what = f"TP2 sp={sp}"
-        # Same scales: amaxes are max-reduced over TP, so every shard is cast with TP1's scale.
+        # Same scales: amaxes are max-reduced over TP, so every shard is cast with TP1's scale. The first step is
+        # TP1's to fp32 rounding (a missing reduction shows at once). Later steps drift: an fp32 reduction-order
+        # difference that moves one element across an FP8 rounding boundary changes it by up to 2^-4 (E4M3) or
+        # 2^-3 (E5M2, gradients), and the updates carry that on (how often depends on the CPU's matmul kernels);
+        # so later amaxes are held to within a rounding step (5e-2) and the losses to 1e-3 (FP8 against fp32
+        # moves the loss ~1e-2).
         for k, v in st1.items():
-            if k != "recipe":
-                torch.testing.assert_close(st2[k], v, rtol=1e-5, atol=0, msg=lambda m: f"{what} {k}: {m}")
-        torch.testing.assert_close(l2, l1, rtol=1e-5, atol=0, msg=lambda m: f"{what} loss: {m}")
+            if k == "recipe":
+                continue
+            if k.endswith("amax_history"):  # newest first: the last entry is the first step's
+                torch.testing.assert_close(st2[k][-1], v[-1], rtol=1e-5, atol=0, msg=lambda m: f"{what} {k}: {m}")
+            torch.testing.assert_close(st2[k], v, rtol=5e-2, atol=0, msg=lambda m: f"{what} {k}: {m}")
+        torch.testing.assert_close(l2[0], l1[0], rtol=1e-5, atol=0, msg=lambda m: f"{what} loss: {m}")
+        torch.testing.assert_close(l2, l1, rtol=1e-3, atol=0, msg=lambda m: f"{what} loss: {m}")
         for n, g in g2.items():
             ref_g = g1[n][: g.shape[0]] if g.shape != g1[n].shape else g1[n]
             g = g[: ref_g.shape[0]]
