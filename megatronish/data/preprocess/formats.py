@@ -120,9 +120,10 @@ class Records(NamedTuple):
 
 
 def _arrow_batches(path: str) -> Iterator:
-    """An Arrow file's record batches, memory-mapped: the streaming format ``datasets`` writes, or the file format."""
+    """An Arrow file's record batches, read one at a time (not memory-mapped: the pages read do not stay resident):
+    the streaming format ``datasets`` writes, or the file format."""
     pa = require("pyarrow", "pyarrow", path)
-    source = pa.memory_map(path)
+    source = pa.OSFile(path)
     try:
         reader = pa.ipc.open_stream(source)
     except pa.ArrowInvalid:
@@ -135,7 +136,7 @@ def _schema_names(path: str) -> List[str]:
     if input_format(path) == PARQUET:
         return require("pyarrow.parquet", "pyarrow", path).ParquetFile(path).schema_arrow.names
     pa = require("pyarrow", "pyarrow", path)
-    source = pa.memory_map(path)
+    source = pa.OSFile(path)
     try:
         return pa.ipc.open_stream(source).schema.names
     except pa.ArrowInvalid:
