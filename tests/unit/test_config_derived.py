@@ -183,7 +183,7 @@ def test_virtual_stages_from_layers_per_virtual_stage():
     assert cfg.parallel.vp == 8 // (2 * 2) == parallel_config.virtual_stages_from_layers(8, 2, 2)
     assert cfg_of(["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "4",
                    "--global-batch-size", "8"], world=2).parallel.vp == 4
-    assert modules_matching(r"virtual_stages_from_layers\(") == {"parallel_config.py", "arguments.py"}
+    assert modules_matching(r"virtual_stages_from_layers\(") == {"parallel_config.py", "arguments/mapping.py"}
 
 
 # ------------------------------------------------------------------ the tokenizer, built once

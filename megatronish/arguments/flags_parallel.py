@@ -1,0 +1,45 @@
+"""Flag group of the parallel layout and the data-parallel wrappers."""
+from __future__ import annotations
+
+from ._group import flag, on
+
+
+def add_parallel_flags(p) -> None:
+    """Degrees, communication and the data-parallel wrappers."""
+    g = p.add_argument_group("parallelism")
+    flag(g, "--tensor-model-parallel-size", type=int, default=1)
+    flag(g, "--pipeline-model-parallel-size", type=int, default=1)
+    flag(g, "--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    flag(g, "--num-virtual-stages-per-pipeline-rank", type=int, default=None)
+    flag(g, "--sequence-parallel", **on, help="sequence parallelism in TP regions (no-op at TP 1)")
+    flag(g, "--context-parallel-size", type=int, default=1,
+         help="split every sequence over this many ranks (docs/context_parallel.md)")
+    flag(g, "--cp-comm-type", nargs="+", default=["p2p"], choices=["p2p", "a2a", "allgather", "a2a+p2p"],
+         help="context-parallel attention communication: one type, or one per layer")
+    flag(g, "--hierarchical-context-parallel-sizes", nargs="+", type=int, default=None,
+         help="a2a+p2p: the all-to-all size (adjacent ranks) and the ring size; their product is the CP size")
+    flag(g, "--expert-model-parallel-size", type=int, default=1,
+         help="experts of every MoE layer spread over this many ranks (docs/moe.md)")
+    flag(g, "--expert-tensor-parallel-size", type=int, default=None,
+         help="tensor parallelism inside each expert (default --tensor-model-parallel-size)")
+    flag(g, "--distributed-backend", default=None, choices=["nccl", "gloo"],
+         help="default: nccl on CUDA, gloo on CPU (Megatron's default is nccl)")
+    flag(g, "--distributed-timeout-minutes", type=int, default=10)
+    flag(g, "--use-distributed-optimizer", **on)
+    flag(g, "--overlap-grad-reduce", **on, help="overlap the DP gradient reduce with backward, per bucket")
+    flag(g, "--overlap-param-gather", **on)
+    flag(g, "--ddp-bucket-size", type=int, default=None, help="elements per gradient bucket")
+    flag(g, "--use-cpu-initialization", **on, help="accepted; initialization is layout-invariant either way")
+    flag(g, "--tp-comm-overlap", **on)
+    flag(g, "--use-torch-fsdp2", **on, help="shard parameters, gradients and optimizer state over DP with "
+         "PyTorch FSDP2 (docs/fsdp.md)")
+    flag(g, "--fsdp-reshard-after-forward", default="default", choices=["default", "always", "never"],
+         help="FSDP2: free gathered parameters after each layer's forward (default: never under pipeline "
+         "parallelism, else always; torchtitan's rule)")
+    flag(g, "--fsdp-prefetch-layers", type=int, default=1,
+         help="FSDP2: all-gather the next N layers' parameters ahead (0: FSDP2's implicit prefetch)")
+    flag(g, "--torch-compile", **on, help="torch.compile each transformer layer and the loss (torchtitan's "
+         "compile; docs/fsdp.md)")
+    flag(g, "--use-megatron-fsdp", **on)
+
+

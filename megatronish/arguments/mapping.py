@@ -1,0 +1,152 @@
+"""Flags -> configs: by field name (argparse dest == dataclass field), a rule only where the names differ."""
+from __future__ import annotations
+
+import dataclasses
+
+from .. import config as configs
+from ..errors import ConfigError
+from ..parallel.dims import ParallelDims
+from ..parallel_config import parallel_dims, virtual_stages_from_layers
+from .flag_checks import _missing_required
+
+
+def _one_or_list(value):
+    return value[0] if isinstance(value, list) and len(value) == 1 else value
+
+
+def _rules(args, load_resolved: tuple[str, int | None] | None = None) -> dict[type, dict]:
+    """The config fields whose value is not the flag of the same name: a renamed flag or Megatron's rule (and
+    the ``--load`` checkpoint that ``--use-checkpoint-args`` resolved)."""
+    constant_wd = args.weight_decay_incr_style == "constant"
+    return {
+        configs.ModelConfig: dict(
+            # Megatron uses --num-query-groups only under --group-query-attention (None: one group per head)
+            num_query_groups=args.num_query_groups if args.group_query_attention else None,
+            recompute_granularity="selective" if args.recompute_activations else args.recompute_granularity,
+            transformer_impl=args.transformer_impl or "local",
+            # Megatron: one load-balancing type (and coefficient) given as a list of one is that value
+            moe_router_load_balancing_type=_one_or_list(args.moe_router_load_balancing_type),
+            moe_aux_loss_coeff=_one_or_list(args.moe_aux_loss_coeff),
+        ),
+        configs.OptimizerConfig: dict(
+            start_weight_decay=args.weight_decay if constant_wd else args.start_weight_decay,
+            end_weight_decay=args.weight_decay if constant_wd else args.end_weight_decay,
+            loss_scale_window=int(args.loss_scale_window) if float(args.loss_scale_window).is_integer()
+            else args.loss_scale_window,  # not whole: reported by _flag_problems
+            # Megatron: bf16 accumulates and reduces gradients in fp32 unless --grad-reduce-in-bf16
+            accumulate_allreduce_grads_in_fp32=(not args.grad_reduce_in_bf16) if args.bf16
+            else args.accumulate_allreduce_grads_in_fp32,
+        ),
+        configs.TrainingConfig: dict(notes=_notes(args)),
+        configs.DataConfig: dict(data_path=list(args.data_path or []),
+                         split=args.split if args.split is not None else configs.DataConfig.split,
+                         vocab_size_flag=args.vocab_size),
+        configs.CheckpointConfig: dict(load_resolved=load_resolved),
+    }
+
+
+def _notes(args) -> list[str]:
+    """One log line per flag that is accepted but does something different here (printed once at set-up)."""
+    notes = []
+    if args.fp8_param_gather:
+        notes.append("--fp8-param-gather: parameters are kept and all-gathered in their own dtype; the FP8 linears "
+                     "cast them on use (same training, twice the all-gather bytes of FP8 parameters)")
+    if args.use_mcore_models:
+        notes.append("--use-mcore-models: accepted; it is the only model here (the flag is deprecated in "
+                     "Megatron-LM)")
+    if args.vocab_size is not None and args.tokenizer_type not in (None, "NullTokenizer", "TikTokenizer"):
+        notes.append(f"--vocab-size {args.vocab_size}: not used by --tokenizer-type {args.tokenizer_type} (the "
+                     "vocabulary is the tokenizer's, as in Megatron-LM)")
+    if args.tiktoken_pattern is not None and args.tokenizer_type != "TikTokenizer":
+        notes.append(f"--tiktoken-pattern {args.tiktoken_pattern}: used by TikTokenizer only (this run's tokenizer "
+                     f"is {args.tokenizer_type or 'the default'}), as in Megatron-LM")
+    if args.mock_data and args.split is not None:
+        notes.append(f"--split {args.split}: --mock-data draws its own synthetic samples for training and "
+                     "validation; there is no corpus to split")
+    return notes
+
+
+def _from_flags(cls, args, rules: dict, **init_only):
+    """``cls`` with every field taken from the flag of the same name, or from ``rules``."""
+    kw = {}
+    for f in dataclasses.fields(cls):
+        if f.name in rules:
+            kw[f.name] = rules[f.name]
+        elif hasattr(args, f.name):
+            kw[f.name] = getattr(args, f.name)
+        else:
+            raise TypeError(f"{cls.__name__}.{f.name} has no flag of that name and no rule in arguments._rules")
+    return cls(**kw, **init_only)
+
+
+def _virtual_stages(args) -> int:
+    """Virtual stages per pipeline rank from either virtual-pipeline flag (1 without them)."""
+    per_stage, per_rank = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
+    if per_stage is not None and per_rank is not None:
+        raise ConfigError("--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank are "
+                          "mutually exclusive; pass one")
+    if per_rank is not None:
+        return per_rank
+    if per_stage is not None:
+        return virtual_stages_from_layers(args.num_layers, args.pipeline_model_parallel_size, per_stage)
+    return 1
+
+
+def _parallel_dims(args, world_size: int, errors: list[str]) -> ParallelDims | None:
+    try:
+        vp = _virtual_stages(args)
+    except ConfigError as e:
+        errors.append(str(e))
+        vp = 1
+    try:
+        return parallel_dims(world_size=world_size, tp=args.tensor_model_parallel_size,
+                            pp=args.pipeline_model_parallel_size, vp=vp, cp=args.context_parallel_size,
+                            ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size,
+                            tie_embeddings=not args.untie_embeddings_and_output_weights)
+    except ConfigError as e:
+        errors.append(str(e))
+        return None
+
+
+@dataclasses.dataclass
+class _Draft:
+    """The configs built from the flags before validation. ``model`` is built unchecked (its problems are
+    listed with the others) with a placeholder vocabulary; ``model``/``parallel`` are None when the flags
+    cannot make one (a required flag missing, impossible degrees: already reported), and then ``run`` is None."""
+
+    model: configs.ModelConfig | None
+    parallel: ParallelDims | None
+    train: configs.TrainingConfig
+    optim: configs.OptimizerConfig
+    logging: configs.LoggingConfig
+    data: configs.DataConfig
+    checkpoint: configs.CheckpointConfig
+    sequence_parallel_flag: bool
+    run: configs.RunConfig | None = None
+
+    def __post_init__(self):
+        if self.run is None and self.model is not None and self.parallel is not None:
+            self.run = configs.RunConfig(model=self.model, parallel=self.parallel, train=self.train,
+                                         optim=self.optim, logging=self.logging, data=self.data,
+                                         checkpoint=self.checkpoint, sequence_parallel_flag=self.sequence_parallel_flag)
+
+    @classmethod
+    def of(cls, cfg: configs.RunConfig) -> "_Draft":
+        return cls(cfg.model, cfg.parallel, cfg.train, cfg.optim, cfg.logging, cfg.data, cfg.checkpoint,
+                   cfg.sequence_parallel_flag, run=cfg)
+
+
+def _draft(args, world_size: int, errors: list[str], load_resolved=None) -> _Draft:
+    rules = _rules(args, load_resolved)
+    parallel = _parallel_dims(args, world_size, errors)
+    model = None
+    if not _missing_required(args):
+        model = _from_flags(configs.ModelConfig, args, {**rules[configs.ModelConfig], "vocab_size": 1}, check=False)
+
+    def built(cls):
+        return _from_flags(cls, args, rules.get(cls, {}))
+
+    return _Draft(model=model, parallel=parallel, train=built(configs.TrainingConfig),
+                  optim=built(configs.OptimizerConfig), logging=built(configs.LoggingConfig),
+                  data=built(configs.DataConfig), checkpoint=built(configs.CheckpointConfig),
+                  sequence_parallel_flag=args.sequence_parallel)
