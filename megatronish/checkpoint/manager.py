@@ -28,6 +28,7 @@ import torch.distributed as dist
 from .. import device
 from ..parallel import comm_log as comm
 from ..parallel.context import ParallelContext
+from ..parallel.random import RNGStatesTracker, tracker_or_current
 from . import dcp_io, layout, megatron_format
 from .common import COMMON, FORMAT, FP8, MODEL, OPTIMIZER, check_model_config, common_state, jsonable, rng_key
 from .dcp_io import CheckpointError, Obj, Sharded
@@ -76,7 +77,10 @@ class _Fp8States:
 class Checkpointer:
     """Save/load for one training run (see the module docstring)."""
 
-    def __init__(self, cfg, models, optimizer, scheduler, *, parallel: ParallelContext, fp8=None):
+    def __init__(self, cfg, models, optimizer, scheduler, *, parallel: ParallelContext, fp8=None,
+                 rng_tracker: RNGStatesTracker | None = None):
+        """``rng_tracker``: the run's RNG streams, saved and restored with the other generators (None: the
+        current tracker, :func:`megatronish.parallel.random.get_rng_tracker`)."""
         self.cfg = cfg
         self.ck = cfg.checkpoint
         self.models = models
@@ -88,6 +92,7 @@ class Checkpointer:
         self.named = named_params(models)
         self.names = {id(p): (name, p.desc) for name, p in self.named}
         self.parallel = parallel
+        self.rng_tracker = tracker_or_current(rng_tracker)
         # DCP's collectives get their own (gloo) group: async saves run them from a background thread
         self._group = parallel.io_group if dist.is_initialized() else None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -237,7 +242,7 @@ class Checkpointer:
             _log(f"WARNING: the RNG states in {iter_dir} do not map one-to-one to this layout ({diff}); "
                  "re-deriving them from --seed")
             return
-        restore_rng(dcp_io.read_bytes_entry(iter_dir, md, rng_key(_rank())))
+        restore_rng(dcp_io.read_bytes_entry(iter_dir, md, rng_key(_rank())), self.rng_tracker)
 
     # ------------------------------------------------------------------------------------------------ save
     def save(self, state) -> None:
@@ -270,7 +275,7 @@ class Checkpointer:
                     entries.add(FP8 + key, Sharded.whole(t.detach()))
             fp8_common = {"recipe": sd.get("recipe")}
         if not ck.no_save_rng:
-            entries[rng_key(_rank())] = Obj(capture_rng())
+            entries[rng_key(_rank())] = Obj(capture_rng(self.rng_tracker))
         if _rank() == 0:
             entries[COMMON] = Obj(common_state(
                 state.iteration, jsonable(self.cfg), consumed_train_samples=state.consumed_samples,
@@ -375,9 +380,9 @@ class Checkpointer:
 
 
 def setup_checkpointing(cfg, models, optimizer, scheduler, state, *, parallel: ParallelContext,
-                        fp8=None) -> Checkpointer:
+                        fp8=None, rng_tracker: RNGStatesTracker | None = None) -> Checkpointer:
     """Build the run's :class:`Checkpointer` and resume from ``--load`` into ``state`` (collective)."""
-    ckpt = Checkpointer(cfg, models, optimizer, scheduler, parallel=parallel, fp8=fp8)
+    ckpt = Checkpointer(cfg, models, optimizer, scheduler, parallel=parallel, fp8=fp8, rng_tracker=rng_tracker)
     ckpt.load(state)
     if cfg.checkpoint.async_save and cfg.checkpoint.save:
         ckpt.reserve_staging()

@@ -21,7 +21,7 @@ import torch
 from .. import device
 from ..parallel.fsdp import local_shard, shard_rows
 from ..parallel.init import TensorDesc, expert_range, split_ranks
-from ..parallel.random import get_rng_tracker
+from ..parallel.random import RNGStatesTracker
 from .common import MODEL, OPTIMIZER
 from .dcp_io import Piece, Sharded
 
@@ -319,16 +319,17 @@ def optimizer_state(optimizer):
 # ---------------------------------------------------------------------------------------------------------------
 # RNG
 # ---------------------------------------------------------------------------------------------------------------
-def capture_rng() -> dict:
+def capture_rng(tracker: RNGStatesTracker) -> dict:
+    """This process's generators: python, numpy, torch, the device's and the run's ``tracker`` streams."""
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
             "device": device.get_rng_state() if device.device_type() != "cpu" else None,
-            "tracker": get_rng_tracker().get_states()}
+            "tracker": tracker.get_states()}
 
 
-def restore_rng(state: dict) -> None:
+def restore_rng(state: dict, tracker: RNGStatesTracker) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if state.get("device") is not None and device.device_type() != "cpu":
         device.set_rng_state(state["device"])
-    get_rng_tracker().set_states(state["tracker"])
+    tracker.set_states(state["tracker"])

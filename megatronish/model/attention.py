@@ -26,10 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..parallel.context import ParallelContext
+from ..parallel.context import ParallelContext, Shared
 from ..parallel.context_parallel import context_parallel_attention
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
-from ..parallel.random import checkpoint, get_rng_tracker
+from ..parallel.random import RNGStatesTracker, checkpoint, tracker_or_current
 from .norms import build_norm
 from .rope import apply_rotary
 
@@ -77,9 +77,10 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
 class SelfAttention(nn.Module):
     def __init__(self, config: ModelConfig, sequence_parallel: bool, output_init_std: float,
                  params_dtype=torch.float32, device=None, parallel: ParallelContext | None = None,
-                 layer_number: int = 0):
+                 layer_number: int = 0, rng_tracker: RNGStatesTracker | None = None):
         super().__init__()
         self.parallel = parallel = parallel or ParallelContext.single()
+        self._rng = Shared(tracker_or_current(rng_tracker))  # dropout of the probabilities, replayed on recompute
         tp, tp_group = parallel.tp_size, parallel.tp_group
         c = config
         self.cp_comm_type = c.cp_comm_type_of(layer_number)  # --cp-comm-type, one or per layer
@@ -125,7 +126,7 @@ class SelfAttention(nn.Module):
             k, v = kv_cache.append(k, v)  # [b, groups/t, offset + s, d]: the cached keys/values and this step's
             ctx = self._cached_attention(q, k, v, offset)
         elif self.recompute_core_attention and self.training:
-            ctx = checkpoint(lambda *qkv: self._core_attention(*qkv, document_ids), q, k, v)
+            ctx = checkpoint(lambda *qkv: self._core_attention(*qkv, document_ids), q, k, v, tracker=self._rng.value)
         else:
             ctx = self._core_attention(q, k, v, document_ids)
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, heads/t * d]
@@ -149,7 +150,7 @@ class SelfAttention(nn.Module):
             causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
             mask = ((document_ids[:, :, None] == document_ids[:, None, :]) & causal).unsqueeze(1)
         # Dropout of the local heads' probabilities is inside the TP region: model-parallel RNG stream.
-        rng = get_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext()
+        rng = self._rng.value.fork() if dropout > 0 else contextlib.nullcontext()
         backend = resolve_attention_backend(self.attention_backend, q.device.type)[0]
         scale = 1.0 / math.sqrt(self.kv_channels)
         with rng:

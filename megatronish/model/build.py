@@ -21,7 +21,8 @@ def build_model_chunks(config: ModelConfig, parallel: ParallelContext, *, sequen
                        device=None, **kw) -> list[GPTModel]:
     """This rank's ``vp`` chunks under ``parallel`` (uninitialized: call ``init_parameters(seed)``).
 
-    Extra keywords (``label_smoothing``, ``params_dtype``) go to every :class:`GPTModel`.
+    Extra keywords (``label_smoothing``, ``params_dtype``, ``rng_tracker``: the run's RNG streams) go to every
+    :class:`GPTModel`.
     """
     dims, pp_rank = parallel.dims, parallel.pp_rank
     check_layer_split(config.num_layers, dims.pp, dims.vp)

@@ -25,7 +25,7 @@ from ..parallel.cross_entropy import fused_vocab_parallel_cross_entropy, vocab_p
 from ..parallel.init import TensorDesc, initialize_slice, set_desc, split_ranks
 from ..parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from ..parallel.mappings import scatter_to_sequence_parallel_region
-from ..parallel.random import get_rng_tracker
+from ..parallel.random import RNGStatesTracker, tracker_or_current
 from .norms import LayerNorm, RMSNorm
 from .rope import RotaryEmbedding
 from .transformer import TransformerBlock
@@ -34,14 +34,16 @@ WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 
 
 class Embedding(nn.Module):
-    """Word (+ learned position) embeddings and dropout; returns ``[s, b, h]`` (``[s/t, b, h]`` under SP)."""
+    """Word (+ learned position) embeddings and dropout; returns ``[s, b, h]`` (``[s/t, b, h]`` under SP).
+    ``rng_tracker``: the run's RNG streams (dropout under SP draws from the model-parallel one)."""
 
     def __init__(self, config: ModelConfig, padded_vocab: int, sequence_parallel: bool,
-                 params_dtype=torch.float32, device=None, tp_group=None):
+                 params_dtype=torch.float32, device=None, tp_group=None, rng_tracker: RNGStatesTracker | None = None):
         super().__init__()
         c = config
         self.sequence_parallel = sequence_parallel
         self._tp_group = Shared(tp_group)
+        self._rng = Shared(tracker_or_current(rng_tracker))
         self.dropout = c.hidden_dropout
         self.word_embeddings = VocabParallelEmbedding(padded_vocab, c.hidden_size, vocab_size=c.vocab_size,
                                                       sequence_parallel=sequence_parallel,
@@ -65,7 +67,7 @@ class Embedding(nn.Module):
                 # this rank's chunk; backward all-gathers the grad
                 pos = scatter_to_sequence_parallel_region(pos, self._tp_group.value)
             x = x + pos
-        rng = get_rng_tracker().fork() if self.sequence_parallel and self.training and self.dropout > 0 \
+        rng = self._rng.value.fork() if self.sequence_parallel and self.training and self.dropout > 0 \
             else contextlib.nullcontext()
         with rng:
             return F.dropout(x, p=self.dropout, training=self.training)
@@ -75,10 +77,13 @@ class GPTModel(nn.Module):
     def __init__(self, config: ModelConfig, *, sequence_parallel: bool = False, pre_process: bool = True,
                  post_process: bool = True, first_layer: int = 0, num_local_layers: int | None = None,
                  label_smoothing: float = 0.0, params_dtype=torch.float32, device=None,
-                 parallel: ParallelContext | None = None):
+                 parallel: ParallelContext | None = None, rng_tracker: RNGStatesTracker | None = None):
+        """``rng_tracker``: the run's RNG streams, for dropout and recompute (None: the current tracker,
+        :func:`megatronish.parallel.random.get_rng_tracker`)."""
         super().__init__()
         c = config
         self.parallel = parallel = parallel or ParallelContext.single()
+        rng_tracker = tracker_or_current(rng_tracker)
         tp, tp_group = parallel.tp_size, parallel.tp_group
         self.config, self.pre_process, self.post_process = c, pre_process, post_process
         self.sequence_parallel = sequence_parallel  # resolved: RunConfig.sequence_parallel
@@ -90,11 +95,11 @@ class GPTModel(nn.Module):
         self.input_tensor: torch.Tensor | None = None  # hidden states from the previous pipeline stage
 
         self.embedding = Embedding(c, self.padded_vocab_size, self.sequence_parallel, params_dtype, device,
-                                   tp_group) if pre_process else None
+                                   tp_group, rng_tracker) if pre_process else None
         self.rotary = RotaryEmbedding(c.kv_channels, c.rotary_percent, c.rotary_base) \
             if c.position_embedding_type == "rope" else None
         self.decoder = TransformerBlock(c, first_layer, num_local_layers, post_process, self.sequence_parallel,
-                                        params_dtype, device, parallel)
+                                        params_dtype, device, parallel, rng_tracker)
         # --cross-entropy-loss-fusion: native = the fused PyTorch loss (any device), te = the Triton kernel
         self.loss_fn = vocab_parallel_cross_entropy
         triton_loss = c.cross_entropy_loss_fusion and c.cross_entropy_fusion_impl == "te"

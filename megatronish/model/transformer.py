@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..parallel.context import ParallelContext
-from ..parallel.random import checkpoint, get_rng_tracker
+from ..parallel.context import ParallelContext, Shared
+from ..parallel.random import RNGStatesTracker, checkpoint, tracker_or_current
 from .attention import SelfAttention
 from .mlp import MLP
 from .moe.layer import MoELayer, is_moe_layer
@@ -27,7 +27,8 @@ class TransformerLayer(nn.Module):
     """``x + drop(attn(norm(x)))`` then ``x + drop(mlp(norm(x)))``; ``layer_number`` is global (0-based)."""
 
     def __init__(self, config: ModelConfig, layer_number: int, sequence_parallel: bool,
-                 params_dtype=torch.float32, device=None, parallel: ParallelContext | None = None):
+                 params_dtype=torch.float32, device=None, parallel: ParallelContext | None = None,
+                 rng_tracker: RNGStatesTracker | None = None):
         super().__init__()
         c = config
         self.layer_number = layer_number
@@ -40,7 +41,7 @@ class TransformerLayer(nn.Module):
         self.input_layernorm = norm()
         parallel = parallel or ParallelContext.single()
         self.self_attention = SelfAttention(c, sequence_parallel, out_std, params_dtype, device, parallel,
-                                            layer_number)
+                                            layer_number, rng_tracker)
         self.pre_mlp_layernorm = norm()
         if is_moe_layer(c, layer_number):
             self.mlp = MoELayer(c, sequence_parallel, out_std, params_dtype, device, parallel, layer_number)
@@ -59,17 +60,20 @@ class TransformerBlock(nn.Module):
     """This stage's layers (global numbers ``first_layer ...``), plus the final norm on the last stage.
 
     Under sequence parallelism the hidden states are sequence-sharded, so every dropout here draws from the
-    model-parallel RNG stream (different per TP rank), as in Megatron.
+    model-parallel RNG stream (different per TP rank), as in Megatron; ``rng_tracker`` holds the streams (None:
+    the current tracker), which full recompute replays.
     """
 
     def __init__(self, config: ModelConfig, first_layer: int, num_layers: int, post_process: bool,
                  sequence_parallel: bool, params_dtype=torch.float32, device=None,
-                 parallel: ParallelContext | None = None):
+                 parallel: ParallelContext | None = None, rng_tracker: RNGStatesTracker | None = None):
         super().__init__()
         self.config = config
         self.sequence_parallel = sequence_parallel
+        rng_tracker = tracker_or_current(rng_tracker)
+        self._rng = Shared(rng_tracker)
         self.layers = nn.ModuleList(TransformerLayer(config, first_layer + i, sequence_parallel, params_dtype,
-                                                     device, parallel) for i in range(num_layers))
+                                                     device, parallel, rng_tracker) for i in range(num_layers))
         self.final_layernorm = build_norm(config.normalization, config.hidden_size, config.norm_epsilon,
                                           sequence_parallel, params_dtype, device,
                                           config.apply_layernorm_1p) if post_process else None
@@ -88,7 +92,8 @@ class TransformerBlock(nn.Module):
             x = self._run(0, len(self.layers), x, rotary, docs, inference_params)
             return x if self.final_layernorm is None else self.final_layernorm(x)
         dropout = self.training and (c.hidden_dropout > 0 or c.attention_dropout > 0)
-        rng = get_rng_tracker().fork() if self.sequence_parallel and dropout else contextlib.nullcontext()
+        tracker = self._rng.value
+        rng = tracker.fork() if self.sequence_parallel and dropout else contextlib.nullcontext()
         n = len(self.layers)
         with rng:
             if c.recompute_granularity != "full" or not self.training:
@@ -96,11 +101,12 @@ class TransformerBlock(nn.Module):
             elif c.recompute_method == "uniform":  # checkpoint every `recompute_num_layers` layers as a chunk
                 k = c.recompute_num_layers
                 for start in range(0, n, k):
-                    x = checkpoint(lambda h, s=start: self._run(s, min(s + k, n), h, rotary, docs), x)
+                    x = checkpoint(lambda h, s=start: self._run(s, min(s + k, n), h, rotary, docs), x,
+                                   tracker=tracker)
             else:  # "block": checkpoint the first `recompute_num_layers` layers of this stage one by one
                 k = min(c.recompute_num_layers, n)
                 for i in range(n):
-                    x = checkpoint(lambda h, i=i: self._run(i, i + 1, h, rotary, docs), x) if i < k \
+                    x = checkpoint(lambda h, i=i: self._run(i, i + 1, h, rotary, docs), x, tracker=tracker) if i < k \
                         else self._run(i, i + 1, x, rotary, docs)
         if self.final_layernorm is not None:
             x = self.final_layernorm(x)

@@ -11,6 +11,12 @@ Streams (Megatron's seeds, so runs compare with Megatron's):
 
 The tracker keeps each named stream's generator state and :meth:`RNGStatesTracker.fork` swaps it in for the
 current device's default generator (CPU or CUDA, whichever the model runs on).
+
+A run owns its tracker: ``setup`` makes one, seeds it through ``set_random_seed(..., tracker=)`` and hands it to the
+model (each module that draws from a stream, and :func:`checkpoint`) and to the ``Checkpointer``. Megatron's
+accessor, :func:`get_rng_tracker` (``get_cuda_rng_tracker()``), is for users' code: it returns the tracker the last
+``set_random_seed`` seeded. A module built without a tracker (tests, tools) takes that one when it is built, and
+``set_random_seed`` without a tracker seeds it again in place, as Megatron's single tracker is.
 """
 from __future__ import annotations
 
@@ -73,49 +79,63 @@ class RNGStatesTracker:
             self._active = outer
 
 
-_TRACKER = RNGStatesTracker()
+_current = RNGStatesTracker()
 
 
 def get_rng_tracker() -> RNGStatesTracker:
-    return _TRACKER
+    """Megatron's ``get_cuda_rng_tracker()``, for users' code: the tracker the last :func:`set_random_seed` (or
+    :func:`model_parallel_manual_seed`) seeded (before any, one of the process's own)."""
+    return _current
 
 
-def model_parallel_manual_seed(seed: int, tp_rank: int = 0, ep_rank: int = 0, etp_rank: int | None = None) -> None:
-    """Seed the device's default stream with ``seed`` and add the named streams (Megatron's offsets): model
-    parallel ``seed + 2718 + tp_rank``; expert parallel ``seed + 1024 + 100 * ep_rank + etp_rank`` (``etp_rank``,
-    the expert tensor-parallel rank, defaults to ``tp_rank``)."""
+def tracker_or_current(tracker: RNGStatesTracker | None) -> RNGStatesTracker:
+    """``tracker``, or for a module built without one the tracker :func:`get_rng_tracker` returns now."""
+    return _current if tracker is None else tracker
+
+
+def model_parallel_manual_seed(seed: int, tp_rank: int = 0, ep_rank: int = 0, etp_rank: int | None = None,
+                               tracker: RNGStatesTracker | None = None) -> RNGStatesTracker:
+    """Seed the device's default stream with ``seed`` and add the named streams (Megatron's offsets) to
+    ``tracker`` (None: the current one, reseeded in place), which becomes the current one: model parallel
+    ``seed + 2718 + tp_rank``; expert parallel ``seed + 1024 + 100 * ep_rank + etp_rank`` (``etp_rank``, the expert
+    tensor-parallel rank, defaults to ``tp_rank``). Returns the tracker."""
+    global _current
+    tracker = _current = tracker_or_current(tracker)
     device.manual_seed(seed)
-    _TRACKER.reset()
-    _TRACKER.add(DATA_PARALLEL_RNG, seed)
-    _TRACKER.add(MODEL_PARALLEL_RNG, seed + 2718 + tp_rank)
-    _TRACKER.add(EXPERT_PARALLEL_RNG, seed + 1024 + 100 * ep_rank + (tp_rank if etp_rank is None else etp_rank))
+    tracker.reset()
+    tracker.add(DATA_PARALLEL_RNG, seed)
+    tracker.add(MODEL_PARALLEL_RNG, seed + 2718 + tp_rank)
+    tracker.add(EXPERT_PARALLEL_RNG, seed + 1024 + 100 * ep_rank + (tp_rank if etp_rank is None else etp_rank))
+    return tracker
 
 
 def set_random_seed(seed: int, pp_rank: int = 0, tp_rank: int = 0, ep_rank: int = 0,
-                    dp_rank: int = 0, data_parallel_random_init: bool = False, etp_rank: int | None = None) -> int:
+                    dp_rank: int = 0, data_parallel_random_init: bool = False, etp_rank: int | None = None,
+                    tracker: RNGStatesTracker | None = None) -> int:
     """Megatron's ``_set_random_seed``: ``seed + 100*pp_rank`` (``+ 10*dp_rank`` with
-    ``--data-parallel-random-init``) seeds python, numpy, torch and the tracker. Returns the seed used."""
+    ``--data-parallel-random-init``) seeds python, numpy, torch and ``tracker`` (a run's own; None: the current
+    one, see :func:`model_parallel_manual_seed`). Returns the seed used."""
     s = seed + 100 * pp_rank
     if data_parallel_random_init:
         s += 10 * dp_rank
     random.seed(s)
     np.random.seed(s % 2**32)
     torch.manual_seed(s)
-    model_parallel_manual_seed(s, tp_rank=tp_rank, ep_rank=ep_rank, etp_rank=etp_rank)
+    model_parallel_manual_seed(s, tp_rank=tp_rank, ep_rank=ep_rank, etp_rank=etp_rank, tracker=tracker)
     return s
 
 
 # ---- activation checkpointing --------------------------------------------------------------------
-def _capture_rng():
-    return torch.get_rng_state(), device.get_rng_state(), _TRACKER.get_states(), _TRACKER._active
+def _capture_rng(tracker: RNGStatesTracker):
+    return torch.get_rng_state(), device.get_rng_state(), tracker.get_states(), tracker._active
 
 
-def _restore_rng(states):
-    cpu, dev, tracker, active = states
+def _restore_rng(tracker: RNGStatesTracker, states):
+    cpu, dev, streams, active = states
     torch.set_rng_state(cpu)
     device.set_rng_state(dev)
-    _TRACKER.set_states(tracker)
-    _TRACKER._active = active  # recompute sees the same fork nesting as the forward did
+    tracker.set_states(streams)
+    tracker._active = active  # recompute sees the same fork nesting as the forward did
 
 
 class CheckpointFunction(torch.autograd.Function):
@@ -124,9 +144,9 @@ class CheckpointFunction(torch.autograd.Function):
     masks are therefore identical to the forward ones."""
 
     @staticmethod
-    def forward(ctx, function, *args):
-        ctx.function = function
-        ctx.rng_states = _capture_rng()
+    def forward(ctx, function, tracker, *args):
+        ctx.function, ctx.tracker = function, tracker
+        ctx.rng_states = _capture_rng(tracker)
         with torch.no_grad():
             outputs = function(*args)
         ctx.save_for_backward(*[a if torch.is_tensor(a) else None for a in args])
@@ -138,20 +158,21 @@ class CheckpointFunction(torch.autograd.Function):
         saved = ctx.saved_tensors
         inputs = [ctx.non_tensor[i] if t is None else t.detach().requires_grad_(t.requires_grad)
                   for i, t in enumerate(saved)]
-        now = _capture_rng()
-        _restore_rng(ctx.rng_states)
+        now = _capture_rng(ctx.tracker)
+        _restore_rng(ctx.tracker, ctx.rng_states)
         try:
             with torch.enable_grad():
                 outputs = ctx.function(*inputs)
         finally:
-            _restore_rng(now)
+            _restore_rng(ctx.tracker, now)
         if torch.is_tensor(outputs):
             outputs = (outputs,)
         pairs = [(o, g) for o, g in zip(outputs, grads) if torch.is_tensor(o) and o.requires_grad]
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return (None, *[x.grad if torch.is_tensor(x) else None for x in inputs])
+        return (None, None, *[x.grad if torch.is_tensor(x) else None for x in inputs])
 
 
-def checkpoint(function, *args):
-    """Activation checkpointing of ``function(*args)`` with RNG replay (see :class:`CheckpointFunction`)."""
-    return CheckpointFunction.apply(function, *args)
+def checkpoint(function, *args, tracker: RNGStatesTracker | None = None):
+    """Activation checkpointing of ``function(*args)`` with RNG replay of the CPU and device generators and of
+    ``tracker``'s streams (None: the current tracker; see :class:`CheckpointFunction`)."""
+    return CheckpointFunction.apply(function, tracker_or_current(tracker), *args)

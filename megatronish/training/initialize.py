@@ -21,7 +21,7 @@ from ..optim.lr_schedule import OptimizerParamScheduler, scheduler_steps_from_co
 from ..optim.optimizer import get_megatron_optimizer
 from ..parallel import groups
 from ..parallel.pipeline.schedules import get_forward_backward_func, pipeline_tensor_shape
-from ..parallel.random import set_random_seed
+from ..parallel.random import RNGStatesTracker, set_random_seed
 from ..precision.fp8 import Fp8Manager, Fp8Recipe, check_transformer_impl, enable_fp8
 from .compile import Compiler
 from .memory import ActivationMeter, report_theoretical_memory
@@ -106,11 +106,12 @@ def setup(cfg, watch: Watch | None = None) -> tuple[TrainContext, TrainState]:
     parallel = groups.initialize_model_parallel(cfg.parallel, timeout_minutes=t.distributed_timeout_minutes,
                                                 hierarchical_cp_inner=hcp[0] if hcp else None)
     dev = device.current_device()
+    rng_tracker = RNGStatesTracker()  # the run's RNG streams: the model's dropout and recompute, the checkpoint
     set_random_seed(t.seed, pp_rank=parallel.pp_rank, tp_rank=parallel.tp_rank, ep_rank=parallel.ep_rank,
-                    etp_rank=parallel.etp_rank)
+                    etp_rank=parallel.etp_rank, tracker=rng_tracker)
 
     models = build_model_chunks(cfg.model, parallel, sequence_parallel=cfg.sequence_parallel, device=dev,
-                                params_dtype=model_params_dtype(cfg))
+                                params_dtype=model_params_dtype(cfg), rng_tracker=rng_tracker)
     for m in models:
         m.init_parameters(t.seed)  # the fp32 values of the one-process model, cast to the params dtype
     fp8 = enable_fp8_linears(models, cfg.model)
@@ -134,11 +135,11 @@ def setup(cfg, watch: Watch | None = None) -> tuple[TrainContext, TrainState]:
     run = TrainContext(models, chunks, optimizer, scheduler, fp8, parallel=parallel, cfg=cfg, schedule=schedule,
                        forward_step=forward_step,
                        train_ds=train_ds, valid_ds=valid_ds, test_ds=test_ds, timers=timers, device=dev,
-                       compiler=compiler)
+                       compiler=compiler, rng_tracker=rng_tracker)
     optimizer.timers = timers  # params-all-gather
     state = TrainState(context=run)
     run.checkpointer = setup_checkpointing(cfg, models, optimizer, scheduler, state, parallel=parallel,
-                                           fp8=fp8)  # --load
+                                           fp8=fp8, rng_tracker=rng_tracker)  # --load
     optimizer.reload_model_params()  # fp32 master copies from the (loaded) 16-bit model, unless loaded themselves
     say = print_rank0()
     for line in run_notes(cfg):

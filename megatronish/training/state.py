@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from ..parallel.context import ParallelContext
     from ..parallel.ddp import DistributedDataParallel
     from ..parallel.fsdp import FullyShardedDataParallel
+    from ..parallel.random import RNGStatesTracker
     from ..precision.fp8 import Fp8Manager
     from ..precision.te_layers import TeManager
     from .compile import Compiler
@@ -75,6 +76,7 @@ class TrainContext:
     checkpointer: Checkpointer | None = None
     device: torch.device | None = None
     compiler: Compiler | None = None  # under --torch-compile
+    rng_tracker: RNGStatesTracker | None = None  # the RNG streams of the model and the checkpoint
 
 
 @dataclass
