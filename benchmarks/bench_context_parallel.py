@@ -39,9 +39,9 @@ def train(rank, world, a, comm):
                 "--log-interval", "1", "--attention-dropout", "0", "--hidden-dropout", "0",
                 "--position-embedding-type", "rope", "--context-parallel-size", str(world),
                 "--cp-comm-type", comm, "--metrics-file", metrics]
-        state = pretrain(configs_from_args(parse_args(argv), world))
+        result = pretrain(configs_from_args(parse_args(argv), world))
         times = [json.loads(line)["elapsed_ms"] for line in open(metrics)] if rank == 0 else []
-    return {"activations": state.context.memory.measured, "ms": statistics.median(times[1:]) if times else None}
+    return {"activations": result.context.memory.measured, "ms": statistics.median(times[1:]) if times else None}
 
 
 def _nbytes(t) -> int:
@@ -69,8 +69,8 @@ def count_bytes(rank, world, a, comm):
     wrap("all_gather", lambda out, t, group=None: _nbytes(t) * (n - 1))
     wrap("reduce_scatter", lambda out, inp, group=None: sum(_nbytes(t) for t in inp) * (n - 1) // n)
     try:
-        ctx = groups.initialize_model_parallel(ParallelDims(world_size=world, cp=world),
-                                               hierarchical_cp_inner=2 if comm == "a2a+p2p" else None)
+        ctx = groups.initialize_model_parallel(ParallelDims(world_size=world, cp=world,
+                                                            cp_inner=2 if comm == "a2a+p2p" else None))
         s, hq, hkv, d = a.seq // world, a.heads, a.heads // 2, a.hidden // a.heads
         q, k, v = (torch.randn(1, h, s, d, requires_grad=True) for h in (hq, hkv, hkv))
         out = context_parallel_attention(q, k, v, group=ctx.cp_group, comm_type=comm, scale=1 / math.sqrt(d),

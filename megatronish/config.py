@@ -66,7 +66,6 @@ class ModelConfig:
     use_triton_kernels: bool = False  # --use-triton-kernels: RMSNorm/LayerNorm, RoPE, SwiGLU
     cross_entropy_loss_fusion: bool = False  # --cross-entropy-loss-fusion: the vocab-parallel loss
     cp_comm_type: str | list = "p2p"  # --cp-comm-type: p2p | a2a | allgather | a2a+p2p, or one per layer
-    hierarchical_context_parallel_sizes: list | None = None  # a2a+p2p: [inner (a2a), outer (ring)]
     # mixture of experts (Megatron's flags and defaults; docs/moe.md)
     num_experts: int | None = None  # None: dense MLPs
     moe_layer_freq: int | list = 1  # every N-th layer is MoE, or a 1/0 pattern per layer

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from .errors import ConfigError
 from .parallel.dims import DegreeError, ParallelDims, layer_split_error
+from .parallel.pipeline import schedules
 
-__all__ = ["parallel_dims", "check_layer_split", "validate_model", "virtual_stages_from_layers"]
+__all__ = ["parallel_dims", "check_layer_split", "check_interleaving", "validate_model",
+           "virtual_stages_from_layers"]
 _TP = "--tensor-model-parallel-size"
 _PP = "--pipeline-model-parallel-size"
 _CP = "--context-parallel-size"
@@ -16,7 +18,8 @@ _ETP = "--expert-tensor-parallel-size"
 _VP = "--num-virtual-stages-per-pipeline-rank (or --num-layers-per-virtual-pipeline-stage)"
 _WORLD = "the world size {n} (torchrun --nproc-per-node x --nnodes)"
 _DEGREE_FLAGS = {"world_size": "the world size (torchrun --nproc-per-node x --nnodes)", "tp": _TP, "pp": _PP,
-                 "vp": _VP, "cp": _CP, "ep": _EP, "etp": _ETP}
+                 "vp": _VP, "cp": _CP, "ep": _EP, "etp": _ETP,
+                 "cp_inner": "--hierarchical-context-parallel-sizes (its first, all-to-all size)"}
 
 
 def _degree_line(e: DegreeError) -> str:
@@ -39,6 +42,11 @@ def _degree_line(e: DegreeError) -> str:
     if e.kind == "vp_without_pp":
         return (f"{_VP} gives {v['vp']} virtual stages per pipeline rank, which needs pipeline parallelism, but "
                 f"{_PP} is 1; raise {_PP} above 1 or drop the virtual-stage flag")
+    if e.kind == "cp_inner":
+        return (f"--hierarchical-context-parallel-sizes {v['cp_inner']} ...: the all-to-all size {v['cp_inner']} "
+                f"does not divide {_CP} {v['cp']}; INNER x OUTER must equal {_CP}")
+    if e.kind == "interleaving":
+        return _interleaving_line(v["pp"], v["vp"], v["num_microbatches"])
     if e.kind == "layer_split":
         num_layers, pp, vp = v["num_layers"], v["pp"], v["vp"]
         if vp > 1:
@@ -51,6 +59,31 @@ def _degree_line(e: DegreeError) -> str:
                 f"stage must hold the same number of layers: choose --num-layers a multiple of {pp} or another "
                 f"pipeline size")
     return str(e)
+
+
+def _interleaving_line(p: int, v: int, num_microbatches: int, micro_batch_size: int | None = None,
+                       global_batch_size: int | None = None, data_parallel_size: int | None = None) -> str:
+    if None not in (micro_batch_size, global_batch_size, data_parallel_size):
+        how = (f" (--global-batch-size {global_batch_size} / (--micro-batch-size {micro_batch_size} x "
+               f"data-parallel size {data_parallel_size}))")
+    else:
+        how = " (--global-batch-size / (--micro-batch-size x data-parallel size))"
+    return (f"the interleaved pipeline schedule ({v} virtual stages per rank, from "
+            f"--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank) needs the number of "
+            f"microbatches per iteration to be a multiple of {_PP} {p}, but it is "
+            f"{num_microbatches}{how}; change --global-batch-size or --micro-batch-size so that it is a multiple of "
+            f"{p}, or drop the virtual-stage flag")
+
+
+def check_interleaving(p: int, v: int, num_microbatches: int, *, micro_batch_size: int | None = None,
+                       global_batch_size: int | None = None, data_parallel_size: int | None = None) -> None:
+    """Raise :class:`ConfigError` naming the batch and pipeline flags unless the interleaved schedule can run
+    ``num_microbatches`` on ``p`` ranks (the rule is ``schedules.check_interleaving``)."""
+    try:
+        schedules.check_interleaving(p, v, num_microbatches)
+    except DegreeError:
+        raise ConfigError(_interleaving_line(p, v, num_microbatches, micro_batch_size, global_batch_size,
+                                             data_parallel_size)) from None
 
 
 def parallel_dims(**degrees) -> ParallelDims:

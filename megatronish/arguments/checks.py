@@ -7,7 +7,7 @@ from .. import config as configs
 from ..config import rampup_problems, rampup_steps
 from ..errors import ConfigError
 from ..parallel.dims import ParallelDims
-from ..parallel.pipeline.schedules import check_interleaving
+from ..parallel_config import check_interleaving
 
 
 def _collect(errors: list[str], check: Callable[[], None]) -> bool:
@@ -190,10 +190,13 @@ def _check_model(m: configs.ModelConfig | None, errors: list[str]) -> None:
         _collect(errors, lambda: check_kernels_available(asked))
 
 
-def _check_context_parallel(m: configs.ModelConfig | None, dims: ParallelDims | None, errors: list[str]) -> None:
+def _check_context_parallel(m: configs.ModelConfig | None, dims: ParallelDims | None, sizes: list | None,
+                            errors: list[str]) -> None:
+    """``sizes``: ``--hierarchical-context-parallel-sizes`` as given (``ParallelDims.cp_inner`` holds it once it
+    fits)."""
     if m is None:
         return
-    types, sizes = m.cp_comm_types, m.hierarchical_context_parallel_sizes
+    types = m.cp_comm_types
     if len(types) not in (1, m.num_layers):
         errors.append(f"--cp-comm-type takes one type or one per layer (--num-layers {m.num_layers}), got "
                       f"{len(types)}")

@@ -92,6 +92,16 @@ def _virtual_stages(args) -> int:
     return 1
 
 
+def _cp_inner(args) -> int | None:
+    """The all-to-all level of ``--cp-comm-type a2a+p2p``: ``--hierarchical-context-parallel-sizes``' first size
+    when the pair multiplies to ``--context-parallel-size`` (else None: ``checks`` names the flags)."""
+    sizes = args.hierarchical_context_parallel_sizes
+    if "a2a+p2p" not in args.cp_comm_type or sizes is None or len(sizes) != 2 or min(sizes) < 1 \
+            or sizes[0] * sizes[1] != args.context_parallel_size:
+        return None
+    return sizes[0]
+
+
 def _parallel_dims(args, world_size: int, errors: list[str]) -> ParallelDims | None:
     try:
         vp = _virtual_stages(args)
@@ -102,7 +112,7 @@ def _parallel_dims(args, world_size: int, errors: list[str]) -> ParallelDims | N
         return parallel_dims(world_size=world_size, tp=args.tensor_model_parallel_size,
                             pp=args.pipeline_model_parallel_size, vp=vp, cp=args.context_parallel_size,
                             ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size,
-                            tie_embeddings=not args.untie_embeddings_and_output_weights)
+                            tie_embeddings=not args.untie_embeddings_and_output_weights, cp_inner=_cp_inner(args))
     except ConfigError as e:
         errors.append(str(e))
         return None
@@ -122,6 +132,7 @@ class _Draft:
     data: configs.DataConfig
     checkpoint: configs.CheckpointConfig
     sequence_parallel_flag: bool
+    hierarchical_cp_sizes: list | None = None  # --hierarchical-context-parallel-sizes as given
     run: configs.RunConfig | None = None
 
     def __post_init__(self):
@@ -132,8 +143,10 @@ class _Draft:
 
     @classmethod
     def of(cls, cfg: configs.RunConfig) -> "_Draft":
+        dims = cfg.parallel
+        sizes = None if dims.cp_inner is None else [dims.cp_inner, dims.cp_outer]
         return cls(cfg.model, cfg.parallel, cfg.train, cfg.optim, cfg.logging, cfg.data, cfg.checkpoint,
-                   cfg.sequence_parallel_flag, run=cfg)
+                   cfg.sequence_parallel_flag, sizes, run=cfg)
 
 
 def _draft(args, world_size: int, errors: list[str], load_resolved=None) -> _Draft:
@@ -149,4 +162,5 @@ def _draft(args, world_size: int, errors: list[str], load_resolved=None) -> _Dra
     return _Draft(model=model, parallel=parallel, train=built(configs.TrainingConfig),
                   optim=built(configs.OptimizerConfig), logging=built(configs.LoggingConfig),
                   data=built(configs.DataConfig), checkpoint=built(configs.CheckpointConfig),
-                  sequence_parallel_flag=args.sequence_parallel)
+                  sequence_parallel_flag=args.sequence_parallel,
+                  hierarchical_cp_sizes=args.hierarchical_context_parallel_sizes)

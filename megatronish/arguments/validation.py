@@ -45,7 +45,7 @@ def _problems(d: _Draft, errors: list[str], for_training: bool = True) -> list[s
     _check_data(d.data, errors, for_training)
     _check_precision(d.optim, m, errors)
     _check_model(m, errors)
-    _check_context_parallel(m, dims, errors)
+    _check_context_parallel(m, dims, d.hierarchical_cp_sizes, errors)
     _check_moe(m, dims, d.run is not None and d.run.sequence_parallel, errors)
     _check_fsdp(d.optim, m, errors, d.train)
     _check_checkpoint(d.checkpoint, errors)

@@ -29,19 +29,6 @@ __all__ = ["GROUP_KINDS", "FakeGroup", "ParallelContext", "Shared", "group_size"
 # background thread).
 GROUP_KINDS = ParallelDims.GROUP_KINDS
 _IO = "io"
-_CP_LEVELS = ("cp_inner", "cp_outer")  # a2a+p2p: adjacent CP ranks (all-to-all) x across them (ring)
-
-
-def hierarchical_cp_rank_lists(dims: ParallelDims, inner: int) -> dict[str, list[list[int]]]:
-    """``--hierarchical-context-parallel-sizes inner outer``: within every CP group, ``inner`` adjacent CP ranks
-    form an all-to-all group and the CP ranks with the same index inside theirs form a ring group."""
-    if dims.cp % inner:
-        raise ValueError(f"inner context-parallel size {inner} does not divide CP {dims.cp}")
-    out = {"cp_inner": [], "cp_outer": []}
-    for cp_group in dims.groups("cp"):
-        out["cp_inner"] += [cp_group[o * inner:(o + 1) * inner] for o in range(dims.cp // inner)]
-        out["cp_outer"] += [cp_group[i::inner] for i in range(inner)]
-    return out
 
 
 @dataclass(frozen=True)
@@ -107,10 +94,9 @@ class ParallelContext:
     # ------------------------------------------------------------------------------------------ construction
     @classmethod
     def build(cls, dims: ParallelDims, *, timeout_minutes: float = 10.0, backend: str | None = None,
-              hierarchical_cp_inner: int | None = None) -> "ParallelContext":
-        """Create every group of every kind (collective over the world; ``torch.distributed`` initialized).
-        ``hierarchical_cp_inner``: the all-to-all level of ``--cp-comm-type a2a+p2p`` (adds ``cp_inner`` and
-        ``cp_outer`` groups)."""
+              ) -> "ParallelContext":
+        """Create every group of every kind (collective over the world; ``torch.distributed`` initialized). The
+        ``cp_inner``/``cp_outer`` kinds have groups only when ``dims.cp_inner`` is set."""
         import torch.distributed as dist
 
         if not dist.is_initialized():
@@ -128,17 +114,10 @@ class ParallelContext:
                     group_map[kind], rank_map[kind] = group, tuple(ranks)
         group_map[_IO] = dist.new_group(timeout=timeout, backend="gloo")
         rank_map[_IO] = tuple(range(dims.world_size))
-        if hierarchical_cp_inner:
-            for kind, lists in hierarchical_cp_rank_lists(dims, hierarchical_cp_inner).items():
-                for ranks in lists:
-                    group = dist.new_group(ranks, timeout=timeout, backend=backend)
-                    if rank in ranks:
-                        group_map[kind], rank_map[kind] = group, tuple(ranks)
         return cls(dims, rank, group_map, rank_map)
 
     @classmethod
-    def fake(cls, dims: ParallelDims | None = None, rank: int = 0, hierarchical_cp_inner: int | None = None
-             ) -> "ParallelContext":
+    def fake(cls, dims: ParallelDims | None = None, rank: int = 0) -> "ParallelContext":
         """The context ``rank`` would have under ``dims``, without ``torch.distributed``: sizes, ranks and rank
         lists are exact; groups are :class:`FakeGroup` (``None`` where a group has one member)."""
         dims = dims or ParallelDims(world_size=1)
@@ -148,10 +127,6 @@ class ParallelContext:
             if ranks:
                 rank_map[kind] = ranks
                 group_map[kind] = FakeGroup(ranks, rank) if len(ranks) > 1 else None
-        for kind, lists in (hierarchical_cp_rank_lists(dims, hierarchical_cp_inner) if hierarchical_cp_inner
-                            else {}).items():
-            ranks = next(tuple(g) for g in lists if rank in g)
-            rank_map[kind], group_map[kind] = ranks, FakeGroup(ranks, rank) if len(ranks) > 1 else None
         return cls(dims, rank, group_map, rank_map, is_fake=True)
 
     @classmethod

@@ -18,6 +18,10 @@ expert-data-parallel size ``EDP = TP*CP*DP / (ETP*EP)``. With ``ETP = TP`` and `
 "experts inside data parallelism" (``dp = ep + EP*edp``); with ``ETP < TP`` expert parallelism also spans the
 tensor-parallel ranks.
 
+Context parallelism may have two levels (``cp_inner``, a2a+p2p attention): inside every CP group, ``cp_inner``
+adjacent CP ranks form an all-to-all group (``cp_inner``) and the CP ranks with the same index inside theirs form a
+ring (``cp_outer``); the CP coordinate is ``inner + cp_inner * outer``.
+
 Every group list is produced by one helper, :func:`masked_rank_groups`: the axes of the order get strides that are
 prefix products of their sizes; a group fixes the coordinates on the unmasked axes and enumerates the masked ones.
 """
@@ -87,7 +91,8 @@ class ParallelDims:
 
     ``vp`` is the number of virtual pipeline stages (model chunks) per pipeline rank; 1 means no interleaving.
     ``tie_embeddings`` is False under ``--untie-embeddings-and-output-weights``; it decides whether the last
-    pipeline rank joins the embedding group.
+    pipeline rank joins the embedding group. ``cp_inner`` splits CP into two levels (all-to-all inside, a ring
+    across: ``cp_outer = cp / cp_inner``); None: one level, and no ``cp_inner``/``cp_outer`` groups.
     """
 
     world_size: int
@@ -98,6 +103,7 @@ class ParallelDims:
     ep: int = 1
     tie_embeddings: bool = True
     etp: int | None = None  # --expert-tensor-parallel-size; None: the tensor-parallel size
+    cp_inner: int | None = None  # the all-to-all level of two-level CP; None: one level
 
     order: ClassVar[str] = "tp-cp-ep-dp-pp"
     # Axes of the dense grid.
@@ -107,12 +113,14 @@ class ParallelDims:
     }
     # The expert grid's axes (inside a pipeline stage: etp fastest, then ep, then edp).
     _EXPERT_AXES: ClassVar[tuple[str, ...]] = ("etp", "ep", "edp", "pp")
+    # The dense grid with CP split into its two levels (only when ``cp_inner`` is set).
+    _CP_LEVEL_AXES: ClassVar[tuple[str, ...]] = ("tp", "cp_inner", "cp_outer", "dp", "pp")
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
-        for name in ("world_size", "tp", "pp", "vp", "cp", "ep", "etp"):
+        for name in ("world_size", "tp", "pp", "vp", "cp", "ep", "etp", "cp_inner"):
             value = getattr(self, name)
-            if name == "etp" and value is None:
+            if name in ("etp", "cp_inner") and value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise DegreeError("not_positive", f"{name} must be an integer >= 1, got {value!r}", name=name,
@@ -132,6 +140,9 @@ class ParallelDims:
                               cp=self.cp, dp=self.dp, pp=self.pp, world_size=self.world_size)
         if self.vp > 1 and self.pp == 1:
             raise DegreeError("vp_without_pp", f"vp {self.vp} needs pp > 1", vp=self.vp)
+        if self.cp_inner is not None and self.cp % self.cp_inner:
+            raise DegreeError("cp_inner", f"cp_inner {self.cp_inner} does not divide cp {self.cp}",
+                              cp_inner=self.cp_inner, cp=self.cp)
 
     # ------------------------------------------------------------------ degrees and coordinates
     @property
@@ -148,6 +159,11 @@ class ParallelDims:
     def expert_dp(self) -> int:
         """Size of an expert-data-parallel group: ``TP*CP*DP / (ETP*EP)``."""
         return self.tp * self.cp * self.dp // (self.expert_tp * self.ep)
+
+    @property
+    def cp_outer(self) -> int | None:
+        """The ring level of two-level CP: ``cp / cp_inner`` (None without ``cp_inner``)."""
+        return None if self.cp_inner is None else self.cp // self.cp_inner
 
     @property
     def _sizes(self) -> tuple[int, ...]:
@@ -250,6 +266,22 @@ class ParallelDims:
         """Expert model-parallel groups (etp x ep x pp): where the expert weights' gradient norm is summed."""
         return self._groups("etp-ep-pp")
 
+    def _cp_level_groups(self, level: str) -> list[list[int]]:
+        if self.cp_inner is None:
+            return []
+        sizes = (self.tp, self.cp_inner, self.cp_outer, self.dp, self.pp)
+        return masked_rank_groups(sizes, [axis == level for axis in self._CP_LEVEL_AXES])
+
+    def cp_inner_groups(self) -> list[list[int]]:
+        """Two-level CP's all-to-all groups: ``cp_inner`` adjacent ranks of a CP group (none without
+        ``cp_inner``)."""
+        return self._cp_level_groups("cp_inner")
+
+    def cp_outer_groups(self) -> list[list[int]]:
+        """Two-level CP's ring groups: the ranks of a CP group at the same index inside their all-to-all group
+        (none without ``cp_inner``)."""
+        return self._cp_level_groups("cp_outer")
+
     def embedding_groups(self) -> list[list[int]]:
         """Per pipeline group: ``[first, last]`` when embeddings are tied and PP > 1, else ``[first]``."""
         if self.tie_embeddings and self.pp > 1:
@@ -262,7 +294,7 @@ class ParallelDims:
 
     GROUP_KINDS: ClassVar[tuple[str, ...]] = (
         "tp", "pp", "dp", "dp_cp", "cp", "mp", "tp_dp", "tp_dp_cp", "tp_cp", "ep", "expert_dp",
-        "embedding", "position_embedding", "etp", "tp_ep", "expert_mp",
+        "embedding", "position_embedding", "etp", "tp_ep", "expert_mp", "cp_inner", "cp_outer",
     )
 
     def groups(self, kind: str) -> list[list[int]]:
@@ -273,7 +305,8 @@ class ParallelDims:
         return getattr(self, f"{key}_groups")()
 
     def group_of(self, kind: str, rank: int) -> list[int]:
-        """The group of ``kind`` that contains ``rank``; ``[]`` if none does (only embedding kinds, middle stages)."""
+        """The group of ``kind`` that contains ``rank``; ``[]`` if none does (the embedding kinds on middle stages,
+        the CP-level kinds without ``cp_inner``)."""
         self._check_rank(rank)
         for group in self.groups(kind):
             if rank in group:
@@ -301,5 +334,7 @@ class ParallelDims:
     def describe(self) -> str:
         """One line for the log, e.g. ``world 16 = tp 2 x cp 1 x dp 2 x pp 4 (ep 1, vp 1)``."""
         experts = f"ep {self.ep}, " if self.etp is None else f"ep {self.ep}, etp {self.etp}, "
+        if self.cp_inner is not None:
+            experts = f"cp_inner {self.cp_inner} x cp_outer {self.cp_outer}, " + experts
         return (f"world {self.world_size} = tp {self.tp} x cp {self.cp} x dp {self.dp} x pp {self.pp} "
                 f"({experts}vp {self.vp}, tied embeddings {self.tie_embeddings})")

@@ -21,11 +21,10 @@ _current: list[ParallelContext] = []
 
 
 def initialize_model_parallel(dims: ParallelDims, timeout_minutes: float = 10.0, backend: str | None = None,
-                              hierarchical_cp_inner: int | None = None) -> ParallelContext:
+                              ) -> ParallelContext:
     """Create every group of every kind (collective; ``torch.distributed`` must be initialized) and return the
     context holding them. Each group is registered under its kind with :mod:`~megatronish.parallel.comm_log`."""
-    ctx = ParallelContext.build(dims, timeout_minutes=timeout_minutes, backend=backend,
-                                hierarchical_cp_inner=hierarchical_cp_inner)
+    ctx = ParallelContext.build(dims, timeout_minutes=timeout_minutes, backend=backend)
     for kind, group in ctx.group_map.items():  # the records of collectives name each group by its kind
         comm_log.register_group(group, kind, ctx.ranks(kind))
     _current[:] = [ctx]

@@ -102,9 +102,7 @@ def setup(cfg, watch: Watch | None = None) -> tuple[TrainContext, TrainState]:
     init_distributed(t.distributed_backend, t.distributed_timeout_minutes)
     if watch is not None:  # entry points: a failed or lost rank ends the job
         watch.start(dist.get_rank(), dist.get_world_size())
-    hcp = cfg.model.hierarchical_context_parallel_sizes
-    parallel = groups.initialize_model_parallel(cfg.parallel, timeout_minutes=t.distributed_timeout_minutes,
-                                                hierarchical_cp_inner=hcp[0] if hcp else None)
+    parallel = groups.initialize_model_parallel(cfg.parallel, timeout_minutes=t.distributed_timeout_minutes)
     dev = device.current_device()
     rng_tracker = RNGStatesTracker()  # the run's RNG streams: the model's dropout and recompute, the checkpoint
     set_random_seed(t.seed, pp_rank=parallel.pp_rank, tp_rank=parallel.tp_rank, ep_rank=parallel.ep_rank,

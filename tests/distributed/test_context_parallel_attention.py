@@ -88,16 +88,12 @@ def _worker(rank, world, refs):
 
 def _hierarchical_worker(rank, world, refs):
     """a2a+p2p at CP 4 with inner (a2a, adjacent ranks) x outer (ring) sizes 2 x 2, 4 x 1 and 1 x 4."""
-    ctx = groups.initialize_model_parallel(ParallelDims(world_size=world, cp=world))
-    g, r = ctx.cp_group, ctx.cp_rank
-    for a in (2, 4, 1):
-        inner = outer = None
-        for o in range(world // a):  # every rank creates every group, in one order
-            grp = torch.distributed.new_group(list(range(a * o, a * o + a)))
-            inner = grp if r // a == o else inner
-        for i in range(a):
-            grp = torch.distributed.new_group(list(range(i, world, a)))
-            outer = grp if r % a == i else outer
+    for a in (2, 4, 1):  # the context's cp_inner (adjacent ranks) and cp_outer (ring) groups
+        ctx = groups.initialize_model_parallel(ParallelDims(world_size=world, cp=world, cp_inner=a))
+        g, r = ctx.cp_group, ctx.cp_rank
+        inner, outer = ctx.group("cp_inner"), ctx.group("cp_outer")
+        assert ctx.ranks("cp_inner") == tuple(range(r // a * a, r // a * a + a))
+        assert ctx.ranks("cp_outer") == tuple(range(r % a, world, a))
         for ((hq, hkv), with_docs), ref in refs:
             if hkv % a:
                 continue

@@ -52,6 +52,14 @@ def _worker(rank, world):
         x = torch.tensor([float(rank)])
         dist.all_reduce(x, group=groups.get_group(kind))
         assert x.item() == sum(members), (kind, members, x.item())
+    # two-level CP: the cp_inner/cp_outer groups exist with the degree and match the fake context
+    dims = ParallelDims(world_size=world, tp=2, cp=4, cp_inner=2)
+    ctx, fake = groups.initialize_model_parallel(dims), ParallelContext.fake(dims, rank)
+    for kind in ("cp_inner", "cp_outer"):
+        assert fake.ranks(kind) == ctx.ranks(kind) == tuple(dims.group_of(kind, rank)) and len(ctx.ranks(kind)) == 2
+        x = torch.tensor([float(rank)])
+        dist.all_reduce(x, group=ctx.group(kind))
+        assert x.item() == sum(ctx.ranks(kind)), kind
     return True
 
 

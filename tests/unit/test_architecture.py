@@ -314,8 +314,6 @@ FLAG_STRINGS_ALLOWED = {
     "megatronish.parallel.cross_entropy": "the loss's argument check names --label-smoothing (the value's flag)",
     "megatronish.parallel.context_parallel": "an unknown --cp-comm-type names its flag and the choices",
     "megatronish.parallel.fsdp": "an unknown --fsdp-reshard-after-forward policy names its flag and the choices",
-    "megatronish.parallel.pipeline.schedules": "check_interleaving's line names the batch and pipeline flags "
-                                               "(argument validation calls it)",
 }
 
 

@@ -163,6 +163,22 @@ class TestContextParallel:
         assert self.d.dp_cp_groups() == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
 
 
+def test_two_level_cp_groups():
+    d = ParallelDims(world_size=16, tp=2, cp=4, cp_inner=2)  # rank = tp + 2*cp + 8*dp; cp = inner + 2*outer
+    assert (d.cp_inner, d.cp_outer, d.dp) == (2, 2, 2)
+    assert d.cp_inner_groups()[:4] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert d.cp_outer_groups()[:4] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    for cp_group in d.cp_groups():  # inside every CP group: adjacent blocks (all-to-all) and strided rings
+        assert all(cp_group[o * 2:(o + 1) * 2] in d.groups("cp_inner") for o in range(2))
+        assert all(cp_group[i::2] in d.groups("cp_outer") for i in range(2))
+    for kind in ("cp_inner", "cp_outer"):
+        assert sorted(r for g in d.groups(kind) for r in g) == list(range(16))
+    one_level = ParallelDims(world_size=8, cp=4)
+    assert one_level.cp_outer is None and one_level.groups("cp_inner") == one_level.groups("cp_outer") == []
+    assert one_level.group_of("cp_outer", 0) == []
+    assert ParallelDims.GROUP_KINDS[-2:] == ("cp_inner", "cp_outer")  # appended: earlier kinds keep their order
+
+
 # ---------------------------------------------------------------- random layouts
 @pytest.mark.parametrize("cfg", CONFIGS, ids=cfg_id)
 def test_rank_coords_round_trip(cfg):
@@ -266,6 +282,8 @@ def test_value_object():
                                               "--expert-tensor-parallel-size 2", "12 ranks of a pipeline stage"]),
     (dict(world_size=4, tp=2, ep=3, etp=1), ["--expert-model-parallel-size 3", "4 ranks"]),
     (dict(world_size=4, etp=0), ["--expert-tensor-parallel-size"]),
+    (dict(world_size=8, cp=4, cp_inner=3), ["--hierarchical-context-parallel-sizes 3", "--context-parallel-size 4"]),
+    (dict(world_size=8, cp=4, cp_inner=0), ["--hierarchical-context-parallel-sizes"]),
 ])
 def test_invalid_degrees(kwargs, flags):
     with pytest.raises(DegreeError) as plain:  # parallel/ states the numbers only

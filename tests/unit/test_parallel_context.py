@@ -21,7 +21,8 @@ def test_single_is_one_process_without_groups():
     assert group_size(None) == 1 and group_rank(None) == 0
 
 
-@pytest.mark.parametrize("layout", [dict(tp=2, pp=2), dict(tp=4), dict(pp=4, vp=2), dict(tp=2, cp=2)])
+@pytest.mark.parametrize("layout", [dict(tp=2, pp=2), dict(tp=4), dict(pp=4, vp=2), dict(tp=2, cp=2),
+                                    dict(cp=4, cp_inner=2)])
 def test_fake_context_matches_the_dims(layout):
     dims = ParallelDims(world_size=8, **layout)
     for rank in range(8):
@@ -29,6 +30,9 @@ def test_fake_context_matches_the_dims(layout):
         c = dims.coords(rank)
         assert (ctx.tp_rank, ctx.pp_rank, ctx.dp_rank, ctx.cp_rank) == (c["tp"], c["pp"], c["dp"], c["cp"])
         assert ctx.dp_cp_size == dims.dp * dims.cp and ctx.ranks("dp_cp") == tuple(dims.group_of("dp_cp", rank))
+        for kind in ("cp_inner", "cp_outer"):  # two-level CP's groups exist only with the degree
+            assert ctx.ranks(kind) == tuple(dims.group_of(kind, rank))
+            assert (ctx.group(kind) is not None) == (dims.cp_inner is not None)
         ring = dims.group_of("pp", rank)  # first stage to last
         i = ring.index(rank)
         assert (ctx.next_pp_rank, ctx.prev_pp_rank) == (ring[(i + 1) % dims.pp], ring[(i - 1) % dims.pp])

@@ -180,11 +180,17 @@ def test_messages_route_and_complete(p, v, M, forward_only):
 
 # ---------------------------------------------------------------------------- configuration errors
 def test_interleaving_needs_microbatches_multiple_of_p():
+    from megatronish import parallel_config
+    from megatronish.parallel.dims import DegreeError
+
     with pytest.raises(ConfigError, match=r"multiple of --pipeline-model-parallel-size 4, but it is 6.*"
                                           r"--global-batch-size 12 / \(--micro-batch-size 2"):
-        check_interleaving(4, 2, 6, micro_batch_size=2, global_batch_size=12, data_parallel_size=1)
-    with pytest.raises(ConfigError, match="--global-batch-size"):
-        schedule_table(4, 2, 6, 0)
+        parallel_config.check_interleaving(4, 2, 6, micro_batch_size=2, global_batch_size=12, data_parallel_size=1)
+    with pytest.raises(DegreeError, match=r"microbatches per iteration \(6\) to be a multiple of pp 4") as e:
+        schedule_table(4, 2, 6, 0)  # parallel/ states the numbers
+    assert "--" not in str(e.value)
+    with pytest.raises(DegreeError):
+        check_interleaving(4, 2, 6)
 
 
 def test_layer_split_error_names_flags():

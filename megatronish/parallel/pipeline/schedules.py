@@ -35,7 +35,7 @@ from collections import deque
 
 import torch
 
-from ...errors import ConfigError
+from ..dims import DegreeError
 from .timeline import span
 
 __all__ = [
@@ -126,22 +126,13 @@ def microbatch_id(k: int, p: int, v: int) -> int:
     return (k // (p * v)) * p + k % p
 
 
-def check_interleaving(p: int, v: int, num_microbatches: int, *, micro_batch_size: int | None = None,
-                       global_batch_size: int | None = None, data_parallel_size: int | None = None) -> None:
-    """Raise :class:`ConfigError` unless the interleaved schedule can run ``num_microbatches`` on ``p`` ranks."""
-    if num_microbatches % p == 0:
-        return
-    if None not in (micro_batch_size, global_batch_size, data_parallel_size):
-        how = (f" (--global-batch-size {global_batch_size} / (--micro-batch-size {micro_batch_size} x "
-               f"data-parallel size {data_parallel_size}))")
-    else:
-        how = " (--global-batch-size / (--micro-batch-size x data-parallel size))"
-    raise ConfigError(
-        f"the interleaved pipeline schedule ({v} virtual stages per rank, from "
-        f"--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank) needs the number of "
-        f"microbatches per iteration to be a multiple of --pipeline-model-parallel-size {p}, but it is "
-        f"{num_microbatches}{how}; change --global-batch-size or --micro-batch-size so that it is a multiple of "
-        f"{p}, or drop the virtual-stage flag")
+def check_interleaving(p: int, v: int, num_microbatches: int) -> None:
+    """Raise :class:`~megatronish.parallel.dims.DegreeError` (numbers only; ``parallel_config.check_interleaving``
+    names the flags) unless the interleaved schedule can run ``num_microbatches`` on ``p`` ranks."""
+    if num_microbatches % p:
+        raise DegreeError("interleaving", f"the interleaved schedule (vp {v}) needs the microbatches per iteration "
+                          f"({num_microbatches}) to be a multiple of pp {p}", pp=p, vp=v,
+                          num_microbatches=num_microbatches)
 
 
 def pipeline_tensor_shape(seq_length: int, micro_batch_size: int, hidden_size: int, *, tp: int = 1, cp: int = 1,
