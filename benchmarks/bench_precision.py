@@ -61,12 +61,12 @@ def run_precision(rank, world, args, flags, threads):
                 "--vocab-size", str(args.vocab - 1), "--eval-iters", "0", "--log-interval", "1",
                 "--metrics-file", metrics, *flags]
         groups.destroy_model_parallel()
-        state = pretrain(configs_from_args(parse_args(argv), world))
+        result = pretrain(configs_from_args(parse_args(argv), world))
         records = [json.loads(line) for line in open(metrics)]
     tps = statistics.median(r["tokens_per_sec"] for r in records[2:])
-    meter = state.context.memory
+    meter = result.context.memory
     return {"tokens_per_sec": tps, "saved_activations": meter.measured, "formula": meter.estimate,
-            "loss": [loss for _, loss in state.history]}
+            "loss": [loss for _, loss in result.state.history]}
 
 
 def measure_layer(rank, world, s, b, h, a):

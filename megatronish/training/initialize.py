@@ -135,7 +135,7 @@ def setup(cfg, watch: Watch | None = None) -> tuple[TrainContext, TrainState]:
                        train_ds=train_ds, valid_ds=valid_ds, test_ds=test_ds, timers=timers, device=dev,
                        compiler=compiler, rng_tracker=rng_tracker)
     optimizer.timers = timers  # params-all-gather
-    state = TrainState(context=run)
+    state = TrainState()
     run.checkpointer = setup_checkpointing(cfg, models, optimizer, scheduler, state, parallel=parallel,
                                            fp8=fp8, rng_tracker=rng_tracker)  # --load
     optimizer.reload_model_params()  # fp32 master copies from the (loaded) 16-bit model, unless loaded themselves

@@ -2,7 +2,9 @@
 
 - :func:`~megatronish.training.initialize.setup` (``training/initialize.py``): distributed init -> the parallel
   context (every process group) -> RNG seeds -> model -> DDP or FSDP2 -> optimizer and LR/WD scheduler -> datasets
-  -> checkpoint load, in that fixed order; it returns a :class:`TrainContext` holding the run's live objects.
+  -> checkpoint load, in that fixed order; it returns a :class:`TrainContext` holding the run's live objects and
+  the loop's :class:`TrainState` (the counters a checkpoint saves, the histories); ``pretrain`` returns both, a
+  :class:`TrainResult`.
 - :func:`~megatronish.training.step.train_step` (``training/step.py``): one iteration: the schedule over the
   iteration's microbatches, gradient finalization (DP, SP, embedding group), the optimizer step (unscale, clip,
   step), FP8 scales, the LR/WD schedule.
@@ -25,17 +27,18 @@ from .exit import ExitPolicy
 from .initialize import setup
 from .logger import TrainLogger, write_timeline
 from .profiler import Profiler
-from .state import StepResult, TrainContext, TrainCounters, TrainState
+from .state import StepResult, TrainContext, TrainCounters, TrainResult, TrainState
 from .step import apply_update, compute_gradients, train_step
 from .watchdog import Watch
 
 __all__ = ["pretrain", "setup", "train_step", "compute_gradients", "apply_update", "evaluate", "TrainLogger",
-           "TrainContext", "TrainCounters", "TrainState", "StepResult"]
+           "TrainContext", "TrainCounters", "TrainState", "TrainResult", "StepResult"]
 
 
-def pretrain(cfg, watch: Watch | None = None) -> TrainState:
-    """Train (and evaluate) as configured by a :class:`megatronish.config.RunConfig`. ``watch``: the entry point's
-    rank watchdog (:class:`megatronish.training.watchdog.Watch`), started by ``setup``."""
+def pretrain(cfg, watch: Watch | None = None) -> TrainResult:
+    """Train (and evaluate) as configured by a :class:`megatronish.config.RunConfig`; returns the loop's state
+    (``.state``: iteration, losses, exit reason) and the run's live objects (``.context``). ``watch``: the entry
+    point's rank watchdog (:class:`megatronish.training.watchdog.Watch`), started by ``setup``."""
     run, state = setup(cfg, watch)
     t = cfg.train
     train_iters = 0 if t.skip_train else t.train_iters
@@ -86,4 +89,4 @@ def pretrain(cfg, watch: Watch | None = None) -> TrainState:
         if t.manual_gc:
             gc.enable()
     logger.close()
-    return state
+    return TrainResult(state, run)

@@ -1,7 +1,8 @@
 """The training loop's state, in two kinds: what a checkpoint saves and restores (:class:`TrainCounters`:
 iteration, consumed samples) and what one process keeps of the run (:class:`TrainState`: the counters plus the
 loss histories and why training ended), apart from the run's live objects (:class:`TrainContext`, made by
-:func:`megatronish.training.initialize.setup`)."""
+:func:`megatronish.training.initialize.setup`; no part of the state). ``pretrain`` returns both, a
+:class:`TrainResult`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 
     Dataset = Union[MockGPTDataset, GPTDataset, BlendedDataset]
 
-__all__ = ["TrainCounters", "TrainState", "TrainContext", "StepResult"]
+__all__ = ["TrainCounters", "TrainState", "TrainContext", "TrainResult", "StepResult"]
 
 
 @dataclass
@@ -50,14 +51,12 @@ class TrainState(TrainCounters):
     valid_history: list = field(default_factory=list)
     test_history: list = field(default_factory=list)  # (iteration, lm loss) of the test-split evaluation at the end
     exit_reason: str | None = None  # set when --exit-interval / --exit-duration-in-mins / a signal ended training
-    # the run's live objects (models, optimizer, ...), for callers of pretrain(); not part of the state
-    context: TrainContext | None = field(default=None, repr=False)
 
 
 @dataclass
 class TrainContext:
     """The run's live objects, made by ``setup`` (callers of ``pretrain`` reach them through
-    ``TrainState.context``)."""
+    ``TrainResult.context``)."""
 
     models: list[GPTModel]  # this rank's model chunks (virtual pipeline stages)
     chunks: list[DistributedDataParallel | FullyShardedDataParallel]  # the same chunks, wrapped for data parallelism
@@ -77,6 +76,14 @@ class TrainContext:
     device: torch.device | None = None
     compiler: Compiler | None = None  # under --torch-compile
     rng_tracker: RNGStatesTracker | None = None  # the RNG streams of the model and the checkpoint
+
+
+@dataclass
+class TrainResult:
+    """What ``pretrain`` returns: the loop's state at the end and the run's live objects (models, optimizer, ...)."""
+
+    state: TrainState
+    context: TrainContext
 
 
 @dataclass

@@ -35,7 +35,7 @@ def _run(argv, world, edit=None):
 
 
 def _losses(argv, world, edit=None):
-    return [loss for _, loss in _run(argv, world, edit).history]
+    return [loss for _, loss in _run(argv, world, edit).state.history]
 
 
 # ------------------------------------------------------------------ exact resume, async, exit conditions
@@ -64,7 +64,7 @@ def _resume_worker(rank, world, root):
         d = os.path.join(root, name)
         argv = case + DROPOUT + ["--train-iters", "10"]
         straight = _losses(argv, world)
-        first = _run(argv + ["--exit-interval", "5", "--save", d], world)
+        first = _run(argv + ["--exit-interval", "5", "--save", d], world).state
         resumed = _losses(argv + ["--load", d], world)
         out[name] = (straight, [loss for _, loss in first.history], first.exit_reason, resumed)
     # asynchronous saves: same training, and the same files as the synchronous save
@@ -95,7 +95,7 @@ def _resume_worker(rank, world, root):
         dcp_io.save = real_save
     # --exit-duration-in-mins: every rank decides together after the first iteration
     state = _run(argv + ["--save", os.path.join(root, "duration")], world,
-                 edit=lambda cfg: setattr(cfg.checkpoint, "exit_duration_in_mins", 1e-9))
+                 edit=lambda cfg: setattr(cfg.checkpoint, "exit_duration_in_mins", 1e-9)).state
     out["duration"] = (state.iteration, state.exit_reason)
     return out
 

@@ -104,7 +104,7 @@ def test_context_parallel_equals_one_process(world, references):
 
 
 def _resume_worker(rank, world, argv, tmp):
-    state = pretrain(configs_from_args(parse_args(BASE + argv), world))
+    state = pretrain(configs_from_args(parse_args(BASE + argv), world)).state
     return [loss for _, loss in state.history], state.consumed_samples
 
 
@@ -124,7 +124,7 @@ def test_checkpoint_saved_at_cp2_resumes_at_cp1_and_cp4(references, tmp_path):
 
 
 def _bf16_worker(rank, world, argv):
-    state = pretrain(configs_from_args(parse_args(BASE + argv + ["--bf16", "--train-iters", "4"]), world))
+    state = pretrain(configs_from_args(parse_args(BASE + argv + ["--bf16", "--train-iters", "4"]), world)).state
     return [loss for _, loss in state.history]
 
 

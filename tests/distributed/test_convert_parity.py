@@ -89,7 +89,7 @@ def _moe_worker(rank, world, models):
     for arch, (hf, ours) in models.items():
         groups.destroy_model_parallel()
         cfg = configs_from_args(parse_args(MOE_COMMON + MOE_FAMILIES[arch][1] + ["--load", ours]), world)
-        state = pretrain(cfg)
+        state = pretrain(cfg).state
         (_, loss), = state.valid_history
         start = state.valid_consumed_samples - cfg.train.global_batch_size
         ds = MockGPTDataset(cfg.model.vocab_size, cfg.model.seq_length, seed=cfg.train.seed + 1)

@@ -26,8 +26,8 @@ DIST = ["--use-distributed-optimizer"]
 
 def _run(argv, world):
     groups.destroy_model_parallel()
-    state = pretrain(configs_from_args(parse_args(BASE + argv), world))
-    ctx = state.context
+    result = pretrain(configs_from_args(parse_args(BASE + argv), world))
+    state, ctx = result.state, result.context
     names = {id(p): f"{i}.{n}" for i, m in enumerate(ctx.models) for n, p in m.named_parameters()}
     opt = ctx.optimizer
     # numpy: results travel back through a pipe, by value

@@ -91,10 +91,10 @@ def _run(rank, world, cases, prefix, tmp):
     out = {}
     for name, argv in cases.items():
         metrics = os.path.join(tmp, f"{name}-{rank}.jsonl")
-        state = pretrain(configs_from_args(parse_args(BASE + argv + [
+        result = pretrain(configs_from_args(parse_args(BASE + argv + [
             "--data-path", prefix, "--data-cache-path", os.path.join(tmp, "cache"), "--metrics-file", metrics]),
             world))
-        ctx = state.context
+        state, ctx = result.state, result.context
         params = {n: gather_to_global(p.detach(), p.desc, ctx.parallel.tp_group).numpy()
                   for m in ctx.models for n, p in m.named_global_parameters()}
         norms = [json.loads(line)["grad_norm"] for line in open(metrics)] if os.path.exists(metrics) else None

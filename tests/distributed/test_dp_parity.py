@@ -27,7 +27,7 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
 
 def _losses(argv, world):
     cfg = configs_from_args(parse_args(BASE + argv), world)
-    return [loss for _, loss in pretrain(cfg).history]
+    return [loss for _, loss in pretrain(cfg).state.history]
 
 
 def _worker(rank, world, cases):

@@ -27,7 +27,7 @@ TP2_DISTOPT = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--us
 
 def _losses(argv, world):
     groups.destroy_model_parallel()
-    return [loss for _, loss in pretrain(configs_from_args(parse_args(BASE + argv), world)).history]
+    return [loss for _, loss in pretrain(configs_from_args(parse_args(BASE + argv), world)).state.history]
 
 
 def _dir(root, name, it):

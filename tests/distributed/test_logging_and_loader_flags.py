@@ -88,7 +88,7 @@ def _run(argv, world, slow_rank=None):
         initialize.make_forward_step = slowed
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        state = pretrain(cfg)
+        state = pretrain(cfg).state
     return [loss for _, loss in state.history], state.test_history, out.getvalue()
 
 

@@ -37,8 +37,8 @@ BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
 def _run(argv, world, metrics=None):
     groups.destroy_model_parallel()
     extra = ["--metrics-file", metrics] if metrics else []
-    state = pretrain(configs_from_args(parse_args(BASE + argv + extra), world))
-    ctx = state.context
+    result = pretrain(configs_from_args(parse_args(BASE + argv + extra), world))
+    state, ctx = result.state, result.context
     out = {"losses": [loss for _, loss in state.history]}
     out["model_dtypes"] = sorted({str(p.dtype) for m in ctx.models for p in m.parameters()})
     out["main_dtypes"] = sorted({str(s.main.dtype) for s in ctx.optimizer.slots})

@@ -34,7 +34,7 @@ TARGETS_2 = {"tp2_etp1_ep2": ["--expert-model-parallel-size", "2", "--tensor-mod
 
 def _losses(argv, world):
     groups.destroy_model_parallel()
-    return [loss for _, loss in pretrain(configs_from_args(parse_args(BASE + argv), world)).history]
+    return [loss for _, loss in pretrain(configs_from_args(parse_args(BASE + argv), world)).state.history]
 
 
 def _src(root, name):

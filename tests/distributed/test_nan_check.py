@@ -28,9 +28,9 @@ def _attempt(argv, world, inject):
     os.environ[nan_check.INJECT_ENV] = inject
     cfg = configs_from_args(parse_args(BASE + argv), world)
     try:
-        state = pretrain(cfg)
-        return {"error": None, "iterations": state.iteration, "history": state.history,
-                "steps": state.context.optimizer.num_steps}
+        result = pretrain(cfg)
+        return {"error": None, "iterations": result.state.iteration, "history": result.state.history,
+                "steps": result.context.optimizer.num_steps}
     except NonFiniteError as e:
         return {"error": str(e)}
     finally:

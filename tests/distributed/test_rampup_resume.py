@@ -31,7 +31,7 @@ def _run(rank, world, argv, metrics):
 
     batches.MicroBatchLoader = recorded
     try:
-        state = pretrain(configs_from_args(parse_args(BASE + argv + ["--metrics-file", metrics]), world))
+        state = pretrain(configs_from_args(parse_args(BASE + argv + ["--metrics-file", metrics]), world)).state
     finally:
         batches.MicroBatchLoader = real
     return state.iteration, state.consumed_samples, loaders

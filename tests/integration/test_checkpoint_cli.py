@@ -119,7 +119,7 @@ def _resume_losses(rank, world, save):
     from megatronish.training.pretrain import pretrain
 
     argv = FLAGS + ["--load", save, "--exit-interval", "3"]
-    return [loss for _, loss in pretrain(configs_from_args(parse_args(argv), world)).history]
+    return [loss for _, loss in pretrain(configs_from_args(parse_args(argv), world)).state.history]
 
 
 def test_kill_during_async_save_keeps_previous_checkpoint(tmp_path):

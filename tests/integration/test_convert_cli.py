@@ -88,7 +88,7 @@ FLAVORS = {
 def _pretrain(argv, world):
     groups.destroy_model_parallel()
     cfg = configs_from_args(parse_args(COMMON + argv), world)
-    state = pretrain(cfg)
+    state = pretrain(cfg).state
     return state, cfg
 
 

@@ -19,7 +19,7 @@ MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
 
 def _train(rank, world, argv):
     groups.destroy_model_parallel()
-    state = pretrain(configs_from_args(parse_args(argv), world))
+    state = pretrain(configs_from_args(parse_args(argv), world)).state
     return [loss for _, loss in state.history], [loss for _, loss in state.valid_history]
 
 

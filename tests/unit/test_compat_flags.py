@@ -148,7 +148,7 @@ def _loop_events(rank, world, argv):
     device.empty_cache = lambda: emptied.append(1)
     argv = BASE + ["--global-batch-size", "2", "--train-iters", "6", "--eval-interval", "3", "--eval-iters", "1",
                    "--log-interval", "100"] + argv
-    state = loop.pretrain(configs_from_args(parse_args(argv), world))
+    state = loop.pretrain(configs_from_args(parse_args(argv), world)).state
     return rec.events, len(emptied), gc.isenabled(), len(state.history)
 
 
