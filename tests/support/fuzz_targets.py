@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from megatronish.errors import CheckpointError, IndexedDatasetError, TokenizerError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 
 TEXT = "The quick brown fox, 12345 times: café naïve 東京!\n\tend"
 
