@@ -5,8 +5,8 @@ a table-driven loop while holding the GIL; with several ranks sharing the cores,
 save's CPU time. :func:`write` writes the same archive (an uncompressed zip, ``archive/`` prefix, records
 padded to the storage alignment with an ``FB`` extra field, sizes in a data descriptor after each record's data,
 zip64 end records, ``.data/serialization_id`` from the record names and CRCs) with the data checksummed by
-``zlib.crc32``, a faster implementation that releases the GIL. The tensor's data is handed to the output
-as a view of its memory.
+``checkpoint.crc.crc32`` (ISA-L's where installed, else zlib's), faster and releasing the GIL. The tensor's data is
+handed to the output as a view of its memory.
 
 The records themselves (``data.pkl`` and the small ones) come from ``torch.serialization._save``, the function
 ``torch.save`` runs inside its zip writer. The zip layout is checked once per process (and per CRC and alignment
@@ -20,9 +20,10 @@ import pickle
 import struct
 import threading
 import zipfile
-import zlib
 
 import torch
+
+from .crc import crc32
 
 _LOCAL = struct.Struct("<4sHHHHHIIIHH")  # local file header
 _DESCRIPTOR = struct.Struct("<4sIII")  # data descriptor (32-bit sizes)
@@ -100,7 +101,7 @@ class _Format:
             # an empty record has no data descriptor (its local header's zero sizes and CRC are final), and only
             # descriptors feed the serialization id
             flags = _FLAGS if size else _UTF8
-            crc = zlib.crc32(data) if size else 0
+            crc = crc32(data) if size else 0
             out.append(_LOCAL.pack(b"PK\x03\x04", 0, flags, 0, 0, 0, 0, 0, 0, len(full), len(extra)) + full + extra)
             pos = start + pad
             if size:

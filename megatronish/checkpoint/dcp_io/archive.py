@@ -7,7 +7,6 @@ import io
 import math
 import os
 import struct
-import zlib
 
 import torch
 from torch import _weights_only_unpickler
@@ -16,6 +15,7 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from ...errors import CheckpointError
+from ..crc import crc32
 from .verify import Checksums, damaged, stored_crc
 
 _LAYOUTS: dict[bytes, tuple | None] = {}
@@ -80,7 +80,7 @@ def _head_records(head: bytes) -> dict[str, tuple[int, int | None]]:
         q = head.find(b"PK\x07\x08", data)
         while q >= 0 and q + _DESCRIPTOR.size <= len(head):
             _, crc, csize, usize = _DESCRIPTOR.unpack_from(head, q)
-            if csize == usize == q - data and zlib.crc32(head[data:q]) == crc:
+            if csize == usize == q - data and crc32(head[data:q]) == crc:
                 break
             q = head.find(b"PK\x07\x08", q + 1)
         else:

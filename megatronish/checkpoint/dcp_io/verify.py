@@ -1,7 +1,7 @@
 """Checking stored items against the CRC-32 their ``torch.save`` archives carry (each zip record's, in its data
 descriptor and in the archive's central directory): the data of a tensor read straight into its destination is
-checksummed chunk by chunk as it arrives (``zlib.crc32`` over the bytes just read, no second pass over the file),
-and an item read whole is checked record by record before it is decoded. A mismatch is one error naming the shard
+checksummed chunk by chunk as it arrives (``checkpoint.crc.crc32`` over the bytes just read, no second pass over the
+file), and an item read whole is checked record by record before it is decoded. A mismatch is one error naming the shard
 file and the item."""
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import io
 import os
 import struct
 import zipfile
-import zlib
 
 from ...errors import CheckpointError
+from ..crc import crc32
 
 READ_CHUNK = 8 << 20  # bytes read (and checksummed) per call: the CRC runs on bytes still in the cache
 _DESCRIPTOR = struct.Struct("<4sIII")  # a zip data descriptor (32-bit sizes)
@@ -42,7 +42,7 @@ def stored_crc(fd: int, data_end: int, size: int) -> int | None:
 
 class Checksums:
     """The CRC-32 checks of one batch of direct reads: each chunk read into its destination is checksummed on a
-    helper thread (``zlib.crc32`` releases the GIL) while the next chunk is read, so the check runs beside the
+    helper thread (the CRC releases the GIL) while the next chunk is read, so the check runs beside the
     reads instead of after them; :meth:`finish` waits for the last ones and raises the first mismatch."""
 
     def __init__(self, chunk: int = READ_CHUNK):
@@ -60,7 +60,7 @@ class Checksums:
         state = [0]
 
         def fold(piece) -> None:
-            state[0] = zlib.crc32(piece, state[0])
+            state[0] = crc32(piece, state[0])
 
         scratch = memoryview(bytearray(min(self.chunk, size - len(buf)))) if size > len(buf) else None
         done = 0
