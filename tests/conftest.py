@@ -19,6 +19,14 @@ def _slurm_skip_reason():
     return None
 
 
+_NOT_RUN: list[str] = []  # lines for the end of the run
+
+
+def pytest_terminal_summary(terminalreporter):
+    for line in _NOT_RUN:
+        terminalreporter.write_line(line)
+
+
 def pytest_collection_modifyitems(config, items):
     import pytest
 
@@ -27,9 +35,15 @@ def pytest_collection_modifyitems(config, items):
         from megatronish import device
 
         if not device.cuda_available():
-            for item in gpu:
-                item.add_marker(pytest.mark.skip(reason="gpu test skipped: no CUDA device here "
-                                                        "(scripts/device_check.sh runs these on a GPU)"))
+            if "gpu" in (config.getoption("markexpr") or ""):  # asked for (-m gpu): each skips with its reason
+                for item in gpu:
+                    item.add_marker(pytest.mark.skip(reason="gpu test skipped: no CUDA device here "
+                                                            "(scripts/device_check.sh runs these on a GPU)"))
+            else:  # the CPU suite: not collected, said once at the end (no skips in a CPU run)
+                config.hook.pytest_deselected(items=gpu)
+                items[:] = [item for item in items if "gpu" not in item.keywords]
+                _NOT_RUN.append(f"{len(gpu)} gpu tests not run: no CUDA device here (scripts/device_check.sh "
+                                "runs them on a GPU)")
     slurm = [item for item in items if "slurm" in item.keywords]
     reason = _slurm_skip_reason() if slurm else None
     if reason:

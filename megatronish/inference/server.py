@@ -54,7 +54,7 @@ class ServerLimits:
     max_request_bytes: int = 1 << 20
     max_tokens_to_generate: int = 1024
     max_request_tokens: int = 16384
-    max_queued_requests: int = 16
+    max_queued_requests: int = 64
     request_timeout: float = 600.0
     client_timeout: float = 30.0
     api_key: str | None = None
