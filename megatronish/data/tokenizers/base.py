@@ -63,23 +63,33 @@ class MegatronTokenizer:
         return {"class": type(self).__name__, "vocab_size": self.vocab_size}
 
 
-def tiktoken_batch(enc, texts: Sequence[str]) -> List[List[int]]:
-    """``enc.encode_ordinary`` of each text, in this thread (tiktoken's own batch call goes through a thread
-    pool even for one thread)."""
-    encode = enc.encode_ordinary
-    return [encode(t) for t in texts]
+class TiktokenTokenizer(MegatronTokenizer):
+    """A tokenizer run by a tiktoken ``Encoding`` (``self._enc``, set by the subclass): encoding, batches, decoding."""
 
+    _enc = None
 
-def tiktoken_batch_flat(enc, texts: Sequence[str]) -> Tuple[numpy.ndarray, numpy.ndarray]:
-    """The ids of ``encode_ordinary`` as uint32 arrays straight from tiktoken (no Python int lists), joined."""
-    encode = enc.encode_to_numpy
-    arrays = []
-    for text in texts:
-        try:
-            arrays.append(encode(text, disallowed_special=()))
-        except UnicodeEncodeError:  # lone surrogates: replaced exactly as encode_ordinary replaces them
-            arrays.append(encode(text.encode("utf-16", "surrogatepass").decode("utf-16", "replace"),
-                                 disallowed_special=()))
-    lengths = numpy.fromiter(map(len, arrays), dtype=numpy.int64, count=len(arrays))
-    flat = numpy.concatenate(arrays) if arrays else numpy.zeros(0, numpy.uint32)
-    return flat, lengths
+    def tokenize(self, text: str) -> List[int]:
+        return self._enc.encode_ordinary(text)
+
+    def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
+        """``encode_ordinary`` of each text, in this thread (tiktoken's own batch call goes through a thread pool
+        even for one thread)."""
+        encode = self._enc.encode_ordinary
+        return [encode(t) for t in texts]
+
+    def tokenize_batch_flat(self, texts: Sequence[str]) -> Tuple[numpy.ndarray, numpy.ndarray]:
+        """The ids of ``encode_ordinary`` as uint32 arrays straight from tiktoken (no Python int lists), joined."""
+        encode = self._enc.encode_to_numpy
+        arrays = []
+        for text in texts:
+            try:
+                arrays.append(encode(text, disallowed_special=()))
+            except UnicodeEncodeError:  # lone surrogates: replaced exactly as encode_ordinary replaces them
+                arrays.append(encode(text.encode("utf-16", "surrogatepass").decode("utf-16", "replace"),
+                                     disallowed_special=()))
+        lengths = numpy.fromiter(map(len, arrays), dtype=numpy.int64, count=len(arrays))
+        flat = numpy.concatenate(arrays) if arrays else numpy.zeros(0, numpy.uint32)
+        return flat, lengths
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._enc.decode([int(i) for i in ids])

@@ -2,19 +2,17 @@
 from __future__ import annotations
 
 import json
-from typing import Dict, List, Optional, Sequence, Tuple
-
-import numpy
+from typing import Dict, List, Optional
 
 from megatronish.errors import TokenizerError
 
-from .base import MegatronTokenizer, require_file, tiktoken_batch, tiktoken_batch_flat
+from .base import TiktokenTokenizer, require_file
 
 # GPT-2's pre-tokenization regex (tiktoken's r50k_base).
 _GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
-class GPT2BPETokenizer(MegatronTokenizer):
+class GPT2BPETokenizer(TiktokenTokenizer):
     """GPT-2's byte-level BPE from its encoder.json + vocab.bpe, run by tiktoken."""
 
     def __init__(self, vocab_file: Optional[str], merge_file: Optional[str]) -> None:
@@ -62,17 +60,6 @@ class GPT2BPETokenizer(MegatronTokenizer):
     def eod(self) -> int:
         return self._eod
 
-    def tokenize(self, text: str) -> List[int]:
-        return self._enc.encode_ordinary(text)
-
-    def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
-        return tiktoken_batch(self._enc, texts)
-
-    def tokenize_batch_flat(self, texts: Sequence[str]) -> Tuple[numpy.ndarray, numpy.ndarray]:
-        return tiktoken_batch_flat(self._enc, texts)
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        return self._enc.decode([int(i) for i in ids])
 
 
 def _gpt2_byte_symbols() -> List[str]:

@@ -5,13 +5,11 @@ from __future__ import annotations
 import base64
 import json
 import os
-from typing import Dict, List, Optional, Sequence, Tuple
-
-import numpy
+from typing import Dict, Optional
 
 from megatronish.errors import TokenizerError
 
-from .base import MegatronTokenizer, require_file, tiktoken_batch, tiktoken_batch_flat
+from .base import TiktokenTokenizer, require_file
 
 _TIKTOKEN_PATTERN_V1 = r"[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"
 _TIKTOKEN_PATTERN_V2 = (
@@ -54,7 +52,7 @@ def _load_tiktoken_ranks(path: str) -> Dict[bytes, int]:
     return ranks
 
 
-class TikTokenizer(MegatronTokenizer):
+class TikTokenizer(TiktokenTokenizer):
     """tiktoken BPE from a local ranks file, ids shifted up by ``num_special_tokens`` special tokens
     (<unk> <s> </s> <mask> <pad> <cls> <sep>, then <SPECIAL_i> fillers)."""
 
@@ -116,14 +114,3 @@ class TikTokenizer(MegatronTokenizer):
     def pad(self) -> int:
         return 4
 
-    def tokenize(self, text: str) -> List[int]:
-        return self._enc.encode_ordinary(text)
-
-    def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
-        return tiktoken_batch(self._enc, texts)
-
-    def tokenize_batch_flat(self, texts: Sequence[str]) -> Tuple[numpy.ndarray, numpy.ndarray]:
-        return tiktoken_batch_flat(self._enc, texts)
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        return self._enc.decode([int(i) for i in ids])
