@@ -13,14 +13,15 @@
    cache (``posix_fadvise DONTNEED``), so both reads come from the disk (or whatever cache the disk has below the
    OS); the checkpoint and the raw file alternate which is timed first. Median of ``--reps``.
    Each load is timed again without CRC-32 verification (``--no-verify-checkpoint``), in the same round.
-2. (``--only throughput``: the Checkpointer rows only; ``--only ranks``: the ``dcp_io`` rows only.)
+2. (``--only throughput``: the Checkpointer rows only; ``--only ranks``: the ``dcp_io`` rows only; ``--only crc``:
+   the checkpoint CRC-32's speed on one core, ``checkpoint/crc.py``'s implementation against ``zlib.crc32``.)
 3. Loop blocking: ``pretrain()`` three times on the same shape — no saves, ``--save-interval K`` synchronous,
    and the same with ``--async-save`` — timing the wall time of the loop and the time the loop spends inside
    the checkpoint calls (save, poll, the wait for an async save's copies before the next update, final wait).
 
     python benchmarks/bench_checkpoint.py [--layers 6] [--hidden 512] [--vocab 50304] [--seq 128]
         [--micro-batch 2] [--iters 12] [--save-interval 4] [--reps 4] [--dir /tmp] [--ranks 1 4] [--state-mb 512]
-        [--only throughput|ranks|blocking]
+        [--only throughput|ranks|blocking|crc]
 """
 import argparse
 import mmap
@@ -61,7 +62,7 @@ def bench_args():
     p.add_argument("--save-interval", type=int, default=4)
     p.add_argument("--reps", type=int, default=4)  # even: each order (checkpoint or raw first) timed equally often
     p.add_argument("--dir", default=None, help="where checkpoints and the raw file go (default: a temp dir)")
-    p.add_argument("--only", choices=["throughput", "ranks", "blocking"], default=None, help="run one part")
+    p.add_argument("--only", choices=["throughput", "ranks", "blocking", "crc"], default=None, help="run one part")
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 4], help="process counts of the storage measurement")
     p.add_argument("--state-mb", type=int, default=512, help="state size of the storage measurement (MiB)")
     return p.parse_args()
@@ -387,8 +388,33 @@ def loop_blocking(a, root):
               "(the first save of a run included in the line above)")
 
 
+def crc_speed(megabytes: int = 256, reps: int = 5) -> None:
+    """GB/s of the checkpoint CRC-32 and of zlib's over the same bytes (best of ``reps``), one core."""
+    import zlib
+
+    from megatronish.checkpoint import crc
+
+    data = os.urandom(megabytes << 20)
+    speeds = {}
+    for name, fn in ((crc.IMPLEMENTATION, crc.crc32), ("zlib", zlib.crc32)):
+        best = min(_timed(fn, data) for _ in range(reps))
+        speeds[name] = len(data) / best / 1e9
+    ours = speeds[crc.IMPLEMENTATION]
+    print(f"crc-32 over {megabytes} MB, one core: {crc.IMPLEMENTATION} {ours:.2f} GB/s, "
+          f"zlib {speeds['zlib']:.2f} GB/s, ratio {ours / speeds['zlib']:.2f}")
+
+
+def _timed(fn, data) -> float:
+    t = time.perf_counter()
+    fn(data)
+    return time.perf_counter() - t
+
+
 def main():
     a = bench_args()
+    if a.only == "crc":
+        crc_speed()
+        return
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     root = tempfile.mkdtemp(prefix="bench_ckpt_", dir=a.dir)
     ckpt_manager._log = lambda msg: None  # quiet
