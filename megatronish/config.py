@@ -405,7 +405,7 @@ class OptimizerConfig:
 
 @dataclass
 class LoggingConfig:
-    """Console log line, JSON-lines metrics file, TensorBoard and W&B."""
+    """Console log line, JSON-lines metrics file, TensorBoard, W&B and MLflow."""
 
     log_interval: int = 100
     log_throughput: bool = False
@@ -415,6 +415,9 @@ class LoggingConfig:
     wandb_entity: str = ""
     wandb_exp_name: str = ""
     wandb_save_dir: str = ""
+    mlflow_experiment_name: str | None = None  # MLflow logging on (training/mlflow_run.py)
+    mlflow_run_name: str | None = None  # a new run's name (None: MLflow picks one)
+    mlflow_tracking_uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else file:<--save or .>/mlruns
     timing_log_level: int = 0
     moe_per_layer_logging: bool = False  # the MoE losses of every layer, not only their mean
     log_straggler: bool = False  # each log interval: every rank's compute time, the slowest rank named

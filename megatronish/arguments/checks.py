@@ -263,6 +263,18 @@ def _check_logging(lg: configs.LoggingConfig, errors: list[str]) -> None:
         errors.append(f"--straggler-minmax-count must be >= 1, got {lg.straggler_minmax_count}")
     if lg.log_interval is not None and lg.log_interval < 1:
         errors.append(f"--log-interval must be >= 1, got {lg.log_interval}")
+    if lg.mlflow_experiment_name:
+        import importlib.util
+
+        if importlib.util.find_spec("mlflow") is None:  # imported by the logging rank only, once training starts
+            errors.append("--mlflow-experiment-name needs the mlflow package: pip install mlflow-skinny (or "
+                          "pip install -e '.[mlflow]')")
+    else:
+        given = [f for f, v in (("--mlflow-run-name", lg.mlflow_run_name),
+                                ("--mlflow-tracking-uri", lg.mlflow_tracking_uri)) if v]
+        if given:
+            errors.append(f"{' and '.join(given)} {'needs' if len(given) == 1 else 'need'} --mlflow-experiment-name "
+                          "(MLflow logging is on with an experiment name)")
 
 
 def _check_checkpoint(c: configs.CheckpointConfig, errors: list[str]) -> None:

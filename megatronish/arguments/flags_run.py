@@ -63,6 +63,12 @@ def add_logging_flags(p) -> None:
     flag(g, "--wandb-entity", default="")
     flag(g, "--wandb-exp-name", default="")
     flag(g, "--wandb-save-dir", default="")
+    flag(g, "--mlflow-experiment-name", default=None,
+         help="log to MLflow: the metrics file's scalars and the run's flags, in this experiment (made if new)")
+    flag(g, "--mlflow-run-name", default=None, help="with --mlflow-experiment-name: the name of a new run")
+    flag(g, "--mlflow-tracking-uri", default=None,
+         help="with --mlflow-experiment-name: the tracking store (default $MLFLOW_TRACKING_URI, else the local "
+              "file store file:<--save, else .>/mlruns)")
     flag(g, "--timing-log-level", type=int, default=0, choices=[0, 1, 2],
          help="0: iteration time; 1: + forward-backward, gradient reduction, optimizer; 2: + batch reading "
               "((min, max) over ranks each log interval)")

@@ -1,5 +1,5 @@
-"""The per-interval log: one record per ``--log-interval`` for the metrics sinks (JSON lines, TensorBoard, W&B)
-and Megatron's log line, both from that record; the validation and test records; the pipeline timeline."""
+"""The per-interval log: one record per ``--log-interval`` for the metrics sinks (JSON lines, TensorBoard, W&B,
+MLflow) and Megatron's log line, both from that record; the validation and test records; the pipeline timeline."""
 from __future__ import annotations
 
 import math
@@ -34,12 +34,20 @@ class TrainLogger:
     """Per-interval averages, one record per log interval written to the metrics sinks and printed as
     Megatron's log line; validation records."""
 
-    def __init__(self, run: TrainContext, train_iters: int):
+    def __init__(self, run: TrainContext, train_iters: int, state: TrainState | None = None):
+        """``state``: the loop's state after set-up (its iteration > 0: resumed from a checkpoint; MLflow continues
+        the checkpoint's run)."""
         cfg, lg = run.cfg, run.cfg.logging
         self.run, self.cfg, self.train_iters = run, cfg, train_iters
         self.logging_rank = _is_logging_rank(run.parallel)
+        mlflow = None
+        if self.logging_rank and lg.mlflow_experiment_name:
+            from .mlflow_run import MlflowRun  # imports mlflow: only with --mlflow-experiment-name
+
+            mlflow = MlflowRun.start(cfg, state.iteration if state is not None else 0)
         self.writer = MetricsWriter(self.logging_rank, lg.metrics_file, lg.tensorboard_dir, lg.wandb_project or None,
-                                    lg.wandb_entity or None, lg.wandb_exp_name or None, lg.wandb_save_dir or None)
+                                    lg.wandb_entity or None, lg.wandb_exp_name or None, lg.wandb_save_dir or None,
+                                    mlflow=mlflow)
         self.peak = device_peak_tflops(device.device_name())
         self.skipped = self.nan_iters = 0
         self.restart_window()

@@ -1,4 +1,4 @@
-"""Metrics: Megatron's console log line, JSON lines (``--metrics-file``), TensorBoard and W&B.
+"""Metrics: Megatron's console log line, JSON lines (``--metrics-file``), TensorBoard, W&B and MLflow.
 
 Only the rank that holds the loss (last pipeline stage, first TP and DP rank) writes; others are silent.
 """
@@ -13,8 +13,11 @@ import time
 class MetricsWriter:
     def __init__(self, enabled: bool, metrics_file: str | None = None, tensorboard_dir: str | None = None,
                  wandb_project: str | None = None, wandb_entity: str | None = None,
-                 wandb_exp_name: str | None = None, wandb_save_dir: str | None = None, config: dict | None = None):
+                 wandb_exp_name: str | None = None, wandb_save_dir: str | None = None, config: dict | None = None,
+                 mlflow=None):
+        """``mlflow``: the logging rank's started :class:`~megatronish.training.mlflow_run.MlflowRun`, or None."""
         self.enabled = enabled
+        self._mlflow = mlflow
         self._file = self._tb = self._wandb = None
         if not enabled:
             return
@@ -50,6 +53,8 @@ class MetricsWriter:
             self._tb.flush()
         if self._wandb:
             self._wandb.log(scalars, step=step)
+        if self._mlflow:
+            self._mlflow.log(scalars, step)
 
     def close(self) -> None:
         if self._file:
@@ -58,6 +63,8 @@ class MetricsWriter:
             self._tb.close()
         if self._wandb:
             self._wandb.finish()
+        if self._mlflow:
+            self._mlflow.finish()
 
 
 def print_rank_last(enabled: bool, msg: str) -> None:

@@ -9,7 +9,7 @@
   iteration's microbatches, gradient finalization (DP, SP, embedding group), the optimizer step (unscale, clip,
   step), FP8 scales, the LR/WD schedule.
 - :class:`~megatronish.training.logger.TrainLogger` (``training/logger.py``): the per-interval record (JSON lines,
-  TensorBoard, W&B) and Megatron's log line, both from one record; evaluations (``training/evaluate.py``).
+  TensorBoard, W&B, MLflow) and Megatron's log line, both from one record; evaluations (``training/evaluate.py``).
 - ``training/batches.py``: the micro-batches and the ``--num-workers`` loader; ``training/state.py``: the loop's
   counters and state, the run's live objects; ``training/profiler.py``: ``--profile``.
 
@@ -42,7 +42,7 @@ def pretrain(cfg, watch: Watch | None = None) -> TrainResult:
     run, state = setup(cfg, watch)
     t = cfg.train
     train_iters = 0 if t.skip_train else t.train_iters
-    logger = TrainLogger(run, train_iters)
+    logger = TrainLogger(run, train_iters, state)
     exit_policy = ExitPolicy(cfg.checkpoint)
     profiler = Profiler(cfg)
     if t.manual_gc:  # Megatron: collections only at fixed points, aligned across ranks
