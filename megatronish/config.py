@@ -1,246 +1,30 @@
 """Dataclass configs. Field names follow Megatron-LM's flags (``--hidden-size`` -> ``hidden_size``)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
-import math
-from dataclasses import InitVar, dataclass, field
+from dataclasses import dataclass, field
 
 from .errors import ConfigError
+
+# The model's config and its groups live in model_config; re-exported here, where every config is found.
+from .model_config import (  # noqa: F401
+    ATTENTION_BACKENDS,
+    GROUP_OF,
+    GROUPS,
+    AttentionConfig,
+    KernelConfig,
+    ModelConfig,
+    MoEConfig,
+    PrecisionConfig,
+    RecomputeConfig,
+    config_dict,
+    default_ffn_hidden_size,
+    gpt2,
+    llama,
+    padded_vocab_size,
+)
 from .parallel.dims import ParallelDims
-
-# --attention-backend choices (Megatron's AttnBackend)
-ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
-
-
-def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128, tp: int = 1) -> int:
-    """Megatron's padding: round up to a multiple of ``make_vocab_size_divisible_by * TP``."""
-    multiple = make_vocab_size_divisible_by * tp
-    return int(math.ceil(vocab_size / multiple) * multiple)
-
-
-def default_ffn_hidden_size(hidden_size: int, swiglu: bool = False) -> int:
-    """``--ffn-hidden-size`` when not given: 4h, or Megatron's SwiGLU default ``int(8h/3 / 64) * 64``."""
-    return int((4 * hidden_size * 2 / 3) / 64) * 64 if swiglu else 4 * hidden_size
-
-
-@dataclass
-class ModelConfig:
-    """The GPT model's shape. GPT-2 and Llama are two settings of these fields (see ``gpt2``/``llama``)."""
-
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    vocab_size: int  # true tokenizer vocabulary; the embedding is padded past it
-    seq_length: int = 1024
-    ffn_hidden_size: int | None = None  # default 4h, or Megatron's SwiGLU default int(8h/3 / 64) * 64
-    kv_channels: int | None = None  # default h / heads
-    num_query_groups: int | None = None  # default heads (no GQA)
-    max_position_embeddings: int | None = None  # default seq_length
-    position_embedding_type: str = "learned_absolute"  # or "rope" / "none"
-    rotary_base: int = 10000
-    rotary_percent: float = 1.0
-    normalization: str = "LayerNorm"  # or "RMSNorm"
-    norm_epsilon: float = 1e-5
-    swiglu: bool = False
-    openai_gelu: bool = False  # tanh-approximated GELU (GPT-2's)
-    untie_embeddings_and_output_weights: bool = False
-    add_bias_linear: bool = True
-    add_qkv_bias: bool = False
-    qk_layernorm: bool = False  # --qk-layernorm: norm of each query/key head before RoPE (Qwen3)
-    attention_dropout: float = 0.1
-    hidden_dropout: float = 0.1
-    init_method_std: float = 0.02
-    make_vocab_size_divisible_by: int = 128
-    # activation recompute (Megatron's flags)
-    recompute_granularity: str | None = None  # "full" | "selective" (core attention)
-    recompute_method: str | None = None  # "uniform" | "block"
-    recompute_num_layers: int | None = None
-    # FP8 (Megatron's flags; megatronish.precision.fp8.Fp8Recipe.from_config reads them)
-    fp8: str | None = None  # --fp8-format: None (off) | "e4m3" | "hybrid"
-    fp8_recipe: str = "delayed"  # "delayed" | "tensorwise"
-    fp8_margin: int = 0
-    fp8_amax_history_len: int = 1
-    fp8_amax_compute_algo: str = "most_recent"  # "most_recent" | "max"
-    transformer_impl: str = "local"  # "local" | "transformer_engine"
-    # fused Triton kernels (megatronish.kernels, docs/kernels.md)
-    use_triton_kernels: bool = False  # --use-triton-kernels: RMSNorm/LayerNorm, RoPE, SwiGLU
-    cross_entropy_loss_fusion: bool = False  # --cross-entropy-loss-fusion: the vocab-parallel loss
-    cp_comm_type: str | list = "p2p"  # --cp-comm-type: p2p | a2a | allgather | a2a+p2p, or one per layer
-    # mixture of experts (Megatron's flags and defaults; docs/moe.md)
-    num_experts: int | None = None  # None: dense MLPs
-    moe_layer_freq: int | list = 1  # every N-th layer is MoE, or a 1/0 pattern per layer
-    moe_ffn_hidden_size: int | None = None  # default --ffn-hidden-size
-    moe_router_topk: int = 2
-    moe_router_score_function: str = "softmax"  # softmax | sigmoid
-    moe_router_pre_softmax: bool = False
-    moe_router_topk_scaling_factor: float | None = None
-    moe_router_num_groups: int | None = None
-    moe_router_group_topk: int | None = None
-    moe_router_load_balancing_type: str | list = "aux_loss"  # aux_loss | seq_aux_loss | global_aux_loss | none
-    moe_aux_loss_coeff: float | list = 0.0
-    moe_z_loss_coeff: float | None = None
-    moe_router_enable_expert_bias: bool = False
-    moe_router_bias_update_rate: float = 1e-3
-    moe_router_dtype: str | None = None  # None (the activations') | fp32 | fp64
-    moe_expert_capacity_factor: float | None = None  # None: no token dropping
-    moe_token_drop_policy: str = "probs"  # probs | position
-    moe_pad_expert_input_to_capacity: bool = False
-    moe_token_dispatcher_type: str = "allgather"  # allgather | alltoall
-    moe_grouped_gemm: bool = False
-    moe_shared_expert_intermediate_size: int | None = None
-    moe_shared_expert_gate: bool = False
-    # Megatron-LM compatibility flags (docs/flags.md)
-    attention_backend: str = "auto"  # --attention-backend: auto | flash | fused | unfused | local
-    cross_entropy_fusion_impl: str = "native"  # with --cross-entropy-loss-fusion: native (PyTorch) | te (Triton)
-    apply_layernorm_1p: bool = False  # zero-centered norm weights: the norm multiplies by (1 + weight)
-
-    # False: fill the defaults only, and leave every problem to problems() (argument validation lists them all)
-    check: InitVar[bool] = True
-
-    def __post_init__(self, check: bool = True):
-        h = self.hidden_size
-        if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = default_ffn_hidden_size(h, self.swiglu)
-        if self.kv_channels is None and self.num_attention_heads > 0 and h % self.num_attention_heads == 0:
-            self.kv_channels = h // self.num_attention_heads  # else left None: problems() names the flags
-        if self.num_query_groups is None:
-            self.num_query_groups = self.num_attention_heads
-        if self.max_position_embeddings is None:
-            self.max_position_embeddings = self.seq_length
-        if self.num_experts and self.moe_ffn_hidden_size is None:
-            self.moe_ffn_hidden_size = self.ffn_hidden_size
-        if check:
-            problems = self.problems()
-            if problems:
-                raise ConfigError("\n".join(problems))
-
-    def problems(self) -> list[str]:
-        """This model's own problems, one line each (its fit to the parallel layout is
-        :func:`megatronish.parallel_config.validate_model`'s)."""
-        out = []
-        if self.kv_channels is None:
-            out.append(f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
-                       f"{self.num_attention_heads}; set --kv-channels or change one of them")
-        if self.num_query_groups < 1 or self.num_attention_heads % self.num_query_groups:
-            out.append(f"--num-attention-heads {self.num_attention_heads} is not divisible by "
-                       f"--num-query-groups {self.num_query_groups}")
-        if self.position_embedding_type not in ("learned_absolute", "rope", "none"):
-            out.append(f"--position-embedding-type {self.position_embedding_type!r}: choose "
-                       "learned_absolute, rope or none")
-        if self.normalization not in ("LayerNorm", "RMSNorm"):
-            out.append(f"--normalization {self.normalization!r}: choose LayerNorm or RMSNorm")
-        if self.recompute_granularity not in (None, "full", "selective"):
-            out.append(f"--recompute-granularity {self.recompute_granularity!r}: choose full or selective")
-        if self.recompute_granularity == "selective" and self.recompute_method is not None:
-            out.append("--recompute-method is not supported with --recompute-granularity selective "
-                       "(it recomputes core attention in every layer); drop --recompute-method")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            out.append(f"--attention-backend {self.attention_backend!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
-        if self.cross_entropy_fusion_impl not in ("native", "te"):
-            out.append(f"--cross-entropy-fusion-impl {self.cross_entropy_fusion_impl!r}: choose native or te")
-        if self.recompute_granularity == "full":
-            if self.recompute_method not in ("uniform", "block"):
-                out.append("--recompute-granularity full needs --recompute-method uniform or block")
-            elif not self.recompute_num_layers or self.recompute_num_layers < 1:
-                out.append("--recompute-granularity full needs --recompute-num-layers >= 1")
-        out += self.moe_problems()
-        return out
-
-    def moe_problems(self) -> list[str]:
-        """The mixture-of-experts flags' own problems (their fit to the layout is ``validate``'s)."""
-        if self.num_experts is None:
-            return []
-        out = []
-        e, k = self.num_experts, self.moe_router_topk
-        if e < 1:
-            out.append(f"--num-experts must be >= 1, got {e}")
-            return out
-        if not 1 <= k <= e:
-            out.append(f"--moe-router-topk {k} must be between 1 and --num-experts {e}")
-        if self.moe_router_score_function not in ("softmax", "sigmoid"):
-            out.append(f"--moe-router-score-function {self.moe_router_score_function!r}: choose softmax or sigmoid")
-        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
-            out.append("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (aux-loss-free "
-                       "balancing biases sigmoid scores)")
-        if self.moe_router_pre_softmax and self.moe_router_score_function != "softmax":
-            out.append("--moe-router-pre-softmax applies to --moe-router-score-function softmax only")
-        if self.moe_router_group_topk:
-            g = self.moe_router_num_groups
-            if not g:
-                out.append("--moe-router-group-topk needs --moe-router-num-groups")
-            elif e % g:
-                out.append(f"--num-experts {e} is not divisible by --moe-router-num-groups {g}")
-            elif self.moe_router_group_topk > g:
-                out.append(f"--moe-router-group-topk {self.moe_router_group_topk} exceeds --moe-router-num-groups {g}")
-            elif k % self.moe_router_group_topk:
-                out.append(f"--moe-router-topk {k} is not divisible by --moe-router-group-topk "
-                           f"{self.moe_router_group_topk}")
-        types = self.moe_router_load_balancing_type
-        types = [types] if isinstance(types, str) else list(types)
-        coeffs = self.moe_aux_loss_coeff
-        for t in types:
-            if t not in ("aux_loss", "seq_aux_loss", "global_aux_loss", "none"):
-                out.append(f"--moe-router-load-balancing-type {t!r}: choose aux_loss, seq_aux_loss, "
-                           "global_aux_loss or none (Sinkhorn balancing is not available in this version)")
-        if not isinstance(coeffs, (int, float)) and len(coeffs) != len(types):
-            out.append(f"--moe-aux-loss-coeff gives {len(coeffs)} values for {len(types)} load-balancing types; "
-                       "give one per type")
-        cf = self.moe_expert_capacity_factor
-        if cf is not None and not cf > 0:
-            out.append(f"--moe-expert-capacity-factor must be > 0, got {cf} (omit the flag for no token dropping)")
-        if self.moe_pad_expert_input_to_capacity and cf is None:
-            out.append("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
-        if self.moe_token_drop_policy not in ("probs", "position"):
-            out.append(f"--moe-token-drop-policy {self.moe_token_drop_policy!r}: choose probs or position")
-        if self.moe_token_dispatcher_type not in ("allgather", "alltoall"):
-            out.append(f"--moe-token-dispatcher-type {self.moe_token_dispatcher_type!r}: choose allgather or "
-                       "alltoall (the flex/DeepEP dispatcher is not available in this version)")
-        if self.moe_router_dtype not in (None, "fp32", "fp64"):
-            out.append(f"--moe-router-dtype {self.moe_router_dtype!r}: choose fp32 or fp64")
-        if self.add_bias_linear:
-            out.append("--num-experts: expert linear layers have no biases in this version; pass "
-                       "--disable-bias-linear")
-        freq = self.moe_layer_freq
-        if isinstance(freq, int):
-            if freq < 1:
-                out.append(f"--moe-layer-freq must be >= 1, got {freq}")
-        elif len(freq) != self.num_layers or any(v not in (0, 1) for v in freq):
-            out.append(f"--moe-layer-freq pattern must hold one 0 or 1 per layer ({self.num_layers}), got "
-                       f"{len(freq)} values")
-        if self.moe_shared_expert_intermediate_size is not None and self.moe_shared_expert_intermediate_size < 1:
-            out.append("--moe-shared-expert-intermediate-size must be >= 1")
-        if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
-            out.append("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")
-        return out
-
-    @property
-    def cp_comm_types(self) -> list[str]:
-        """``--cp-comm-type`` as a list: one type for every layer, or one per layer."""
-        return [self.cp_comm_type] if isinstance(self.cp_comm_type, str) else list(self.cp_comm_type)
-
-    def cp_comm_type_of(self, layer_number: int) -> str:
-        types = self.cp_comm_types
-        return types[layer_number] if len(types) > 1 else types[0]
-
-    @property
-    def qkv_bias(self) -> bool:
-        return self.add_bias_linear or self.add_qkv_bias
-
-    def padded_vocab_size(self, tp: int = 1) -> int:
-        return padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tp)
-
-
-def gpt2(**kw) -> ModelConfig:
-    """GPT-2 flavor: LayerNorm, learned absolute positions, GELU, biases, tied embeddings."""
-    return ModelConfig(**kw)
-
-
-def llama(**kw) -> ModelConfig:
-    """Llama flavor: RMSNorm, RoPE, SwiGLU, no biases, untied output layer (GQA via num_query_groups)."""
-    base = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True, add_bias_linear=False,
-                untie_embeddings_and_output_weights=True)
-    base.update(kw)
-    return ModelConfig(**base)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -305,7 +89,7 @@ def rampup_train_iters(train_samples: int, rampup, global_batch_size: int) -> in
 # ---------------------------------------------------------------------------------------------------------------
 # Run configuration built from the command line (``megatronish.arguments.configs_from_args``).
 # ---------------------------------------------------------------------------------------------------------------
-@dataclass
+@dataclass(frozen=True)
 class TrainingConfig:
     """Batch sizes, iterations, evaluation, seeds and the process-group settings."""
 
@@ -338,7 +122,7 @@ class TrainingConfig:
     check_for_nan_in_loss_and_grad: bool = True  # stop before the optimizer step on a NaN/Inf loss or gradient
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimizerConfig:
     """Optimizer, LR / weight-decay schedules and gradient reduction (Megatron flag names)."""
 
@@ -403,7 +187,7 @@ class OptimizerConfig:
         return self.params_dtype
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoggingConfig:
     """Console log line, JSON-lines metrics file, TensorBoard, W&B and MLflow."""
 
@@ -426,7 +210,7 @@ class LoggingConfig:
     pipeline_timeline: str | None = None  # Chrome trace of the last training iteration's pipeline events
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     """Training data and tokenizer. The sequence length is the model's (``ModelConfig.seq_length``); the true
     vocabulary size is the tokenizer's, ``ModelConfig.vocab_size``."""
@@ -453,8 +237,9 @@ class DataConfig:
     tiktoken_pattern: str | None = None  # TikTokenizer's split pattern (v1 | v2; None: v2)
 
     def __post_init__(self):
-        if self.tokenizer_type is None:
-            self.tokenizer_type = "NullTokenizer" if self.vocab_size_flag is not None else "GPT2BPETokenizer"
+        if self.tokenizer_type is None:  # the construction's own default (configs are frozen after it)
+            object.__setattr__(self, "tokenizer_type",
+                               "NullTokenizer" if self.vocab_size_flag is not None else "GPT2BPETokenizer")
 
     @functools.cached_property
     def tokenizer(self):
@@ -471,7 +256,7 @@ class DataConfig:
                               f"{e!r}") from e
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointConfig:
     """Checkpoint saving/loading and the exit conditions that save (Megatron flag names; docs/checkpoint.md)."""
 
@@ -497,7 +282,7 @@ class CheckpointConfig:
     load_resolved: tuple[str, int | None] | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunConfig:
     """Everything ``pretrain()`` needs, validated before any process group starts
     (``megatronish.arguments.validate``).
@@ -519,14 +304,19 @@ class RunConfig:
     sequence_parallel_flag: bool = False  # --sequence-parallel as given; see the sequence_parallel property
 
     def __post_init__(self):
+        # The derived batch values, filled into a copy of ``train`` (the given TrainingConfig is not changed)
         t = self.train
-        if t.global_batch_size is None and t.micro_batch_size is not None:
-            t.global_batch_size = self.data_parallel_batch_size
-        if t.train_iters is None and t.train_samples is not None and t.global_batch_size:
-            if t.rampup_batch_size is not None and not rampup_problems(t.rampup_batch_size, t.global_batch_size, 1):
-                t.train_iters = rampup_train_iters(t.train_samples, t.rampup_batch_size, t.global_batch_size)
+        fill = {}
+        gbs = t.global_batch_size
+        if gbs is None and t.micro_batch_size is not None:
+            gbs = fill["global_batch_size"] = self.data_parallel_batch_size
+        if t.train_iters is None and t.train_samples is not None and gbs:
+            if t.rampup_batch_size is not None and not rampup_problems(t.rampup_batch_size, gbs, 1):
+                fill["train_iters"] = rampup_train_iters(t.train_samples, t.rampup_batch_size, gbs)
             else:
-                t.train_iters = t.train_samples // t.global_batch_size  # as Megatron-LM
+                fill["train_iters"] = t.train_samples // gbs  # as Megatron-LM
+        if fill:
+            object.__setattr__(self, "train", dataclasses.replace(t, **fill))
 
     @property
     def sequence_parallel(self) -> bool:

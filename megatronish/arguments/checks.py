@@ -37,10 +37,10 @@ def _check_fsdp(o: configs.OptimizerConfig, m: configs.ModelConfig | None, error
                       "optimizer state itself); pass one")
     if o.fsdp_prefetch_layers < 0:
         errors.append(f"--fsdp-prefetch-layers must be >= 0, got {o.fsdp_prefetch_layers}")
-    if m is not None and m.num_experts is not None:
+    if m is not None and m.moe.num_experts is not None:
         errors.append("--use-torch-fsdp2 with --num-experts: FSDP2 does not shard expert weights over expert-DP "
                       "yet (as in Megatron-LM); drop --use-torch-fsdp2 (use --use-distributed-optimizer)")
-    if m is not None and m.fp8 is not None:
+    if m is not None and m.precision.fp8 is not None:
         errors.append("--use-torch-fsdp2 with --fp8-format is not available yet; drop one of them")
     if t is not None and t.calculate_per_token_loss:
         errors.append("--use-torch-fsdp2 with --calculate-per-token-loss is not available yet (FSDP2 averages the "
@@ -158,32 +158,34 @@ def _check_precision(o: configs.OptimizerConfig, m: configs.ModelConfig | None, 
         errors.append(f"--hysteresis must be >= 1, got {o.hysteresis}")
     if m is None:
         return
-    if m.fp8 is not None:
+    p = m.precision
+    if p.fp8 is not None:
         from ..precision.fp8 import Fp8Recipe  # only with --fp8-format
 
         _collect(errors, lambda: Fp8Recipe(
-            fp8_format=m.fp8, fp8_recipe=m.fp8_recipe if m.fp8_recipe in ("delayed", "tensorwise") else "delayed",
-            fp8_margin=m.fp8_margin, fp8_amax_history_len=m.fp8_amax_history_len,
-            fp8_amax_compute_algo=m.fp8_amax_compute_algo))
-    if m.transformer_impl != "local":
+            fp8_format=p.fp8, fp8_recipe=p.fp8_recipe if p.fp8_recipe in ("delayed", "tensorwise") else "delayed",
+            fp8_margin=p.fp8_margin, fp8_amax_history_len=p.fp8_amax_history_len,
+            fp8_amax_compute_algo=p.fp8_amax_compute_algo))
+    if m.precision.transformer_impl != "local":
         from ..precision.fp8 import check_transformer_impl  # imports TE lazily
 
-        _collect(errors, lambda: check_transformer_impl(m.transformer_impl))
+        _collect(errors, lambda: check_transformer_impl(m.precision.transformer_impl))
 
 
 def _check_model(m: configs.ModelConfig | None, errors: list[str]) -> None:
     if m is None:
         return
     mpe, s = m.max_position_embeddings, m.seq_length
-    if m.position_embedding_type == "learned_absolute" and mpe < s:
+    if m.attention.position_embedding_type == "learned_absolute" and mpe < s:
         errors.append(f"--max-position-embeddings {mpe} is smaller than --seq-length {s} with learned absolute "
                       "positions; raise --max-position-embeddings")
     if m.swiglu and m.openai_gelu:
         errors.append("--swiglu and --openai-gelu are mutually exclusive; pass one")
     # The fused Triton kernels need triton and CUDA, or TRITON_INTERPRET=1 (kernels on CPU).
-    asked = [f for f, on in (("--use-triton-kernels", m.use_triton_kernels),
+    k = m.kernels
+    asked = [f for f, on in (("--use-triton-kernels", k.use_triton_kernels),
                              ("--cross-entropy-loss-fusion --cross-entropy-fusion-impl te",
-                              m.cross_entropy_loss_fusion and m.cross_entropy_fusion_impl == "te")) if on]
+                              k.cross_entropy_loss_fusion and k.cross_entropy_fusion_impl == "te")) if on]
     if asked:
         from ..kernels import check_kernels_available  # only when asked for
 
@@ -196,7 +198,7 @@ def _check_context_parallel(m: configs.ModelConfig | None, dims: ParallelDims | 
     fits)."""
     if m is None:
         return
-    types = m.cp_comm_types
+    types = m.attention.cp_comm_types
     if len(types) not in (1, m.num_layers):
         errors.append(f"--cp-comm-type takes one type or one per layer (--num-layers {m.num_layers}), got "
                       f"{len(types)}")
@@ -206,7 +208,7 @@ def _check_context_parallel(m: configs.ModelConfig | None, dims: ParallelDims | 
     if dims is None or dims.cp == 1:
         return
     cp, tp, flag = dims.cp, dims.tp, f"--context-parallel-size {dims.cp}"
-    if m.attention_dropout:
+    if m.attention.attention_dropout:
         errors.append(f"{flag} needs --attention-dropout 0 (attention dropout inside context-parallel attention is "
                       f"not available yet; Megatron's default is 0.1)")
     heads, groups = m.num_attention_heads, m.num_query_groups
@@ -226,27 +228,27 @@ def _check_context_parallel(m: configs.ModelConfig | None, dims: ParallelDims | 
 
 def _check_moe(m: configs.ModelConfig | None, dims: ParallelDims | None, sequence_parallel: bool,
                errors: list[str]) -> None:
-    """Mixture of experts against the layout (the MoE flags' own problems are ``configs.ModelConfig.moe_problems``)."""
+    """Mixture of experts against the layout (the MoE flags' own problems are ``configs.MoEConfig.problems``)."""
     if m is None or dims is None:
         return
     ep, etp = dims.ep, dims.expert_tp
-    if m.num_experts is None:
+    if m.moe.num_experts is None:
         given = [f for f, on in ((f"--expert-model-parallel-size {ep}", ep > 1),
                                  (f"--expert-tensor-parallel-size {dims.etp}", dims.etp not in (None, dims.tp)))
                  if on]
         if given:
             errors.append(f"{' and '.join(given)} need --num-experts (a mixture-of-experts model)")
         return
-    if m.num_experts < 1:
-        return  # named by moe_problems
-    if m.num_experts % ep:
-        errors.append(f"--num-experts {m.num_experts} is not divisible by --expert-model-parallel-size {ep}; every "
+    if m.moe.num_experts < 1:
+        return  # named by MoEConfig.problems
+    if m.moe.num_experts % ep:
+        errors.append(f"--num-experts {m.moe.num_experts} is not divisible by --expert-model-parallel-size {ep}; every "
                       "expert-parallel rank holds the same number of experts")
-    ffn = m.moe_ffn_hidden_size or m.ffn_hidden_size
+    ffn = m.moe.moe_ffn_hidden_size or m.ffn_hidden_size
     if ffn % etp:
         errors.append(f"--moe-ffn-hidden-size {ffn} is not divisible by the expert tensor-parallel size {etp} "
                       "(--expert-tensor-parallel-size, default --tensor-model-parallel-size)")
-    shared = m.moe_shared_expert_intermediate_size
+    shared = m.moe.moe_shared_expert_intermediate_size
     if shared and shared % dims.tp:
         errors.append(f"--moe-shared-expert-intermediate-size {shared} is not divisible by "
                       f"--tensor-model-parallel-size {dims.tp}")

@@ -67,10 +67,13 @@ def _notes(args) -> list[str]:
 
 
 def _from_flags(cls, args, rules: dict, **init_only):
-    """``cls`` with every field taken from the flag of the same name, or from ``rules``."""
+    """``cls`` with every field taken from the flag of the same name, or from ``rules``; a group of the model
+    config (``ModelConfig.moe``, ...) is built the same way from its own fields' flags."""
     kw = {}
     for f in dataclasses.fields(cls):
-        if f.name in rules:
+        if cls is configs.ModelConfig and f.name in configs.GROUPS:
+            kw[f.name] = _from_flags(configs.GROUPS[f.name], args, rules)
+        elif f.name in rules:
             kw[f.name] = rules[f.name]
         elif hasattr(args, f.name):
             kw[f.name] = getattr(args, f.name)
@@ -140,6 +143,8 @@ class _Draft:
             self.run = configs.RunConfig(model=self.model, parallel=self.parallel, train=self.train,
                                          optim=self.optim, logging=self.logging, data=self.data,
                                          checkpoint=self.checkpoint, sequence_parallel_flag=self.sequence_parallel_flag)
+        if self.run is not None:
+            self.train = self.run.train  # with the derived batch values filled in
 
     @classmethod
     def of(cls, cfg: configs.RunConfig) -> "_Draft":

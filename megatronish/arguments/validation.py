@@ -100,8 +100,7 @@ def configs_from_args(args: argparse.Namespace, world_size: int, *, for_training
             setattr(args, dest, value)
     cfg = _validated(args, world_size, for_training, load_resolved)
     # The model's true vocabulary is the tokenizer's, built here once (it may read files) and kept on cfg.data.
-    cfg.model = dataclasses.replace(cfg.model, vocab_size=int(cfg.data.tokenizer.vocab_size))
-    return cfg
+    return dataclasses.replace(cfg, model=cfg.model.replace(vocab_size=int(cfg.data.tokenizer.vocab_size)))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -14,7 +14,6 @@ Entries of one iteration directory:
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -22,6 +21,7 @@ import subprocess
 import torch
 
 from .. import __version__
+from ..config import config_dict
 from .dcp_io import CheckpointError
 
 FORMAT = "megatronish-torch_dist"
@@ -55,10 +55,9 @@ def rng_key(rank: int) -> str:
 
 
 def jsonable(obj):
-    """Plain JSON types for a (nested) dataclass config."""
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        obj = dataclasses.asdict(obj)
-    return json.loads(json.dumps(obj, default=str))
+    """Plain JSON types for a (nested) dataclass config; a model config as its flat Megatron names
+    (:meth:`~megatronish.config.ModelConfig.flat`), the layout every checkpoint stores."""
+    return json.loads(json.dumps(config_dict(obj), default=str))
 
 
 def normalize_config(config) -> dict:

@@ -15,7 +15,6 @@ embeddings are read from config.json for every family. Settings either side cann
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from ..config import ModelConfig
@@ -107,7 +106,7 @@ def model_config_from_hf(hf: dict, *, true_vocab_size: int | None = None, make_v
                  "scale_attn_by_inverse_layer_idx=true is not supported")
         _require(not hf.get("add_cross_attention", False), where, "cross attention is not supported")
         h, n = int(hf["n_embd"]), int(hf["n_positions"])
-        cfg = ModelConfig(num_layers=int(hf["n_layer"]), hidden_size=h, num_attention_heads=int(hf["n_head"]),
+        cfg = ModelConfig.from_flat(num_layers=int(hf["n_layer"]), hidden_size=h, num_attention_heads=int(hf["n_head"]),
                           ffn_hidden_size=int(hf.get("n_inner") or 4 * h), seq_length=n, max_position_embeddings=n,
                           position_embedding_type="learned_absolute", normalization="LayerNorm",
                           norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)), swiglu=False,
@@ -139,7 +138,7 @@ def model_config_from_hf(hf: dict, *, true_vocab_size: int | None = None, make_v
                     qk_layernorm=fam.qk_norm, ffn_hidden_size=int(hf["intermediate_size"]))
     if fam.moe:
         specific.update(_moe_from_hf(hf, arch, layers, where))
-    cfg = ModelConfig(num_layers=layers, hidden_size=h, num_attention_heads=heads,
+    cfg = ModelConfig.from_flat(num_layers=layers, hidden_size=h, num_attention_heads=heads,
                       num_query_groups=int(hf.get("num_key_value_heads") or heads),
                       kv_channels=int(hf.get("head_dim") or h // heads),
                       seq_length=n, max_position_embeddings=n, position_embedding_type="rope",
@@ -203,12 +202,13 @@ def architecture_of(cfg: ModelConfig, where: str = "checkpoint", *, base: dict |
     Mistral, though a Llama expresses the same model)."""
     _require(not getattr(cfg, "apply_layernorm_1p", False), where,
              "--apply-layernorm-1p (zero-centered norm weights) has no HF equivalent in this converter")
-    gpt2_like = (cfg.normalization == "LayerNorm" and cfg.position_embedding_type == "learned_absolute"
+    gpt2_like = (cfg.normalization == "LayerNorm" and cfg.attention.position_embedding_type == "learned_absolute"
                  and not cfg.swiglu)
-    llama_like = cfg.normalization == "RMSNorm" and cfg.position_embedding_type == "rope" and cfg.swiglu
+    llama_like = cfg.normalization == "RMSNorm" and cfg.attention.position_embedding_type == "rope" and cfg.swiglu
     if gpt2_like:
-        _require(not cfg.num_experts, where, "a GPT-2-flavored mixture of experts has no Hugging Face equivalent here")
-        _require(not cfg.qk_layernorm, where, "GPT-2 has no query/key layer norm (--qk-layernorm)")
+        _require(not cfg.moe.num_experts, where,
+                 "a GPT-2-flavored mixture of experts has no Hugging Face equivalent here")
+        _require(not cfg.attention.qk_layernorm, where, "GPT-2 has no query/key layer norm (--qk-layernorm)")
         _require(cfg.add_bias_linear, where, "GPT-2 needs linear biases (the checkpoint has --disable-bias-linear)")
         _require(cfg.num_query_groups == cfg.num_attention_heads, where,
                  "GPT-2 has no grouped-query attention (--num-query-groups must equal --num-attention-heads)")
@@ -216,28 +216,30 @@ def architecture_of(cfg: ModelConfig, where: str = "checkpoint", *, base: dict |
                  "GPT-2 needs --kv-channels = --hidden-size / --num-attention-heads")
         return GPT2
     if llama_like:
-        _require(cfg.rotary_percent == 1.0, where, "Llama rotates whole heads (--rotary-percent must be 1.0)")
-        if cfg.num_experts:
+        _require(cfg.attention.rotary_percent == 1.0, where, "Llama rotates whole heads (--rotary-percent must be 1.0)")
+        if cfg.moe.num_experts:
             return _moe_architecture(cfg, where)
         return _dense_architecture(cfg, where, architecture_of_safe(base))
     raise ConvertError(f"{where}: unknown architecture: normalization={cfg.normalization}, "
-                       f"position_embedding_type={cfg.position_embedding_type}, swiglu={cfg.swiglu} is neither "
+                       f"position_embedding_type={cfg.attention.position_embedding_type}, swiglu={cfg.swiglu} is "
+                       "neither "
                        f"GPT-2 (LayerNorm, learned_absolute, GELU) nor Llama (RMSNorm, rope, SwiGLU)")
 
 
 def _dense_architecture(cfg: ModelConfig, where: str, prefer: str | None) -> str:
     """The dense family of :data:`FAMILIES` whose switches are the config's: ``prefer`` when it fits, else the
     first that does."""
-    qkv_only = cfg.add_qkv_bias and not cfg.add_bias_linear
+    qkv_only = cfg.attention.add_qkv_bias and not cfg.add_bias_linear
 
     def fits(f: Family) -> bool:
-        return (not f.moe and f.qk_norm == cfg.qk_layernorm and (f.linear_bias or not cfg.add_bias_linear)
+        return (not f.moe and f.qk_norm == cfg.attention.qk_layernorm and (f.linear_bias or not cfg.add_bias_linear)
                 and qkv_only == bool(f.qkv_bias))
 
     found = [a for a, f in FAMILIES.items() if fits(f)]
     _require(bool(found), where,
-             f"--qk-layernorm={cfg.qk_layernorm} with q/k/v-only biases={qkv_only} (--add-qkv-bias) and all linear "
-             f"biases={cfg.add_bias_linear} (--disable-bias-linear off) has no dense Hugging Face equivalent here "
+             f"--qk-layernorm={cfg.attention.qk_layernorm} with q/k/v-only biases={qkv_only} (--add-qkv-bias) and "
+             f"all linear biases={cfg.add_bias_linear} (--disable-bias-linear off) has no dense Hugging Face "
+             "equivalent here "
              "(Llama: no biases or all; Mistral: none; Qwen2: q/k/v biases only; Qwen3: --qk-layernorm, no biases)")
     return prefer if prefer in found else found[0]
 
@@ -245,30 +247,30 @@ def _dense_architecture(cfg: ModelConfig, where: str, prefer: str | None) -> str
 def _moe_architecture(cfg: ModelConfig, where: str) -> str:
     """Qwen3-MoE (``--qk-layernorm``), Qwen2-MoE (a gated shared expert) or Mixtral (neither)."""
     c = cfg
-    _require(c.moe_router_score_function == "softmax", where,
+    _require(c.moe.moe_router_score_function == "softmax", where,
              "Hugging Face's Mixtral/Qwen MoE routers use softmax scores (--moe-router-score-function softmax)")
-    for on, flag in ((c.moe_router_group_topk, "--moe-router-group-topk"),
-                     (c.moe_router_topk_scaling_factor, "--moe-router-topk-scaling-factor"),
-                     (c.moe_router_enable_expert_bias, "--moe-router-enable-expert-bias"),
-                     (c.moe_expert_capacity_factor is not None, "--moe-expert-capacity-factor")):
+    for on, flag in ((c.moe.moe_router_group_topk, "--moe-router-group-topk"),
+                     (c.moe.moe_router_topk_scaling_factor, "--moe-router-topk-scaling-factor"),
+                     (c.moe.moe_router_enable_expert_bias, "--moe-router-enable-expert-bias"),
+                     (c.moe.moe_expert_capacity_factor is not None, "--moe-expert-capacity-factor")):
         _require(not on, where, f"{flag} has no equivalent in Hugging Face's Mixtral/Qwen MoE models")
-    _require(isinstance(c.moe_aux_loss_coeff, (int, float)) or len(c.moe_aux_loss_coeff) == 1, where,
+    _require(isinstance(c.moe.moe_aux_loss_coeff, (int, float)) or len(c.moe.moe_aux_loss_coeff) == 1, where,
              "one --moe-aux-loss-coeff (router_aux_loss_coef) only")
-    if c.qk_layernorm:
-        _require(not c.moe_shared_expert_intermediate_size, where,
+    if c.attention.qk_layernorm:
+        _require(not c.moe.moe_shared_expert_intermediate_size, where,
                  "Qwen3-MoE (--qk-layernorm) has no shared expert (--moe-shared-expert-intermediate-size)")
-        _require(not c.add_qkv_bias, where, "Qwen3-MoE (--qk-layernorm) has no q/k/v biases (--add-qkv-bias)")
+        _require(not c.attention.add_qkv_bias, where, "Qwen3-MoE (--qk-layernorm) has no q/k/v biases (--add-qkv-bias)")
         return QWEN3_MOE
-    if c.moe_shared_expert_intermediate_size:
-        _require(c.moe_shared_expert_gate, where,
+    if c.moe.moe_shared_expert_intermediate_size:
+        _require(c.moe.moe_shared_expert_gate, where,
                  "Qwen2-MoE's shared expert is gated: it needs --moe-shared-expert-gate")
         return QWEN2_MOE
-    _require(not c.moe_router_pre_softmax, where,
+    _require(not c.moe.moe_router_pre_softmax, where,
              "Mixtral renormalises the top-k probabilities: --moe-router-pre-softmax has no Mixtral equivalent "
              "(a shared expert or --qk-layernorm would make it Qwen-MoE)")
     _require(all(is_moe_layer(c, i) for i in range(c.num_layers)), where,
              "Mixtral has experts in every layer (--moe-layer-freq must be 1)")
-    _require(not c.add_qkv_bias, where, "Mixtral has no q/k/v biases (--add-qkv-bias)")
+    _require(not c.attention.add_qkv_bias, where, "Mixtral has no q/k/v biases (--add-qkv-bias)")
     return MIXTRAL
 
 
@@ -285,7 +287,7 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32", *, base: dict
         out.update(n_layer=cfg.num_layers, n_embd=cfg.hidden_size, n_head=cfg.num_attention_heads,
                    n_inner=cfg.ffn_hidden_size, n_positions=cfg.max_position_embeddings,
                    activation_function="gelu_new" if cfg.openai_gelu else "gelu",
-                   layer_norm_epsilon=cfg.norm_epsilon, attn_pdrop=cfg.attention_dropout,
+                   layer_norm_epsilon=cfg.norm_epsilon, attn_pdrop=cfg.attention.attention_dropout,
                    resid_pdrop=cfg.hidden_dropout, embd_pdrop=cfg.hidden_dropout, scale_attn_weights=True,
                    scale_attn_by_inverse_layer_idx=False)
         out.setdefault("bos_token_id", cfg.vocab_size - 1)
@@ -297,16 +299,16 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32", *, base: dict
                    num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_query_groups,
                    head_dim=cfg.kv_channels, intermediate_size=cfg.ffn_hidden_size,
                    max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.norm_epsilon,
-                   rope_theta=float(cfg.rotary_base),
-                   rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rotary_base)},
-                   hidden_act="silu", attention_dropout=cfg.attention_dropout)
+                   rope_theta=float(cfg.attention.rotary_base),
+                   rope_parameters={"rope_type": "default", "rope_theta": float(cfg.attention.rotary_base)},
+                   hidden_act="silu", attention_dropout=cfg.attention.attention_dropout)
         fam = FAMILIES[arch]
         if fam.linear_bias:
             out.update(attention_bias=cfg.add_bias_linear, mlp_bias=cfg.add_bias_linear, pretraining_tp=1)
         elif fam.qk_norm:  # Qwen3's switch of q/k/v/o biases
             out.update(attention_bias=False)
         if isinstance(fam.qkv_bias, str):
-            out[fam.qkv_bias] = cfg.add_qkv_bias
+            out[fam.qkv_bias] = cfg.attention.add_qkv_bias
         if fam.window_switch:  # full causal attention
             out[fam.window_switch] = False
         else:
@@ -318,17 +320,17 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32", *, base: dict
 
 
 def _moe_to_hf(cfg: ModelConfig, arch: str) -> dict:
-    coeff = cfg.moe_aux_loss_coeff
+    coeff = cfg.moe.moe_aux_loss_coeff
     coeff = float(coeff if isinstance(coeff, (int, float)) else coeff[0])
-    common = dict(num_experts_per_tok=cfg.moe_router_topk, router_aux_loss_coef=coeff, output_router_logits=False)
+    common = dict(num_experts_per_tok=cfg.moe.moe_router_topk, router_aux_loss_coef=coeff, output_router_logits=False)
     if FAMILIES[arch].moe == "mixtral":
-        return dict(common, num_local_experts=cfg.num_experts, intermediate_size=cfg.moe_ffn_hidden_size,
+        return dict(common, num_local_experts=cfg.moe.num_experts, intermediate_size=cfg.moe.moe_ffn_hidden_size,
                     router_jitter_noise=0.0)
     dense = [i for i in range(cfg.num_layers) if not is_moe_layer(cfg, i)]
-    out = dict(common, num_experts=cfg.num_experts, moe_intermediate_size=cfg.moe_ffn_hidden_size,
-               norm_topk_prob=not cfg.moe_router_pre_softmax, decoder_sparse_step=1, mlp_only_layers=dense)
+    out = dict(common, num_experts=cfg.moe.num_experts, moe_intermediate_size=cfg.moe.moe_ffn_hidden_size,
+               norm_topk_prob=not cfg.moe.moe_router_pre_softmax, decoder_sparse_step=1, mlp_only_layers=dense)
     if arch == QWEN2_MOE:
-        out.update(shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size)
+        out.update(shared_expert_intermediate_size=cfg.moe.moe_shared_expert_intermediate_size)
     return out
 
 
@@ -343,5 +345,5 @@ def model_config_from_dict(d: dict, where: str) -> ModelConfig:
     """A :class:`ModelConfig` from the ``"model"`` section stored in one of our checkpoints."""
     if not d:
         raise ConvertError(f"{where}: the checkpoint stores no model config")
-    names = {f.name for f in dataclasses.fields(ModelConfig)}
-    return ModelConfig(**{k: v for k, v in d.items() if k in names})
+    names = ModelConfig.flat_names()
+    return ModelConfig.from_flat({k: v for k, v in d.items() if k in names})

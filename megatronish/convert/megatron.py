@@ -32,7 +32,7 @@ def read_megatron(args) -> dict:
         raise ConvertError(f"--true-vocab-size {vocab} is larger than the padded vocabulary of {ck.iter_dir} "
                            f"({rows} rows); pass at most {rows}")
     try:
-        cfg = ModelConfig(**fields, vocab_size=vocab)
+        cfg = ModelConfig.from_flat(fields, vocab_size=vocab)
     except ConfigError as e:
         raise ConvertError(f"{ck.where}: the stored args describe no valid model: {e}") from None
     if args.saver == "hf":

@@ -152,7 +152,7 @@ def _moe_entries(cfg: ModelConfig, arch: str, o: str, h: str, layout: str) -> li
                 _same(f"{o}mlp.experts.linear_fc2.weight", f"{m}experts.down_proj")]
     else:
         gate, up, down = ("w1", "w3", "w2") if arch == MIXTRAL else ("gate_proj", "up_proj", "down_proj")
-        experts = range(cfg.num_experts)
+        experts = range(cfg.moe.num_experts)
         out += [_stacked_experts(f"{o}mlp.experts.linear_fc1.weight",
                                  [(f"{m}experts.{e}.{gate}.weight", f"{m}experts.{e}.{up}.weight") for e in experts]),
                 _stacked_experts(f"{o}mlp.experts.linear_fc2.weight",
@@ -207,7 +207,7 @@ def build_entries(cfg: ModelConfig, arch: str, padded_vocab: int, prefix: str | 
                                  tuple(f"{h}self_attn.{x}_proj.{kind}" for x in "qkv"),
                                  lambda q, k, v: qkv_to_ours(q, k, v, groups),
                                  lambda x: qkv_from_ours(x, heads, groups, d)))
-            if cfg.qk_layernorm:  # Qwen3 / Qwen3-MoE: per-head RMSNorm of queries and keys
+            if cfg.attention.qk_layernorm:  # Qwen3 / Qwen3-MoE: per-head RMSNorm of queries and keys
                 out += [_same(f"{o}self_attention.{x}_layernorm.weight", f"{h}self_attn.{x}_norm.weight")
                         for x in "qk"]
             for kind in kinds:
@@ -237,7 +237,7 @@ def expected_global_shapes(cfg: ModelConfig, tp: int = 1) -> dict[str, tuple[int
     fc1 = ffn * (2 if cfg.swiglu else 1)
     norm_bias = cfg.normalization == "LayerNorm"
     out = {WORD: (cfg.padded_vocab_size(tp), h)}
-    if cfg.position_embedding_type == "learned_absolute":
+    if cfg.attention.position_embedding_type == "learned_absolute":
         out["embedding.position_embeddings.weight"] = (cfg.max_position_embeddings, h)
     for i in range(L):
         o = f"decoder.layers.{i}."
@@ -248,7 +248,7 @@ def expected_global_shapes(cfg: ModelConfig, tp: int = 1) -> dict[str, tuple[int
         out[f"{o}self_attention.linear_qkv.weight"] = (qkv, h)
         if cfg.qkv_bias:
             out[f"{o}self_attention.linear_qkv.bias"] = (qkv,)
-        if cfg.qk_layernorm:
+        if cfg.attention.qk_layernorm:
             for x in "qk":
                 out[f"{o}self_attention.{x}_layernorm.weight"] = (cfg.kv_channels,)
                 if norm_bias:
@@ -274,16 +274,16 @@ def expected_global_shapes(cfg: ModelConfig, tp: int = 1) -> dict[str, tuple[int
 
 def _moe_shapes(cfg: ModelConfig, m: str) -> dict[str, tuple[int, ...]]:
     """An MoE layer's parameters (under ``m`` = ``decoder.layers.{i}.mlp.``); expert linears have no biases."""
-    h, E, glu = cfg.hidden_size, cfg.num_experts, 2 if cfg.swiglu else 1
-    out = {f"{m}router.weight": (E, h), f"{m}experts.linear_fc1.weight": (E, glu * cfg.moe_ffn_hidden_size, h),
-           f"{m}experts.linear_fc2.weight": (E, h, cfg.moe_ffn_hidden_size)}
-    if cfg.moe_router_enable_expert_bias:
+    h, E, glu = cfg.hidden_size, cfg.moe.num_experts, 2 if cfg.swiglu else 1
+    out = {f"{m}router.weight": (E, h), f"{m}experts.linear_fc1.weight": (E, glu * cfg.moe.moe_ffn_hidden_size, h),
+           f"{m}experts.linear_fc2.weight": (E, h, cfg.moe.moe_ffn_hidden_size)}
+    if cfg.moe.moe_router_enable_expert_bias:
         out[f"{m}router.expert_bias"] = (E,)
-    shared = cfg.moe_shared_expert_intermediate_size
+    shared = cfg.moe.moe_shared_expert_intermediate_size
     if shared:
         out[f"{m}shared_experts.linear_fc1.weight"] = (glu * shared, h)
         out[f"{m}shared_experts.linear_fc2.weight"] = (h, shared)
-        if cfg.moe_shared_expert_gate:
+        if cfg.moe.moe_shared_expert_gate:
             out[f"{m}shared_experts.gate_weight"] = (1, h)
     return out
 

@@ -156,7 +156,7 @@ def save_megatronish(args, src: Source) -> None:
 
     tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
     check_target_layout(src.cfg, tp, pp)
-    config = {"model": dataclasses.asdict(src.cfg),
+    config = {"model": src.cfg.flat(),
               "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
               "convert": {"source": src.origin, "architecture": src.arch, "hf_config": src.hf_config}}
     write_checkpoint(args.save_dir, None, src.tensors(), config, specs=src.specs)  # streams: one tensor at a time

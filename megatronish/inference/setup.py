@@ -93,7 +93,7 @@ def configs_for_generation(args: argparse.Namespace, world_size: int):
                           f"{cfg.parallel.tp * cfg.parallel.pp} processes (--tensor-model-parallel-size x "
                           f"--pipeline-model-parallel-size), not {world_size}")
     m = cfg.model
-    if args.inference_max_sequence_length is not None and m.position_embedding_type == "learned_absolute" \
+    if args.inference_max_sequence_length is not None and m.attention.position_embedding_type == "learned_absolute" \
             and args.inference_max_sequence_length > m.max_position_embeddings:
         raise ConfigError(f"--inference-max-sequence-length {args.inference_max_sequence_length} exceeds "
                           f"--max-position-embeddings {m.max_position_embeddings} (learned positions); lower it")

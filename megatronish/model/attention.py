@@ -83,15 +83,15 @@ class SelfAttention(nn.Module):
         self._rng = Shared(tracker_or_current(rng_tracker))  # dropout of the probabilities, replayed on recompute
         tp, tp_group = parallel.tp_size, parallel.tp_group
         c = config
-        self.cp_comm_type = c.cp_comm_type_of(layer_number)  # --cp-comm-type, one or per layer
+        self.cp_comm_type = c.attention.cp_comm_type_of(layer_number)  # --cp-comm-type, one or per layer
         self.heads_per_group = c.num_attention_heads // c.num_query_groups
         self.local_groups = c.num_query_groups // tp
         self.kv_channels = c.kv_channels
-        self.dropout = c.attention_dropout
-        self.attention_backend = c.attention_backend  # resolved per call on the tensors' device
+        self.dropout = c.attention.attention_dropout
+        self.attention_backend = c.attention.attention_backend  # resolved per call on the tensors' device
         # --recompute-granularity selective: keep no activations of the core attention (scores, softmax,
         # dropout mask); recompute it in backward with the RNG replayed.
-        self.recompute_core_attention = c.recompute_granularity == "selective"
+        self.recompute_core_attention = c.recompute.recompute_granularity == "selective"
         qkv_out = (c.num_attention_heads + 2 * c.num_query_groups) * c.kv_channels
         self.linear_qkv = ColumnParallelLinear(c.hidden_size, qkv_out, bias=c.qkv_bias, gather_output=False,
                                                sequence_parallel=sequence_parallel, init_std=c.init_method_std,
@@ -101,7 +101,7 @@ class SelfAttention(nn.Module):
                                              sequence_parallel=sequence_parallel, init_std=output_init_std,
                                              params_dtype=params_dtype, device=device, tp_group=tp_group)
         self.q_layernorm = self.k_layernorm = None
-        if c.qk_layernorm:  # grads marked for the TP all-reduce (each rank sees its own heads): see above
+        if c.attention.qk_layernorm:  # grads marked for the TP all-reduce (each rank sees its own heads): see above
             self.q_layernorm = build_norm(c.normalization, c.kv_channels, c.norm_epsilon, True, params_dtype, device)
             self.k_layernorm = build_norm(c.normalization, c.kv_channels, c.norm_epsilon, True, params_dtype, device)
 

@@ -50,7 +50,7 @@ class Embedding(nn.Module):
                                                       init_std=c.init_method_std, params_dtype=params_dtype,
                                                       device=device, tp_group=tp_group)
         self.position_embeddings = None
-        if c.position_embedding_type == "learned_absolute":
+        if c.attention.position_embedding_type == "learned_absolute":
             w = nn.Parameter(torch.empty(c.max_position_embeddings, c.hidden_size, dtype=params_dtype,
                                          device=device))
             self.position_embeddings = nn.Embedding.from_pretrained(w, freeze=False)
@@ -96,21 +96,21 @@ class GPTModel(nn.Module):
 
         self.embedding = Embedding(c, self.padded_vocab_size, self.sequence_parallel, params_dtype, device,
                                    tp_group, rng_tracker) if pre_process else None
-        self.rotary = RotaryEmbedding(c.kv_channels, c.rotary_percent, c.rotary_base) \
-            if c.position_embedding_type == "rope" else None
+        self.rotary = RotaryEmbedding(c.kv_channels, c.attention.rotary_percent, c.attention.rotary_base) \
+            if c.attention.position_embedding_type == "rope" else None
         self.decoder = TransformerBlock(c, first_layer, num_local_layers, post_process, self.sequence_parallel,
                                         params_dtype, device, parallel, rng_tracker)
         # --cross-entropy-loss-fusion: native = the fused PyTorch loss (any device), te = the Triton kernel
         self.loss_fn = vocab_parallel_cross_entropy
-        triton_loss = c.cross_entropy_loss_fusion and c.cross_entropy_fusion_impl == "te"
-        if c.cross_entropy_loss_fusion:
+        triton_loss = c.kernels.cross_entropy_loss_fusion and c.kernels.cross_entropy_fusion_impl == "te"
+        if c.kernels.cross_entropy_loss_fusion:
             self.loss_fn = kernels.vocab_parallel_cross_entropy if triton_loss else fused_vocab_parallel_cross_entropy
-        if c.use_triton_kernels or triton_loss:
+        if c.kernels.use_triton_kernels or triton_loss:
             kernels.check_kernels_available([f for f, on in (
-                ("--use-triton-kernels", c.use_triton_kernels),
+                ("--use-triton-kernels", c.kernels.use_triton_kernels),
                 ("--cross-entropy-loss-fusion --cross-entropy-fusion-impl te", triton_loss)) if on])
         self.loss_function = None  # replaces the cross entropy when set (--torch-compile: its compiled form)
-        if c.use_triton_kernels:  # norms and RoPE switch to the fused kernels (the MLP reads the config)
+        if c.kernels.use_triton_kernels:  # norms and RoPE switch to the fused kernels (the MLP reads the config)
             for m in self.modules():
                 if isinstance(m, (LayerNorm, RMSNorm, RotaryEmbedding)):
                     m.use_triton_kernels = True

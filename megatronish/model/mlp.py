@@ -31,7 +31,7 @@ class MLP(nn.Module):
         super().__init__()
         c = config
         self.swiglu, self.openai_gelu = c.swiglu, c.openai_gelu
-        self.use_triton_kernels = c.use_triton_kernels  # fused SwiGLU (megatronish.kernels)
+        self.use_triton_kernels = c.kernels.use_triton_kernels  # fused SwiGLU (megatronish.kernels)
         fc1_out = c.ffn_hidden_size * (2 if c.swiglu else 1)
         self.linear_fc1 = ColumnParallelLinear(c.hidden_size, fc1_out, bias=c.add_bias_linear,
                                                sequence_parallel=sequence_parallel, init_std=c.init_method_std,

@@ -91,20 +91,20 @@ class TransformerBlock(nn.Module):
         if inference_params is not None:
             x = self._run(0, len(self.layers), x, rotary, docs, inference_params)
             return x if self.final_layernorm is None else self.final_layernorm(x)
-        dropout = self.training and (c.hidden_dropout > 0 or c.attention_dropout > 0)
+        dropout = self.training and (c.hidden_dropout > 0 or c.attention.attention_dropout > 0)
         tracker = self._rng.value
         rng = tracker.fork() if self.sequence_parallel and dropout else contextlib.nullcontext()
         n = len(self.layers)
         with rng:
-            if c.recompute_granularity != "full" or not self.training:
+            if c.recompute.recompute_granularity != "full" or not self.training:
                 x = self._run(0, n, x, rotary, docs)
-            elif c.recompute_method == "uniform":  # checkpoint every `recompute_num_layers` layers as a chunk
-                k = c.recompute_num_layers
+            elif c.recompute.recompute_method == "uniform":  # checkpoint every `recompute_num_layers` layers as a chunk
+                k = c.recompute.recompute_num_layers
                 for start in range(0, n, k):
                     x = checkpoint(lambda h, s=start: self._run(s, min(s + k, n), h, rotary, docs), x,
                                    tracker=tracker)
             else:  # "block": checkpoint the first `recompute_num_layers` layers of this stage one by one
-                k = min(c.recompute_num_layers, n)
+                k = min(c.recompute.recompute_num_layers, n)
                 for i in range(n):
                     x = checkpoint(lambda h, i=i: self._run(i, i + 1, h, rotary, docs), x, tracker=tracker) if i < k \
                         else self._run(i, i + 1, x, rotary, docs)

@@ -134,8 +134,8 @@ class MegatronOptimizer:
         named = [(n, p) for c in self.chunks for n, p in _module(c).named_parameters() if p.requires_grad]
         self.model_params = [p for _, p in named]
         # a mixture-of-experts model (every rank knows from its config): expert weights need their own reductions
-        self.has_experts = any(getattr(getattr(_module(c), "config", None), "num_experts", None)
-                               for c in self.chunks)
+        configs = [getattr(_module(c), "config", None) for c in self.chunks]  # None: not a GPT model chunk
+        self.has_experts = any(m is not None and m.moe.num_experts for m in configs)
         dtypes = {p.dtype for p in self.model_params}
         if len(dtypes) > 1:
             raise ValueError(f"all model parameters must share one dtype, got {sorted(map(str, dtypes))}")

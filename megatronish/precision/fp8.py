@@ -81,14 +81,13 @@ class Fp8Recipe:
 
     @classmethod
     def from_config(cls, config) -> "Fp8Recipe | None":
-        """From a config carrying Megatron's field names (``fp8`` = the ``--fp8-format`` value or None)."""
-        fmt = getattr(config, "fp8", None)
-        if not fmt:
+        """From the model's :class:`~megatronish.config.PrecisionConfig` (``fp8`` = the ``--fp8-format`` value, or
+        None: no recipe)."""
+        if not config.fp8:
             return None
-        return cls(fp8_format=fmt, fp8_recipe=getattr(config, "fp8_recipe", "delayed"),
-                   fp8_margin=getattr(config, "fp8_margin", 0),
-                   fp8_amax_history_len=getattr(config, "fp8_amax_history_len", 1),
-                   fp8_amax_compute_algo=getattr(config, "fp8_amax_compute_algo", "most_recent"))
+        return cls(fp8_format=config.fp8, fp8_recipe=config.fp8_recipe, fp8_margin=config.fp8_margin,
+                   fp8_amax_history_len=config.fp8_amax_history_len,
+                   fp8_amax_compute_algo=config.fp8_amax_compute_algo)
 
 
 # ---- quantization ---------------------------------------------------------------------------------

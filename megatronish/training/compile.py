@@ -64,7 +64,7 @@ class Compiler:
                 layer.forward = torch.compile(layer.forward)
                 self.compiled += 1
             if getattr(m, "post_process", False):
-                stepped_aside |= bool(m.config.cross_entropy_loss_fusion)  # the model's ModelConfig
+                stepped_aside |= bool(m.config.kernels.cross_entropy_loss_fusion)  # the model's ModelConfig
                 m.loss_function = torch.compile(vocab_parallel_cross_entropy)
                 self.loss = True
         if stepped_aside:

@@ -21,7 +21,8 @@ def num_floating_point_operations(cfg, batch_size: int) -> float:
     n_moe = sum(is_moe_layer(cfg, i) for i in range(L))
     mlp = (L - n_moe) * cfg.ffn_hidden_size
     if n_moe:
-        mlp += n_moe * (cfg.moe_router_topk * cfg.moe_ffn_hidden_size + (cfg.moe_shared_expert_intermediate_size or 0))
+        moe = cfg.moe
+        mlp += n_moe * (moe.moe_router_topk * moe.moe_ffn_hidden_size + (moe.moe_shared_expert_intermediate_size or 0))
     return 12.0 * batch_size * s * h * h * (L * (1 + g / a + s / h) * (q / h) + mlp / h * gated + V / (2.0 * h))
 
 

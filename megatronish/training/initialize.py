@@ -23,6 +23,7 @@ from ..parallel import groups
 from ..parallel.pipeline.schedules import get_forward_backward_func, pipeline_tensor_shape
 from ..parallel.random import RNGStatesTracker, set_random_seed
 from ..precision.fp8 import Fp8Manager, Fp8Recipe, check_transformer_impl, enable_fp8
+from .attempt import attempt_store, uses_agent_store
 from .compile import Compiler
 from .memory import ActivationMeter, report_theoretical_memory
 from .state import TrainContext, TrainState
@@ -40,16 +41,27 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def init_distributed(backend: str | None, timeout_minutes: float) -> None:
-    """Initialize ``torch.distributed`` from torchrun's environment (no-op if already initialized)."""
+def init_distributed(backend: str | None, timeout_minutes: float) -> int:
+    """Initialize ``torch.distributed`` from torchrun's environment (no-op if already initialized). Returns the
+    job's attempt (0, or the restarts so far where torchrun's agent store outlives the workers: the process group
+    then keeps its keys apart from the earlier attempts', ``training/attempt.py``)."""
     if dist.is_initialized():
-        return
+        return 0
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device.set_device_for_local_rank(local_rank)
     if "RANK" not in os.environ:  # plain `python pretrain_gpt.py`: a world of one, on a free local port
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT") or str(_free_port()))
-    dist.init_process_group(backend or device.default_backend(), timeout=timedelta(minutes=timeout_minutes))
+    timeout = timedelta(minutes=timeout_minutes)
+    backend = backend or device.default_backend()
+    if not uses_agent_store():
+        dist.init_process_group(backend, timeout=timeout)
+        return 0
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    attempt, store = attempt_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, world_size,
+                                   timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    return attempt
 
 
 def build_datasets(cfg):
@@ -67,16 +79,16 @@ def build_datasets(cfg):
 def enable_fp8_linears(models, model_cfg):
     """``--fp8-format``: FP8 linears in every chunk's transformer layers, one manager over all of them.
     ``--transformer-impl transformer_engine``: those linears run through Transformer Engine (FP8 or not)."""
-    if model_cfg.transformer_impl == "transformer_engine":
+    p = model_cfg.precision
+    if p.transformer_impl == "transformer_engine":
         from ..precision.te_layers import TeManager, enable_te  # imports TE lazily
 
-        managers = [enable_te(m, model_cfg.fp8, model_cfg.fp8_recipe, margin=model_cfg.fp8_margin,
-                              amax_history_len=model_cfg.fp8_amax_history_len,
-                              amax_compute_algo=model_cfg.fp8_amax_compute_algo) for m in models]
+        managers = [enable_te(m, p.fp8, p.fp8_recipe, margin=p.fp8_margin, amax_history_len=p.fp8_amax_history_len,
+                              amax_compute_algo=p.fp8_amax_compute_algo) for m in models]
         first = managers[0]
         return TeManager(first.recipe, {k: v for mg in managers for k, v in mg.linears.items()}, first.group,
                          first.recipe_name)
-    recipe = Fp8Recipe.from_config(model_cfg)
+    recipe = Fp8Recipe.from_config(p)
     if recipe is None:
         return None
     linears, group = {}, None
@@ -98,10 +110,10 @@ def setup(cfg, watch: Watch | None = None) -> tuple[TrainContext, TrainState]:
     """Everything before the first iteration, in the fixed order of the module docstring (collective). ``watch``:
     the entry point's watchdog, started here once the process group is up (None: none, as for test harnesses)."""
     t, o = cfg.train, cfg.optim
-    check_transformer_impl(cfg.model.transformer_impl)  # before any process group (TE needs CUDA)
-    init_distributed(t.distributed_backend, t.distributed_timeout_minutes)
+    check_transformer_impl(cfg.model.precision.transformer_impl)  # before any process group (TE needs CUDA)
+    attempt = init_distributed(t.distributed_backend, t.distributed_timeout_minutes)
     if watch is not None:  # entry points: a failed or lost rank ends the job
-        watch.start(dist.get_rank(), dist.get_world_size())
+        watch.start(dist.get_rank(), dist.get_world_size(), attempt=attempt)
     parallel = groups.initialize_model_parallel(cfg.parallel, timeout_minutes=t.distributed_timeout_minutes)
     dev = device.current_device()
     rng_tracker = RNGStatesTracker()  # the run's RNG streams: the model's dropout and recompute, the checkpoint
@@ -153,7 +165,7 @@ def run_notes(cfg) -> list[str]:
     from ..model.attention import resolve_attention_backend
 
     t, notes = cfg.train, list(cfg.train.notes)
-    asked = cfg.model.attention_backend
+    asked = cfg.model.attention.attention_backend
     used, why = resolve_attention_backend(asked, device.device_type())
     if used != asked:
         notes.append(f"--attention-backend {asked}: {why}; running as {used}")

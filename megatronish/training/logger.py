@@ -78,7 +78,7 @@ class TrainLogger:
         if lg.log_params_norm:
             run.optimizer.finish_param_sync()
             params_norm = global_norm([p for m in run.models for p in m.parameters()], use_grad=False,
-                                      parallel=run.parallel, experts=self.cfg.model.num_experts is not None)
+                                      parallel=run.parallel, experts=self.cfg.model.moe.num_experts is not None)
         record = {"iteration": state.iteration, "consumed_samples": state.consumed_samples,
                   "lm_loss": sum(self.window_losses) / len(self.window_losses),
                   "lr": run.scheduler.lr, "grad_norm": grad_norm,

@@ -141,7 +141,8 @@ def activation_bytes(model_cfg, *, micro_batch_size: int, tp: int = 1, pp: int =
     s, b, h = m.seq_length // cp, micro_batch_size, m.hidden_size
     per_layer = activation_bytes_per_layer(s, b, h, m.num_attention_heads, t=tp,
                                            sequence_parallel=sequence_parallel,
-                                           recompute=m.recompute_granularity, ffn_hidden_size=m.ffn_hidden_size,
+                                           recompute=m.recompute.recompute_granularity,
+                                           ffn_hidden_size=m.ffn_hidden_size,
                                            kv_hidden_size=m.num_query_groups * m.kv_channels, swiglu=m.swiglu)
     if pp == 1:
         in_flight = 1.0

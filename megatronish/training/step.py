@@ -105,7 +105,7 @@ def compute_gradients(run: TrainContext, state: TrainState, timeline: PipelineTi
             batches = list(microbatches(run.train_ds, state.consumed_samples, cfg.train.micro_batch_size, num_mb,
                                          torch.device("cpu"), run.parallel))
     it = data_iterators(run, run.train_ds, state.consumed_samples, num_mb, batches)
-    if cfg.model.num_experts is not None:  # the routers' losses take the main loss's backward scale
+    if cfg.model.moe.num_experts is not None:  # the routers' losses take the main loss's backward scale
         per_token = cfg.train.calculate_per_token_loss
         moe_stats.start_step(run.models, run.optimizer.loss_scale / (1 if per_token else num_mb), per_token)
     with run.memory.measure(), timers("forward-backward"):  # saved-activation bytes / allocator peak, first iteration
@@ -134,7 +134,7 @@ def compute_gradients(run: TrainContext, state: TrainState, timeline: PipelineTi
         finalize_model_grads(run.chunks, run.parallel, num_tokens)
     if cfg.train.check_for_nan_in_loss_and_grad and not early:
         check()
-    if cfg.model.num_experts is not None:
+    if cfg.model.moe.num_experts is not None:
         moe_stats.update_expert_biases(run.models, run.parallel)
     if cfg.train.empty_unused_memory_level >= 1:
         device.empty_cache()
@@ -165,7 +165,7 @@ def train_step(run: TrainContext, state: TrainState, timeline: PipelineTimeline 
     loss = compute_gradients(run, state, timeline, batches)
     cfg = run.cfg
     moe = None
-    if cfg.model.num_experts is not None:  # collective: every rank, before the update advances the state
+    if cfg.model.moe.num_experts is not None:  # collective: every rank, before the update advances the state
         moe = moe_stats.step_metrics(run.models, run.parallel, cfg.model,
                                      cfg.num_microbatches_at(state.consumed_samples))
     result = apply_update(run, state, loss)

@@ -1,6 +1,7 @@
 """Checkpoints through ``pretrain(cfg)``: exact resume in the same layout (bitwise, dropout on), asynchronous
 saves equal synchronous ones, exit conditions save, every layout loads every other (reshard matrix), and a
 checkpoint that does not fit the run gives one clear error."""
+import dataclasses
 import os
 
 import pytest
@@ -29,9 +30,7 @@ TP2 = ["--tensor-model-parallel-size", "2"]
 def _run(argv, world, edit=None):
     groups.destroy_model_parallel()
     cfg = configs_from_args(parse_args(BASE + argv), world)
-    if edit:
-        edit(cfg)
-    return pretrain(cfg)
+    return pretrain(edit(cfg) if edit else cfg)
 
 
 def _losses(argv, world, edit=None):
@@ -95,7 +94,8 @@ def _resume_worker(rank, world, root):
         dcp_io.save = real_save
     # --exit-duration-in-mins: every rank decides together after the first iteration
     state = _run(argv + ["--save", os.path.join(root, "duration")], world,
-                 edit=lambda cfg: setattr(cfg.checkpoint, "exit_duration_in_mins", 1e-9)).state
+                 edit=lambda cfg: dataclasses.replace(
+                     cfg, checkpoint=dataclasses.replace(cfg.checkpoint, exit_duration_in_mins=1e-9))).state
     out["duration"] = (state.iteration, state.exit_reason)
     return out
 

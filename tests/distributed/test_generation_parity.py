@@ -4,7 +4,6 @@ Llama (GQA), with and without the KV cache, and the log-probs equal transformers
 run loads a converted (layout-free) checkpoint and saves it again from its four ranks; the TP 2 and PP 2 runs
 load that one, so a checkpoint saved at one layout generates at another."""
 import argparse
-import dataclasses
 import os
 
 import pytest
@@ -32,7 +31,7 @@ def setup(tmp_path_factory):
         hf.generation_config.eos_token_id = None  # generate exactly NEW tokens
         cfg, a = model_config_from_hf(hf.config.to_dict())
         write_checkpoint(str(root / arch), None, hf_state_dict_to_ours(hf.state_dict(), cfg, a, tp=1),
-                         {"model": dataclasses.asdict(cfg)})
+                         {"model": cfg.flat()})
         seqs, lps = [], []
         with torch.no_grad():
             for p in PROMPTS:

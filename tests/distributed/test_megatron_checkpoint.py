@@ -266,13 +266,13 @@ def test_tp1_and_hf_loss(results, flavor, tmp_path):
     assert set(back) == set(ref)
     for name in ref:
         assert torch.equal(back[name][: mcs.VOCAB + 1], ref[name][: mcs.VOCAB + 1]), name
-    cfg = ModelConfig(num_layers=f["num_layers"], hidden_size=f["hidden_size"],
-                      num_attention_heads=f["num_attention_heads"], num_query_groups=f["num_query_groups"],
-                      ffn_hidden_size=f["ffn_hidden_size"], swiglu=f["swiglu"], normalization=f["normalization"],
-                      position_embedding_type=f["position_embedding_type"], add_bias_linear=f["add_bias_linear"],
-                      untie_embeddings_and_output_weights=f["untie"], vocab_size=mcs.VOCAB + 1,
-                      seq_length=mcs.SEQ, max_position_embeddings=mcs.MAX_POS,
-                      make_vocab_size_divisible_by=mcs.DIVISIBLE, attention_dropout=0.0, hidden_dropout=0.0)
+    cfg = ModelConfig.from_flat(
+        num_layers=f["num_layers"], hidden_size=f["hidden_size"], num_attention_heads=f["num_attention_heads"],
+        num_query_groups=f["num_query_groups"], ffn_hidden_size=f["ffn_hidden_size"], swiglu=f["swiglu"],
+        normalization=f["normalization"], position_embedding_type=f["position_embedding_type"],
+        add_bias_linear=f["add_bias_linear"], untie_embeddings_and_output_weights=f["untie"],
+        vocab_size=mcs.VOCAB + 1, seq_length=mcs.SEQ, max_position_embeddings=mcs.MAX_POS,
+        make_vocab_size_divisible_by=mcs.DIVISIBLE, attention_dropout=0.0, hidden_dropout=0.0)
     ours = GPTModel(cfg).eval()
     load_into_model(ours, ref)
     tokens = torch.randint(0, mcs.VOCAB + 1, (2, mcs.SEQ + 1), generator=torch.Generator().manual_seed(0))
@@ -446,7 +446,7 @@ def test_use_checkpoint_args(results, source):
     model = configs_from_args(parse_args(argv), 1).model
     f = mcs.FLAVORS["llama"]
     assert (model.num_layers, model.hidden_size, model.num_attention_heads, model.num_query_groups,
-            model.ffn_hidden_size, model.swiglu, model.normalization, model.position_embedding_type,
+            model.ffn_hidden_size, model.swiglu, model.normalization, model.attention.position_embedding_type,
             model.add_bias_linear, model.untie_embeddings_and_output_weights, model.vocab_size,
             model.max_position_embeddings) == (
         f["num_layers"], f["hidden_size"], f["num_attention_heads"], f["num_query_groups"], f["ffn_hidden_size"],

@@ -55,7 +55,7 @@ def _run(argv, world, force=None):
     cfg = configs_from_args(parse_args(BASE + argv), world)
     run, state = training.setup(cfg)
     if force is not None:
-        _force(run.models, force, cfg.model.moe_router_topk)
+        _force(run.models, force, cfg.model.moe.moe_router_topk)
     grads, biases = [], []
     step = run.optimizer.step
 

@@ -4,7 +4,6 @@ transformers', bad requests are answered 400 with one line naming the field, 20 
 answered correctly (queued, never mixed), and the server is still up afterwards; ``tools/text_generation_cli.py``
 talks to it; ``tools/generate.py`` reads prompts from stdin and a file; user errors are one line, exit 2."""
 import concurrent.futures
-import dataclasses
 import json
 import os
 import subprocess
@@ -33,7 +32,7 @@ def model(tmp_path_factory):
     hf.generation_config.eos_token_id = None  # generate exactly n tokens
     cfg, a = model_config_from_hf(hf.config.to_dict())
     write_checkpoint(str(d / "ckpt"), None, hf_state_dict_to_ours(hf.state_dict(), cfg, a, tp=1),
-                     {"model": dataclasses.asdict(cfg)})
+                     {"model": cfg.flat()})
 
     def greedy(prompt: str, n: int) -> str:
         ids = torch.tensor([[int(x) for x in prompt.split()]])

@@ -5,7 +5,6 @@ the server and both ranks keep serving, and the greedy answers equal ``tools/gen
 checkpoint."""
 import concurrent.futures
 import contextlib
-import dataclasses
 import json
 import os
 import socket
@@ -44,7 +43,7 @@ def served(tmp_path_factory):
     cfg, a = model_config_from_hf(hf.config.to_dict())
     ckpt = str(d / "ckpt")
     write_checkpoint(ckpt, None, hf_state_dict_to_ours(hf.state_dict(), cfg, a, tp=1),
-                     {"model": dataclasses.asdict(cfg)})
+                     {"model": cfg.flat()})
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                                os.path.join(ROOT, "tools", "run_text_generation_server.py"), "--load", ckpt, *FLAGS,

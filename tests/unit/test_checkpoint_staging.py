@@ -2,6 +2,7 @@
 new allocation) and writes the values of its own moment (the model and optimizer tensors are copied after the save
 call returns, before the loop's next update); a save while the previous one is still writing waits for
 it before touching the buffers; the stored tensors are byte-identical to a synchronous save's."""
+import dataclasses
 import mmap
 import os
 import resource
@@ -185,7 +186,7 @@ def _async_worker(rank, world, root):
     # the same state saved synchronously: every tensor item has the same bytes
     async_dir, sync_dir = os.path.join(root, "async_iter_4"), os.path.join(root, "async", "iter_0000004")
     os.rename(sync_dir, async_dir)
-    ck.ck.async_save, ck._on_disk = False, None
+    ck.ck, ck._on_disk = dataclasses.replace(ck.ck, async_save=False), None
     ck.save(TrainState(iteration=4))
     out["same_tensor_bytes"] = _tensor_items(async_dir) == _tensor_items(sync_dir)
     return out

@@ -52,7 +52,7 @@ def test_attention_backend_flag_and_cpu_note(monkeypatch):
     monkeypatch.setenv("MEGATRONISH_DEVICE", "cpu")
     for backend in ("auto", "flash", "fused", "unfused", "local"):
         cfg = configs_from_args(parse_args(BASE + ["--train-iters", "2", "--attention-backend", backend]), 1)
-        assert cfg.model.attention_backend == backend
+        assert cfg.model.attention.attention_backend == backend
         notes = [n for n in run_notes(cfg) if n.startswith("--attention-backend")]
         if backend in ("flash", "fused"):
             assert notes == [f"--attention-backend {backend}: SDPA's {backend} kernels need CUDA (this is cpu); "

@@ -20,11 +20,11 @@ def test_flags_reach_the_config():
     cfg = configs_from_args(parse_args(BASE + ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
                                                "--hierarchical-context-parallel-sizes", "2", "2"]), 8)
     assert (cfg.parallel.cp, cfg.parallel.dp) == (4, 2)
-    assert cfg.model.cp_comm_type == ["a2a+p2p"] and (cfg.parallel.cp_inner, cfg.parallel.cp_outer) == (2, 2)
+    assert cfg.model.attention.cp_comm_type == ["a2a+p2p"] and (cfg.parallel.cp_inner, cfg.parallel.cp_outer) == (2, 2)
     assert configs_from_args(parse_args(BASE + ["--context-parallel-size", "4"]), 8).parallel.cp_inner is None
     per_layer = configs_from_args(parse_args(BASE + ["--context-parallel-size", "2", "--cp-comm-type", "p2p",
                                                      "a2a", "allgather", "p2p"]), 2)
-    assert per_layer.model.cp_comm_type == ["p2p", "a2a", "allgather", "p2p"]
+    assert per_layer.model.attention.cp_comm_type == ["p2p", "a2a", "allgather", "p2p"]
 
 
 @pytest.mark.parametrize("extra, world, needles", [

@@ -2,7 +2,6 @@
 our config and back, a converted tiny GPT-2 / Llama (GQA) / Mistral / Qwen2 (q/k/v biases) / Qwen3 (q/k norm,
 head_dim) gives transformers' logits and loss, the state dict round trip is bitwise, and each mismatch is one
 clear error from the converter (tools/checkpoint/convert.py)."""
-import dataclasses
 import json
 import os
 
@@ -49,13 +48,14 @@ def test_name_map_matches_model(cfg):
     assert expected_global_shapes(cfg) == ours
     hf = hf_config_from_model(cfg)
     assert hf["architectures"] == [GPT2 if cfg.normalization == "LayerNorm" else
-                                   QWEN3 if cfg.qk_layernorm else QWEN2 if cfg.add_qkv_bias else LLAMA]
+                                   QWEN3 if cfg.attention.qk_layernorm else
+                                   QWEN2 if cfg.attention.add_qkv_bias else LLAMA]
     back, arch = model_config_from_hf(hf)
     fields = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
               "vocab_size", "max_position_embeddings", "position_embedding_type", "rotary_base", "normalization",
               "norm_epsilon", "swiglu", "openai_gelu", "untie_embeddings_and_output_weights", "add_bias_linear",
               "add_qkv_bias", "qk_layernorm")
-    assert {f: getattr(back, f) for f in fields} == {f: getattr(cfg, f) for f in fields}, arch
+    assert {f: back.flat()[f] for f in fields} == {f: cfg.flat()[f] for f in fields}, arch
 
 
 @pytest.mark.parametrize("arch,over", [
@@ -69,7 +69,7 @@ def test_logits_and_round_trip(arch, over):
     hf = tiny_hf_model(arch, vocab=V, **over)
     cfg, a = model_config_from_hf(hf.config.to_dict())
     assert a == arch and architecture_of(cfg, base=hf.config.to_dict()) == arch
-    assert (cfg.add_qkv_bias, cfg.qk_layernorm) == (arch == QWEN2, arch == QWEN3)
+    assert (cfg.attention.add_qkv_bias, cfg.attention.qk_layernorm) == (arch == QWEN2, arch == QWEN3)
     assert cfg.kv_channels == (16 if arch == QWEN3 else 8)
     assert cfg.openai_gelu == (arch == GPT2 and over.get("activation_function", "gelu_new") == "gelu_new")
     sd = {k: v for k, v in hf.state_dict().items() if not (k == "lm_head.weight" and hf.config.tie_word_embeddings)}
@@ -173,8 +173,8 @@ def test_config_errors():
         model_config_from_hf({**tiny_hf_model(QWEN3, vocab=V).config.to_dict(), "attention_bias": True})
     qwen3 = llama(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=V, qk_layernorm=True)
     with pytest.raises(ConvertError, match="no dense Hugging Face equivalent"):
-        hf_config_from_model(dataclasses.replace(qwen3, add_qkv_bias=True))
-    cfg = dataclasses.replace(llama(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=V),
-                              position_embedding_type="learned_absolute")
+        hf_config_from_model(qwen3.replace(add_qkv_bias=True))
+    cfg = llama(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=V).replace(
+        position_embedding_type="learned_absolute")
     with pytest.raises(ConvertError, match="unknown architecture"):
         hf_config_from_model(cfg)

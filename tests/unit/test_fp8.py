@@ -252,9 +252,10 @@ def test_recipe_validation_names_flags():
         Fp8Recipe(fp8_format="e5m2")
     with pytest.raises(ConfigError, match="--fp8-amax-compute-algo"):
         Fp8Recipe(fp8_amax_compute_algo="mean")
-    assert Fp8Recipe.from_config(gpt2(num_layers=1, hidden_size=8, num_attention_heads=2, vocab_size=10)) is None
+    off = gpt2(num_layers=1, hidden_size=8, num_attention_heads=2, vocab_size=10)
+    assert Fp8Recipe.from_config(off.precision) is None
     cfg = gpt2(num_layers=1, hidden_size=8, num_attention_heads=2, vocab_size=10, fp8="hybrid", fp8_margin=2)
-    assert Fp8Recipe.from_config(cfg) == Fp8Recipe(fp8_format="hybrid", fp8_margin=2)
+    assert Fp8Recipe.from_config(cfg.precision) == Fp8Recipe(fp8_format="hybrid", fp8_margin=2)
 
 
 def test_transformer_engine_impl_is_one_clear_error():
@@ -270,7 +271,7 @@ def test_transformer_engine_impl_is_one_clear_error():
 
 def test_selective_recompute_config():
     kw = dict(num_layers=1, hidden_size=8, num_attention_heads=2, vocab_size=10)
-    assert gpt2(recompute_granularity="selective", **kw).recompute_granularity == "selective"
+    assert gpt2(recompute_granularity="selective", **kw).recompute.recompute_granularity == "selective"
     with pytest.raises(ConfigError, match="--recompute-method"):
         gpt2(recompute_granularity="selective", recompute_method="uniform", **kw)
     with pytest.raises(ConfigError, match="--recompute-granularity"):

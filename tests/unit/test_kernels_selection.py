@@ -78,13 +78,13 @@ def test_flags_checked_at_argument_validation(where, capsys):
 def test_flags_reach_the_model_config(where):
     where(triton=True, interpret=True)
     cfg = configs_from_args(parse_args(BASE + ["--use-triton-kernels"]), 1)
-    assert cfg.model.use_triton_kernels and not cfg.model.cross_entropy_loss_fusion
+    assert cfg.model.kernels.use_triton_kernels and not cfg.model.kernels.cross_entropy_loss_fusion
     cfg = configs_from_args(parse_args(BASE + TRITON_LOSS), 1)
-    assert cfg.model.cross_entropy_loss_fusion and cfg.model.cross_entropy_fusion_impl == "te"
-    assert not cfg.model.use_triton_kernels
+    assert cfg.model.kernels.cross_entropy_loss_fusion and cfg.model.kernels.cross_entropy_fusion_impl == "te"
+    assert not cfg.model.kernels.use_triton_kernels
     cfg = configs_from_args(parse_args(BASE), 1)
-    assert not cfg.model.use_triton_kernels and not cfg.model.cross_entropy_loss_fusion
-    assert cfg.model.cross_entropy_fusion_impl == "native"
+    assert not cfg.model.kernels.use_triton_kernels and not cfg.model.kernels.cross_entropy_loss_fusion
+    assert cfg.model.kernels.cross_entropy_fusion_impl == "native"
 
 
 def _hooks(model):

@@ -397,13 +397,13 @@ def _dense_reference(layer, cfg, x):
     out = []
     for tok in x.reshape(-1, H):
         logits = layer.router.weight @ tok
-        if cfg.moe_router_score_function == "softmax":
-            chosen = sorted(range(E), key=lambda e: -logits[e].item())[:cfg.moe_router_topk]
+        if cfg.moe.moe_router_score_function == "softmax":
+            chosen = sorted(range(E), key=lambda e: -logits[e].item())[:cfg.moe.moe_router_topk]
             w = torch.softmax(logits[chosen], dim=0)
         else:
             s = torch.sigmoid(logits)
             rank = s + bias if bias is not None else s
-            chosen = sorted(range(E), key=lambda e: -rank[e].item())[:cfg.moe_router_topk]
+            chosen = sorted(range(E), key=lambda e: -rank[e].item())[:cfg.moe.moe_router_topk]
             w = s[chosen] / s[chosen].sum() if len(chosen) > 1 else s[chosen]
         y = sum(w[i] * (w2[e] @ _act(cfg, w1[e] @ tok)) for i, e in enumerate(chosen))
         if layer.shared_experts is not None:

@@ -149,12 +149,11 @@ def test_te_recipes_map_megatron_flags(fake_te, monkeypatch):
 
 
 def test_pretrain_uses_te_layers_for_the_flag(fake_te, monkeypatch):
-    import dataclasses
 
     from megatronish.training.initialize import enable_fp8_linears
 
     m = _model()
-    cfg = dataclasses.replace(m.config, transformer_impl="transformer_engine")
+    cfg = m.config.replace(transformer_impl="transformer_engine")
     with monkeypatch.context() as cuda:
         cuda.setenv("MEGATRONISH_DEVICE", "cuda")
         mgr = enable_fp8_linears([m], cfg)  # no --fp8-format: TE layers in the parameters' precision

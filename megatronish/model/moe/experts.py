@@ -69,8 +69,8 @@ class GroupedExperts(nn.Module):
         super().__init__()
         c = config
         self.swiglu, self.openai_gelu = c.swiglu, c.openai_gelu
-        self.use_triton_kernels = c.use_triton_kernels
-        self.how = "grouped" if c.moe_grouped_gemm else "sequential"
+        self.use_triton_kernels = c.kernels.use_triton_kernels
+        self.how = "grouped" if c.moe.moe_grouped_gemm else "sequential"
         etp, ep = (parallel.etp_size, parallel.ep_size) if parallel is not None else (1, 1)
         if num_experts % ep:
             raise ValueError(f"{num_experts} experts are not divisible by expert-parallel size {ep}")

@@ -9,8 +9,6 @@ MLP) and ``shared_experts.gate_weight`` ``[1, h]`` (``--moe-shared-expert-gate``
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import nn
 
@@ -24,9 +22,9 @@ from .router import TopKRouter
 def is_moe_layer(config, layer_number: int) -> bool:
     """Whether global layer ``layer_number`` (0-based) is an MoE layer under ``--moe-layer-freq``: an int N
     makes every N-th layer (0, N, 2N, ...) one; a list gives 1/0 per layer."""
-    if not config.num_experts:
+    if not config.moe.num_experts:
         return False
-    freq = config.moe_layer_freq
+    freq = config.moe.moe_layer_freq
     if isinstance(freq, int):
         return layer_number % freq == 0
     return bool(freq[layer_number])
@@ -38,11 +36,10 @@ class SharedExperts(MLP):
 
     def __init__(self, config, sequence_parallel: bool, output_init_std: float, params_dtype=torch.float32,
                  device=None, tp_group=None):
-        shared = dataclasses.replace(config, ffn_hidden_size=config.moe_shared_expert_intermediate_size,
-                                     check=False)
+        shared = config.replace(ffn_hidden_size=config.moe.moe_shared_expert_intermediate_size, check=False)
         super().__init__(shared, sequence_parallel, output_init_std, params_dtype, device, tp_group)
         self.gate_weight = None
-        if config.moe_shared_expert_gate:
+        if config.moe.moe_shared_expert_gate:
             self.gate_weight = nn.Parameter(torch.empty(1, config.hidden_size, dtype=params_dtype, device=device))
             set_desc(self.gate_weight, TensorDesc((1, config.hidden_size), None, 1, "normal",
                                                   config.init_method_std, sequence_parallel=sequence_parallel))
@@ -61,12 +58,12 @@ class MoELayer(nn.Module):
         c = config
         self.layer_number = layer_number  # global, 0-based (metrics are per layer)
         self.router = TopKRouter(c, sequence_parallel, params_dtype, device, parallel)
-        self.experts = GroupedExperts(c, c.num_experts, c.moe_ffn_hidden_size, output_init_std, params_dtype,
+        self.experts = GroupedExperts(c, c.moe.num_experts, c.moe.moe_ffn_hidden_size, output_init_std, params_dtype,
                                       device, parallel)
-        self.dispatcher = DISPATCHERS[c.moe_token_dispatcher_type](c.num_experts, self.experts.num_local_experts,
-                                                                    parallel)
+        self.dispatcher = DISPATCHERS[c.moe.moe_token_dispatcher_type](c.moe.num_experts,
+                                                                        self.experts.num_local_experts, parallel)
         self.shared_experts = None
-        if c.moe_shared_expert_intermediate_size:
+        if c.moe.moe_shared_expert_intermediate_size:
             self.shared_experts = SharedExperts(c, sequence_parallel, output_init_std, params_dtype, device,
                                                 parallel.tp_group)
 

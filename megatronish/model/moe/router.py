@@ -176,20 +176,20 @@ class TopKRouter(nn.Module):
     def __init__(self, config, sequence_parallel: bool, params_dtype=torch.float32, device=None, parallel=None):
         super().__init__()
         c = config
-        self.num_experts, self.topk = c.num_experts, c.moe_router_topk
+        self.num_experts, self.topk = c.moe.num_experts, c.moe.moe_router_topk
         self.config = c
         self.tp_group = parallel.tp_group if parallel is not None else None  # tokens of one sequence: TP x CP
         self.tp_cp_group = parallel.group("tp_cp") if parallel is not None else None
         self.tp_dp_cp_group = parallel.group("tp_dp_cp") if parallel is not None else None
-        self.weight = nn.Parameter(torch.empty(c.num_experts, c.hidden_size, dtype=params_dtype, device=device))
-        set_desc(self.weight, TensorDesc((c.num_experts, c.hidden_size), None, 1, "normal", c.init_method_std,
+        self.weight = nn.Parameter(torch.empty(c.moe.num_experts, c.hidden_size, dtype=params_dtype, device=device))
+        set_desc(self.weight, TensorDesc((c.moe.num_experts, c.hidden_size), None, 1, "normal", c.init_method_std,
                                          sequence_parallel=sequence_parallel))
         self.expert_bias = None
-        if c.moe_router_enable_expert_bias:
+        if c.moe.moe_router_enable_expert_bias:
             # not trained by the optimizer: updated from the step's token counts (finalize_model_grads)
-            self.expert_bias = nn.Parameter(torch.zeros(c.num_experts, dtype=torch.float32, device=device),
+            self.expert_bias = nn.Parameter(torch.zeros(c.moe.num_experts, dtype=torch.float32, device=device),
                                             requires_grad=False)
-            set_desc(self.expert_bias, TensorDesc((c.num_experts,), None, 1, "zeros"))
+            set_desc(self.expert_bias, TensorDesc((c.moe.num_experts,), None, 1, "zeros"))
         self.aux_loss_scale = 1.0
         self.choose = None
         self.per_token = False  # --calculate-per-token-loss: each loss's gradient weighted by the token count
@@ -202,8 +202,8 @@ class TopKRouter(nn.Module):
     def _loss_types(self) -> dict[str, float]:
         """``{aux loss type: coeff}`` of the enabled load-balancing losses."""
         c = self.config
-        types = c.moe_router_load_balancing_type
-        coeffs = c.moe_aux_loss_coeff
+        types = c.moe.moe_router_load_balancing_type
+        coeffs = c.moe.moe_aux_loss_coeff
         types = [types] if isinstance(types, str) else list(types)
         coeffs = [coeffs] * len(types) if isinstance(coeffs, (int, float)) else list(coeffs)
         return {t: float(k) for t, k in zip(types, coeffs) if t in AUX_LOSS_TYPES and k > 0}
@@ -215,12 +215,12 @@ class TopKRouter(nn.Module):
                       "kept": torch.zeros((), dtype=torch.float32, device=dev)}
         for t in self.loss_types:
             self.stats[LOSS_NAMES[t]] = torch.zeros((), dtype=torch.float32, device=dev)
-        if self.config.moe_z_loss_coeff:
+        if self.config.moe.moe_z_loss_coeff:
             self.stats["z_loss"] = torch.zeros((), dtype=torch.float32, device=dev)
         self._global_tokens, self._global_steps = None, 0
 
     def gating(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, x.dtype)
+        dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe.moe_router_dtype, x.dtype)
         return F.linear(x.to(dtype), self.weight.to(dtype))
 
     def _attach(self, x: torch.Tensor, loss: torch.Tensor, name: str, coeff: float) -> torch.Tensor:
@@ -236,17 +236,17 @@ class TopKRouter(nn.Module):
         s, b = x.shape[:2]
         logits = self.gating(x).view(-1, self.num_experts)  # [T, E]
         training = self.training and torch.is_grad_enabled()  # recompute's first (no-grad) pass counts nothing
-        if training and c.moe_z_loss_coeff:
-            coeff = c.moe_z_loss_coeff / group_size(self.tp_cp_group)  # summed over TP x CP by the gradients
+        if training and c.moe.moe_z_loss_coeff:
+            coeff = c.moe.moe_z_loss_coeff / group_size(self.tp_cp_group)  # summed over TP x CP by the gradients
             logits = self._attach(logits, z_loss(logits, coeff), "z_loss", coeff)
         probs, routing_map = topk_routing(
-            logits, self.topk, score_function=c.moe_router_score_function, pre_softmax=c.moe_router_pre_softmax,
-            num_groups=c.moe_router_num_groups, group_topk=c.moe_router_group_topk,
-            scaling_factor=c.moe_router_topk_scaling_factor, expert_bias=self.expert_bias, choose=self.choose)
+            logits, self.topk, score_function=c.moe.moe_router_score_function, pre_softmax=c.moe.moe_router_pre_softmax,
+            num_groups=c.moe.moe_router_num_groups, group_topk=c.moe.moe_router_group_topk,
+            scaling_factor=c.moe.moe_router_topk_scaling_factor, expert_bias=self.expert_bias, choose=self.choose)
         routed = routing_map
-        if c.moe_expert_capacity_factor is not None:
-            probs, routing_map = drop_tokens(probs, routing_map, self.topk, c.moe_expert_capacity_factor,
-                                             c.moe_token_drop_policy, c.moe_pad_expert_input_to_capacity)
+        if c.moe.moe_expert_capacity_factor is not None:
+            probs, routing_map = drop_tokens(probs, routing_map, self.topk, c.moe.moe_expert_capacity_factor,
+                                             c.moe.moe_token_drop_policy, c.moe.moe_pad_expert_input_to_capacity)
         if training and self.loss_types:
             probs = self._load_balancing(probs, logits, s, b)
         if training:
@@ -258,7 +258,7 @@ class TopKRouter(nn.Module):
 
     def _load_balancing(self, probs, logits, s: int, b: int):
         c, k, e = self.config, self.topk, self.num_experts
-        aux_map, scores = aux_loss_scores(logits, k, c.moe_router_score_function)
+        aux_map, scores = aux_loss_scores(logits, k, c.moe.moe_router_score_function)
         if "aux_loss" in self.loss_types:
             coeff = self.loss_types["aux_loss"]
             tokens = reduce_from_tensor_model_parallel_region(aux_map.sum(dim=0).float(), self.tp_cp_group)

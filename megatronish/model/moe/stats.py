@@ -57,17 +57,17 @@ def update_expert_biases(chunks, parallel) -> None:
     tokens = _all_reduce(tokens, parallel.group("tp_dp_cp"))
     with torch.no_grad():
         for r, t in zip(routers, tokens):
-            r.expert_bias.copy_(updated_expert_bias(t, r.expert_bias, r.config.moe_router_bias_update_rate))
+            r.expert_bias.copy_(updated_expert_bias(t, r.expert_bias, r.config.moe.moe_router_bias_update_rate))
 
 
 def loss_names(config) -> list[str]:
     """The MoE losses a model with ``config`` logs, in a fixed order (every rank builds the same list)."""
-    types = config.moe_router_load_balancing_type
+    types = config.moe.moe_router_load_balancing_type
     types = [types] if isinstance(types, str) else list(types)
-    coeffs = config.moe_aux_loss_coeff
+    coeffs = config.moe.moe_aux_loss_coeff
     coeffs = [coeffs] * len(types) if isinstance(coeffs, (int, float)) else list(coeffs)
     names = [LOSS_NAMES[t] for t, k in zip(types, coeffs) if t in LOSS_NAMES and k > 0]
-    return names + (["z_loss"] if config.moe_z_loss_coeff else [])
+    return names + (["z_loss"] if config.moe.moe_z_loss_coeff else [])
 
 
 def step_metrics(chunks, parallel, config, num_microbatches: int) -> dict:
@@ -77,7 +77,7 @@ def step_metrics(chunks, parallel, config, num_microbatches: int) -> dict:
     from .layer import is_moe_layer
 
     layers = moe_layers(chunks)
-    nl, e = config.num_layers, config.num_experts
+    nl, e = config.num_layers, config.moe.num_experts
     dev = layers[0].router.weight.device if layers else torch.device("cpu")
     names = loss_names(config)
     losses = torch.zeros(len(names), nl, dtype=torch.float32, device=dev)
