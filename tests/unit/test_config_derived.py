@@ -228,6 +228,33 @@ def test_every_config_field_comes_from_its_flag_or_a_rule():
         assert set(rules.get(cls, {})) <= names
 
 
+# ------------------------------------------------------------------ frozen configs, a grouped model config
+def test_every_config_is_frozen_and_derived_copies_leave_the_original():
+    from megatronish import config as config_module
+    from megatronish import model_config
+
+    classes = [c for mod in (config_module, model_config) for c in vars(mod).values()
+               if isinstance(c, type) and dataclasses.is_dataclass(c) and c.__module__ == mod.__name__]
+    assert len(classes) >= 12
+    assert [c.__name__ for c in classes if not c.__dataclass_params__.frozen] == []
+    cfg = cfg_of()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.train.train_iters = 3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.model.moe.num_experts = 2
+    given = dataclasses.replace(cfg.train, global_batch_size=None)
+    derived = RunConfig(model=cfg.model, parallel=cfg.parallel, train=given, optim=cfg.optim, logging=cfg.logging,
+                        data=cfg.data)
+    assert derived.train.global_batch_size == cfg.data_parallel_batch_size and given.global_batch_size is None
+    # a flat Megatron name read from the top says where it lives; replace() takes flat names
+    with pytest.raises(AttributeError, match=r"ModelConfig\.moe_router_topk is ModelConfig\.moe\.moe_router_topk"):
+        cfg.model.moe_router_topk  # noqa: B018
+    other = cfg.model.replace(moe_router_topk=1, rotary_base=500000, hidden_size=cfg.model.hidden_size)
+    assert (other.moe.moe_router_topk, other.attention.rotary_base) == (1, 500000)
+    assert (cfg.model.moe.moe_router_topk, cfg.model.attention.rotary_base) == (2, 10000)
+    assert ModelConfig.from_flat(cfg.model.flat()) == cfg.model
+
+
 # ------------------------------------------------------------------ validate() on a config
 def test_validate_on_a_config_lists_every_problem():
     cfg = cfg_of(["--global-batch-size", "16"], world=2)
