@@ -16,7 +16,7 @@ def main(argv=None):
     # A bad data file, tokenizer file or checkpoint is one line (once for the job), exit 2; a non-finite loss exits
     # 3, a lost peer 4; the other ranks stop within seconds (docs/reliability.md).
     # A collective that fails while every rank is alive: one line naming it and the rank that is elsewhere, every
-    # rank's collectives in collectives-<restart>.json beside the metrics file, else in --save, else here.
+    # rank's collectives in collectives-<attempt>.json beside the metrics file, else in --save, else here.
     metrics = cfg.logging.metrics_file
     report_dir = (os.path.dirname(metrics) or ".") if metrics else cfg.checkpoint.save
     watch = Watch()  # this process's rank watchdog: the run starts it, run_rank ends the job through it

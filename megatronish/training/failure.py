@@ -9,7 +9,7 @@ instead of waiting in a collective until ``--distributed-timeout-minutes``:
 - :class:`~megatronish.errors.TrainingFailure` (a non-finite loss or gradient, a lost peer): its line, exit 3/4.
 - a collective that failed (a timeout, a mismatch) while every rank is alive: every rank's ring of collectives
   (:mod:`megatronish.parallel.comm_log`, gathered through the watchdogs) names the collective and the first rank
-  that is elsewhere, in one line; every rank exits 4 and the rings go to ``collectives-<restart>.json`` in
+  that is elsewhere, in one line; every rank exits 4 and the rings go to ``collectives-<attempt>.json`` in
   ``report_dir``.
 - a communication error caused by a peer that is gone: no traceback once the watchdog has recorded the cause
   (its line names that peer); a communication error with neither a recorded cause nor a rank elsewhere keeps its
@@ -91,9 +91,9 @@ def _cause(err: BaseException) -> str:
     return next((words for mark, words in _CAUSES if mark in text), _lines(err)[0][:120])
 
 
-def _write_rings(report_dir: str | None, rings: dict, line: str) -> str:
+def _write_rings(report_dir: str | None, rings: dict, line: str, attempt: int) -> str:
     """Every rank's ring in one JSON file; its path (or why it could not be written)."""
-    path = os.path.join(report_dir or ".", f"collectives-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}.json")
+    path = os.path.join(report_dir or ".", f"collectives-{attempt}.json")
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "w") as f:
@@ -131,7 +131,7 @@ def _diagnose_collective(wd, err: BaseException, report_dir: str | None, deadlin
     except (RuntimeError, dist.DistError):
         should_print = True
     if should_print:
-        _print_error([f"{line}; every rank's collectives: {_write_rings(report_dir, rings, line)}"], None)
+        _print_error([f"{line}; every rank's collectives: {_write_rings(report_dir, rings, line, wd.attempt)}"], None)
         wd.mark_printed()
     else:
         wd.wait_printed()

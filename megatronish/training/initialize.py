@@ -114,6 +114,8 @@ def setup(cfg, watch: Watch | None = None) -> tuple[TrainContext, TrainState]:
     attempt = init_distributed(t.distributed_backend, t.distributed_timeout_minutes)
     if watch is not None:  # entry points: a failed or lost rank ends the job
         watch.start(dist.get_rank(), dist.get_world_size(), attempt=attempt)
+    if attempt:  # torchrun --max-restarts started every rank again (training/attempt.py)
+        print_rank0()(f"attempt {attempt} of this job: the launcher restarted its ranks")
     parallel = groups.initialize_model_parallel(cfg.parallel, timeout_minutes=t.distributed_timeout_minutes)
     dev = device.current_device()
     rng_tracker = RNGStatesTracker()  # the run's RNG streams: the model's dropout and recompute, the checkpoint

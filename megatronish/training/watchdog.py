@@ -3,7 +3,8 @@ promptly, with one line naming what failed (docs/reliability.md).
 
 It talks to the job's TCP store (``MASTER_ADDR:MASTER_PORT``: torchrun's agent store, or the store rank 0 hosts
 under a per-task launch such as ``srun``) over its own client connection, so a main thread blocked in a
-collective or a store call never blocks it. Keys live under ``megatronish/<restart>/``:
+collective or a store call never blocks it. Keys live under ``megatronish/<attempt>/`` (the job's attempt,
+``training/attempt.py``: a restarted job never reads an earlier attempt's failure record):
 
 - ``hb/<rank>``: a counter the rank increments every ``interval`` seconds; ``done`` once it finished cleanly.
 - ``proc/<rank>``: ``host pid``, so a watcher on the same host sees a dead process at once.
@@ -105,8 +106,8 @@ class RankWatchdog:
     """See the module docstring. ``start()`` once per process after ``init_process_group``."""
 
     def __init__(self, rank: int, world_size: int, host: str, port: int, *, interval: float = DEFAULT_INTERVAL,
-                 timeout: float = DEFAULT_TIMEOUT, watch_launcher: bool = False):
-        self.rank, self.world_size = rank, world_size
+                 timeout: float = DEFAULT_TIMEOUT, watch_launcher: bool = False, attempt: int = 0):
+        self.rank, self.world_size, self.attempt = rank, world_size, attempt
         self.interval, self.timeout = interval, timeout
         self.watch_launcher = watch_launcher
         self.parent = os.getppid()
@@ -114,8 +115,7 @@ class RankWatchdog:
         self.hostname = socket.gethostname()
         client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=max(5.0, 4 * interval)),
                                wait_for_workers=False)
-        prefix = f"megatronish/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-        self.store = dist.PrefixStore(prefix, client)
+        self.store = dist.PrefixStore(f"megatronish/{attempt}/", client)
         self.lock = threading.Lock()  # one request at a time on the client (the thread and the main thread)
         self.reporting = False  # this rank is reporting its own failure: do not end it from the thread
         self.finished = False
@@ -329,10 +329,10 @@ class RankWatchdog:
         os._exit(code)
 
 
-def start(rank: int, world_size: int, *, interval: float | None = None,
-          timeout: float | None = None) -> RankWatchdog | None:
-    """Start a watchdog for this process after ``init_process_group``. None for a one-process run without a
-    launcher, or without a store address."""
+def start(rank: int, world_size: int, *, interval: float | None = None, timeout: float | None = None,
+          attempt: int = 0) -> RankWatchdog | None:
+    """Start a watchdog for this process after ``init_process_group`` (``attempt``: the job's, from
+    ``init_distributed``). None for a one-process run without a launcher, or without a store address."""
     launcher = launched_by_launcher()
     if world_size == 1 and not launcher:
         return None
@@ -344,7 +344,7 @@ def start(rank: int, world_size: int, *, interval: float | None = None,
     return RankWatchdog(rank, world_size, host, int(port),
                         interval=interval or _env_float("MEGATRONISH_WATCHDOG_INTERVAL", DEFAULT_INTERVAL),
                         timeout=timeout or _env_float("MEGATRONISH_HEARTBEAT_TIMEOUT", DEFAULT_TIMEOUT),
-                        watch_launcher=launcher).start()
+                        watch_launcher=launcher, attempt=attempt).start()
 
 
 class Watch:
@@ -356,9 +356,9 @@ class Watch:
     def __init__(self):
         self.watchdog: RankWatchdog | None = None  # None until started (or in a one-process run without a launcher)
 
-    def start(self, rank: int, world_size: int, *, interval: float | None = None,
-              timeout: float | None = None) -> RankWatchdog | None:
+    def start(self, rank: int, world_size: int, *, interval: float | None = None, timeout: float | None = None,
+              attempt: int = 0) -> RankWatchdog | None:
         """Start the watchdog (once; later calls return the first)."""
         if self.watchdog is None:
-            self.watchdog = start(rank, world_size, interval=interval, timeout=timeout)
+            self.watchdog = start(rank, world_size, interval=interval, timeout=timeout, attempt=attempt)
         return self.watchdog
