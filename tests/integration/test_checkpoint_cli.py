@@ -12,6 +12,7 @@ from megatronish.arguments import configs_from_args, parse_args
 from megatronish.checkpoint.offline import iter_model_tensors, read_checkpoint_meta
 from megatronish.parallel import groups
 from megatronish.testing import free_port, run_distributed
+from support.launch import children
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -40,14 +41,6 @@ def _wait_for_line(proc, needle: str, timeout: float) -> list[str]:
     raise AssertionError(f"no line with {needle!r} within {timeout} s:\n{''.join(lines[-20:])}")
 
 
-def _children(pid):
-    out = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            out += [int(c) for c in f.read().split()]
-    return out
-
-
 def test_sigterm_to_one_rank_saves_and_all_exit_zero(tmp_path):
     save = str(tmp_path / "ck")
     port = str(free_port())
@@ -61,7 +54,7 @@ def test_sigterm_to_one_rank_saves_and_all_exit_zero(tmp_path):
         _wait_for_line(procs[0], "iteration        3/", 120)
         # only rank 1 receives it (rank 0 learns through the all-reduce), together with its data loader workers,
         # as a scheduler signals every process of a job step: the workers leave it to the training process
-        workers = _children(procs[1].pid)
+        workers = children(procs[1].pid)
         assert len(workers) == 2, workers  # --num-workers 2 (the default)
         for pid in [procs[1].pid, *workers]:
             os.kill(pid, signal.SIGTERM)

@@ -3,7 +3,6 @@ save, SIGKILL half-way through an asynchronous save's background write, and a wr
 test hook) each leave the tracker naming the last complete checkpoint; the next ``--load`` ignores the
 half-written directory and names it in a warning, and the resumed losses equal an uninterrupted run's. A real
 file-size limit (RLIMIT_FSIZE) failing the first save is one error line, exit 2, and no tracker."""
-import json
 import os
 import resource
 import signal
@@ -15,6 +14,7 @@ import pytest
 from megatronish.checkpoint import layout
 from megatronish.checkpoint.dcp_io import SAVE_FAULT_ENV
 from megatronish.testing import subprocess_env
+from support.launch import metrics_losses
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -44,11 +44,6 @@ def _finish(procs):
         stdout, stderr = p.communicate(timeout=180)
         out[name] = (p.returncode, stdout, stderr)
     return out
-
-
-def _losses(path):
-    with open(path) as f:
-        return {r["iteration"]: r["lm_loss"] for r in map(json.loads, f) if "split" not in r}
 
 
 def _small_files():
@@ -94,7 +89,7 @@ def test_crash_mid_save_keeps_the_last_complete_checkpoint(runs, name):
     warning = [line for line in stdout.splitlines() if line.startswith("WARNING: ignoring")]
     assert len(warning) == 1 and layout.checkpoint_dir(root, 4) in warning[0], stdout[-2000:]
     assert f"loaded checkpoint {layout.checkpoint_dir(root, 2)}" in stdout
-    reference, after = _losses(d / "reference.jsonl"), _losses(d / f"{name}.jsonl")
+    reference, after = metrics_losses(d / "reference.jsonl"), metrics_losses(d / f"{name}.jsonl")
     assert sorted(after) == [3, 4, 5, 6]
     assert all(after[i] == reference[i] for i in after), (after, reference)  # exact resume
     assert layout.read_tracker(root) == 6

@@ -15,9 +15,9 @@ import time
 import pytest
 
 from megatronish.errors import EXIT_PEER_LOST
-from megatronish.testing import free_port, subprocess_env
+from megatronish.testing import free_port
+from support.launch import PRETRAIN, ROOT, alive, children, cpu_env, rank_of, torchrun_cmd, wait_for_iteration
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
          "--max-position-embeddings", "16", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "96",
          "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "100000", "--lr", "1e-3",
@@ -25,64 +25,22 @@ FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4
 LIMIT_S = 60
 
 
-def _env(**extra):
-    env = subprocess_env(OMP_NUM_THREADS="1", MEGATRONISH_DEVICE="cpu")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
-        env.pop(k, None)
-    env.update(extra)
-    return env
-
-
-def _children(pid):
-    out = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            out += [int(c) for c in f.read().split()]
-    return out
-
-
-def _rank_of(pid):
-    with open(f"/proc/{pid}/environ", "rb") as f:
-        env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-    return int(env[b"RANK"])
-
-
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _wait_for_iteration(log_path, n, timeout=120):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with open(log_path, errors="replace") as f:
-            if f"iteration {n:8d}/" in f.read():
-                return
-        time.sleep(0.2)
-    with open(log_path, errors="replace") as f:
-        raise AssertionError(f"iteration {n} not reached:\n{f.read()[-3000:]}")
-
-
 def _torchrun(tmp_path, argv, nproc=4):
     log = open(tmp_path / "out.log", "w")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           os.path.join(ROOT, "pretrain_gpt.py"), *FLAGS, *argv]
-    return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT), tmp_path / "out.log"
+    return (subprocess.Popen(torchrun_cmd(nproc, [*FLAGS, *argv]), cwd=ROOT, env=cpu_env(), stdout=log,
+                             stderr=subprocess.STDOUT), tmp_path / "out.log")
 
 
 def test_torchrun_kill_one_worker_tp2_dp2(tmp_path):
     agent, log = _torchrun(tmp_path, ["--tensor-model-parallel-size", "2"])
     try:
-        _wait_for_iteration(log, 3)
-        workers = {_rank_of(p): p for p in _children(agent.pid)}
+        wait_for_iteration(log, 3)
+        workers = {rank_of(p): p for p in children(agent.pid)}
         assert sorted(workers) == [0, 1, 2, 3]
         os.kill(workers[3], signal.SIGKILL)
         t0 = time.monotonic()
         agent.wait(timeout=LIMIT_S)
-        while any(_alive(p) for p in workers.values()) and time.monotonic() - t0 < LIMIT_S:
+        while any(alive(p) for p in workers.values()) and time.monotonic() - t0 < LIMIT_S:
             time.sleep(0.2)
         took = time.monotonic() - t0
     finally:
@@ -90,7 +48,7 @@ def test_torchrun_kill_one_worker_tp2_dp2(tmp_path):
             agent.kill()
     text = log.read_text(errors="replace")
     assert agent.returncode != 0 and took < LIMIT_S, text[-3000:]
-    assert not any(_alive(p) for p in workers.values())
+    assert not any(alive(p) for p in workers.values())
     # torchrun's report (or the watchdog's line) names the lost rank and its signal
     assert ("rank      : 3 (local_rank: 3)" in text and "Signal 9 (SIGKILL)" in text) or \
         "error: rank 3 " in text, text[-3000:]
@@ -102,9 +60,9 @@ def _per_task(tmp_path, world):
     procs, logs = [], []
     for rank in range(world):
         path = tmp_path / f"rank{rank}.log"
-        env = _env(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=port)
-        procs.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *FLAGS,
+        env = cpu_env(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=port)
+        procs.append(subprocess.Popen([sys.executable, PRETRAIN, *FLAGS,
                                        "--tensor-model-parallel-size", "2"], cwd=ROOT, env=env,
                                       stdout=open(path, "w"), stderr=subprocess.STDOUT))
         logs.append(path)
@@ -115,7 +73,7 @@ def _per_task(tmp_path, world):
 def test_per_task_launch_kill_one_rank(tmp_path, victim):
     procs, logs = _per_task(tmp_path, 4)
     try:
-        _wait_for_iteration(logs[0], 3)
+        wait_for_iteration(logs[0], 3)
         procs[victim].kill()
         t0 = time.monotonic()
         for p in procs:
@@ -139,20 +97,20 @@ def test_kill_the_launcher_stops_every_worker(tmp_path):
     save = tmp_path / "ck"
     agent, log = _torchrun(tmp_path, ["--save", str(save), "--save-interval", "1"], nproc=2)
     try:
-        _wait_for_iteration(log, 3)
-        workers = _children(agent.pid)
+        wait_for_iteration(log, 3)
+        workers = children(agent.pid)
         assert len(workers) == 2
         os.kill(agent.pid, signal.SIGKILL)
         killed_at = time.time()
         t0 = time.monotonic()
-        while any(_alive(p) for p in workers) and time.monotonic() - t0 < 30:
+        while any(alive(p) for p in workers) and time.monotonic() - t0 < 30:
             time.sleep(0.1)
-        assert not any(_alive(p) for p in workers), "workers outlived their launcher"
+        assert not any(alive(p) for p in workers), "workers outlived their launcher"
         time.sleep(2)  # anything still writing would show up now
     finally:
         agent.wait(timeout=10)
         for p in workers:
-            if _alive(p):
+            if alive(p):
                 os.kill(p, signal.SIGKILL)
     newest = max(os.stat(os.path.join(dp, f)).st_mtime for dp, _, fs in os.walk(save) for f in fs)
     assert newest <= killed_at + 0.5, f"a checkpoint file was written {newest - killed_at:.2f} s after the kill"
