@@ -41,6 +41,35 @@ class AttentionConfig:
     attention_dropout: float = 0.1
     attention_backend: str = "auto"  # --attention-backend: auto | flash | fused | unfused | local
     cp_comm_type: str | list = "p2p"  # --cp-comm-type: p2p | a2a | allgather | a2a+p2p, or one per layer
+    # Multi-latent attention (DeepSeek-V2/V3; model/mla.py, docs/deepseek.md). Megatron's flags and defaults.
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None  # None: a full-rank query projection
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128  # the query/key head's part without position embedding
+    qk_pos_emb_head_dim: int = 64  # the decoupled RoPE part (one key head shared by all heads)
+    v_head_dim: int = 128
+    # YaRN RoPE scaling: --position-embedding-type yarn, or --rope-type yarn (MLA's default) with MLA
+    rope_type: str | None = None  # --rope-type: rope | yarn; None: yarn with MLA, rope otherwise
+    rotary_scaling_factor: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    yarn_original_max_position_embeddings: int | None = None  # None: 4096 (Megatron's default)
+    yarn_beta_fast: float | None = None  # None: 32
+    yarn_beta_slow: float | None = None  # None: 1
+    yarn_correction_range_round_to_int: bool | None = None  # None: True
+
+    @property
+    def yarn(self) -> bool:
+        """Whether the rotary tables are YaRN's: ``--position-embedding-type yarn``, or MLA with ``--rope-type``
+        yarn or unset (Megatron's MLA default)."""
+        if self.multi_latent_attention:
+            return self.rope_type in (None, "yarn")
+        return self.position_embedding_type == "yarn"
+
+    @property
+    def rotary(self) -> bool:
+        """Whether attention rotates queries and keys (MLA always does, on its decoupled RoPE part)."""
+        return self.multi_latent_attention or self.position_embedding_type in ("rope", "yarn")
 
     @property
     def cp_comm_types(self) -> list[str]:
@@ -53,9 +82,26 @@ class AttentionConfig:
 
     def problems(self) -> list[str]:
         out = []
-        if self.position_embedding_type not in ("learned_absolute", "rope", "none"):
+        if self.position_embedding_type not in ("learned_absolute", "rope", "yarn", "none"):
             out.append(f"--position-embedding-type {self.position_embedding_type!r}: choose "
-                       "learned_absolute, rope or none")
+                       "learned_absolute, rope, yarn or none")
+        if self.rope_type not in (None, "rope", "yarn"):
+            out.append(f"--rope-type {self.rope_type!r}: choose rope or yarn")
+        elif self.rope_type == "yarn" and not self.multi_latent_attention:
+            out.append("--rope-type yarn applies to --multi-latent-attention; for other attention use "
+                       "--position-embedding-type yarn")
+        if self.yarn and not self.rotary_scaling_factor > 0:
+            out.append(f"--rotary-scaling-factor must be > 0, got {self.rotary_scaling_factor}")
+        if self.multi_latent_attention:
+            dims = {"--kv-lora-rank": self.kv_lora_rank, "--qk-head-dim": self.qk_head_dim,
+                    "--qk-pos-emb-head-dim": self.qk_pos_emb_head_dim, "--v-head-dim": self.v_head_dim}
+            if self.q_lora_rank is not None:
+                dims["--q-lora-rank"] = self.q_lora_rank
+            out += [f"{name} must be >= 1 with --multi-latent-attention, got {v}" for name, v in dims.items() if v < 1]
+            if self.qk_pos_emb_head_dim % 2:
+                out.append(f"--qk-pos-emb-head-dim {self.qk_pos_emb_head_dim} must be even (RoPE rotates pairs)")
+            if self.add_qkv_bias:
+                out.append("--add-qkv-bias: multi-latent attention's projections have no biases; drop the flag")
         if self.attention_backend not in ATTENTION_BACKENDS:
             out.append(f"--attention-backend {self.attention_backend!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
         return out
@@ -338,6 +384,13 @@ class ModelConfig:
             out.append(f"--num-attention-heads {self.num_attention_heads} is not divisible by "
                        f"--num-query-groups {self.num_query_groups}")
         out += self.attention.problems()
+        if self.attention.multi_latent_attention:
+            if self.num_query_groups != self.num_attention_heads:
+                out.append("--group-query-attention is mutually exclusive with --multi-latent-attention (every "
+                           "head has its own key and value); drop --group-query-attention")
+            if self.attention.rotary_percent != 1.0:
+                out.append("--rotary-percent: multi-latent attention rotates its whole --qk-pos-emb-head-dim part; "
+                           "drop the flag")
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             out.append(f"--normalization {self.normalization!r}: choose LayerNorm or RMSNorm")
         out += self.recompute.problems()

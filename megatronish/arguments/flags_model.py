@@ -20,7 +20,7 @@ def add_model_flags(p) -> None:
     flag(g, "--max-position-embeddings", type=int, default=None,
          help="position embedding table size (default: --seq-length)")
     flag(g, "--position-embedding-type", default="learned_absolute",
-         choices=["learned_absolute", "rope", "mrope", "relative", "none"])
+         choices=["learned_absolute", "rope", "yarn", "mrope", "relative", "none"])
     flag(g, "--rotary-base", type=int, default=10000)
     flag(g, "--rotary-percent", type=float, default=1.0)
     flag(g, "--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
@@ -48,6 +48,33 @@ def add_model_flags(p) -> None:
     flag(g, "--recompute-method", default=None, choices=["uniform", "block"])
     flag(g, "--recompute-num-layers", type=int, default=None)
     flag(g, "--recompute-activations", **on, help="selective recompute (Megatron's shorthand)")
+
+
+def add_mla_flags(p) -> None:
+    """Multi-latent attention and YaRN RoPE scaling (docs/deepseek.md); Megatron's names and defaults."""
+    g = p.add_argument_group("multi-latent attention and YaRN (docs/deepseek.md)")
+    flag(g, "--multi-latent-attention", **on, help="DeepSeek's multi-latent attention (MLA)")
+    flag(g, "--q-lora-rank", type=int, default=None, help="query latent rank (default: full-rank query projection)")
+    flag(g, "--kv-lora-rank", type=int, default=32, help="key/value latent rank")
+    flag(g, "--qk-head-dim", type=int, default=128, help="query/key head size without the RoPE part")
+    flag(g, "--qk-pos-emb-head-dim", type=int, default=64, help="the RoPE part of each query/key head")
+    flag(g, "--v-head-dim", type=int, default=128, help="value head size")
+    flag(g, "--rope-type", default=None, choices=["rope", "yarn"],
+         help="MLA's RoPE (default yarn); other attention: --position-embedding-type")
+    flag(g, "--rotary-scaling-factor", type=float, default=1.0, help="YaRN's context extension factor")
+    flag(g, "--mscale", type=float, default=1.0, help="YaRN's mscale")
+    flag(g, "--mscale-all-dim", type=float, default=0.0, help="YaRN's mscale_all_dim")
+    flag(g, "--yarn-original-max-position-embeddings", type=int, default=None,
+         help="the context YaRN extends (default 4096)")
+    flag(g, "--yarn-beta-fast", type=float, default=None, help="YaRN's ramp end, in rotations (default 32)")
+    flag(g, "--yarn-beta-slow", type=float, default=None, help="YaRN's ramp start, in rotations (default 1)")
+    flag(g, "--yarn-correction-range-round-to-int", action="store_true", default=None,
+         help="round YaRN's ramp ends to whole pairs (the default)")
+    flag(g, "--no-yarn-correction-range-round-to-int", action="store_false",
+         dest="yarn_correction_range_round_to_int")
+    # Megatron MLA flags of features not built here: rejected by NOT_YET_SUPPORTED
+    flag(g, "--cache-mla-latents", **on)
+    flag(g, "--mla-down-proj-fusion", **on)
 
 
 def add_moe_flags(p) -> None:
@@ -94,7 +121,6 @@ def add_moe_flags(p) -> None:
     flag(g, "--moe-router-padding-for-quantization", **on)
     flag(g, "--moe-latent-size", type=int, default=None)
     flag(g, "--moe-extended-tp", **on)
-    flag(g, "--multi-latent-attention", **on)
 
 
 def moe_layer_freq(text: str):

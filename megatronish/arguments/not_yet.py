@@ -64,7 +64,8 @@ NOT_YET_SUPPORTED: dict[str, NotYet] = {
         (None, NotYet("--moe-latent-size", (None,), "MoE latent projections", _DROP)),
         (None, NotYet("--moe-extended-tp", (False,), "extended expert tensor parallelism",
                       "use --expert-tensor-parallel-size")),
-        (None, NotYet("--multi-latent-attention", (False,), "multi-latent attention (MLA)", _DROP)),
+        (None, NotYet("--cache-mla-latents", (False,), "the latent (compressed) MLA generation cache", _DROP)),
+        (None, NotYet("--mla-down-proj-fusion", (False,), "the fused MLA down-projection", _DROP)),
         # batch
         (None, NotYet("--step-batch-size-schedule", (None,), "the step batch-size schedule (Megatron-LM after "
                       "core 0.17)", "use --rampup-batch-size START INCREMENT SAMPLES")),
@@ -77,8 +78,8 @@ NOT_YET_SUPPORTED: dict[str, NotYet] = {
                       "use --ckpt-format torch_dist (the default: torch.distributed.checkpoint, loads into any "
                       "parallel layout)")),
         # model features
-        (None, NotYet("--position-embedding-type", ("learned_absolute", "rope", "none"),
-                      "this position embedding type", "use learned_absolute, rope or none")),
+        (None, NotYet("--position-embedding-type", ("learned_absolute", "rope", "yarn", "none"),
+                      "this position embedding type", "use learned_absolute, rope, yarn or none")),
         (None, NotYet("--squared-relu", (False,), "squared ReLU", _DROP)),
         (None, NotYet("--use-flash-attn", (False,), "flash attention", _DROP)),
         # data

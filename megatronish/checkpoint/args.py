@@ -32,7 +32,10 @@ _FORCED = ("position_embedding_type", "rotary_percent", "rotary_base", "normaliz
            "num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_pre_softmax",
            "moe_grouped_gemm", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
            "moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor",
-           "moe_router_num_groups", "moe_router_group_topk")
+           "moe_router_num_groups", "moe_router_group_topk",
+           "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+           "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim", "yarn_original_max_position_embeddings",
+           "yarn_beta_fast", "yarn_beta_slow", "yarn_correction_range_round_to_int")
 # Not taken: the token dispatcher is the run's choice (it changes no weight; Megatron keeps the command line's).
 
 

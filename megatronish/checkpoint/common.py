@@ -47,6 +47,9 @@ SHAPE_FIELDS = {
     "moe_router_enable_expert_bias": "--moe-router-enable-expert-bias",
     "qk_layernorm": "--qk-layernorm",
     "apply_layernorm_1p": "--apply-layernorm-1p",
+    "multi_latent_attention": "--multi-latent-attention", "q_lora_rank": "--q-lora-rank",
+    "kv_lora_rank": "--kv-lora-rank", "qk_head_dim": "--qk-head-dim", "qk_pos_emb_head_dim": "--qk-pos-emb-head-dim",
+    "v_head_dim": "--v-head-dim",
 }
 
 

@@ -74,24 +74,89 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     return torch.matmul(probs.to(v.dtype), v)
 
 
-class SelfAttention(nn.Module):
+class CoreAttention(nn.Module):
+    """The part every attention variant shares: ``softmax(q k^T * softmax_scale + mask) -> dropout -> @ v`` over
+    the local heads (``--attention-backend``, context parallelism, selective recompute, the generation cache).
+    Subclasses make q, k, v and set ``softmax_scale``, ``heads_per_group``, ``local_groups`` and ``kv_channels``
+    (the key head size, which the generation cache also uses for values)."""
+
+    softmax_scale: float
+    heads_per_group: int
+
+    def _init_core(self, config: ModelConfig, parallel: ParallelContext | None, layer_number: int,
+                   rng_tracker: RNGStatesTracker | None) -> ParallelContext:
+        self.parallel = parallel = parallel or ParallelContext.single()
+        self._rng = Shared(tracker_or_current(rng_tracker))  # dropout of the probabilities, replayed on recompute
+        self.cp_comm_type = config.attention.cp_comm_type_of(layer_number)  # --cp-comm-type, one or per layer
+        self.dropout = config.attention.attention_dropout
+        self.attention_backend = config.attention.attention_backend  # resolved per call on the tensors' device
+        # --recompute-granularity selective: keep no activations of the core attention (scores, softmax,
+        # dropout mask); recompute it in backward with the RNG replayed.
+        self.recompute_core_attention = config.recompute.recompute_granularity == "selective"
+        return parallel
+
+    def _attention(self, q, k, v, document_ids=None, kv_cache=None) -> torch.Tensor:
+        """[b, heads, s, d] q/k/v (k/v: [b, groups, s, d]) -> [b, heads, s, d_v], through the generation cache,
+        selective recompute or straight."""
+        if kv_cache is not None:
+            offset = kv_cache.offset
+            k, v = kv_cache.append(k, v)  # [b, groups/t, offset + s, d]: the cached keys/values and this step's
+            return self._cached_attention(q, k, v, offset)
+        if self.recompute_core_attention and self.training:
+            return checkpoint(lambda *qkv: self._core_attention(*qkv, document_ids), q, k, v, tracker=self._rng.value)
+        return self._core_attention(q, k, v, document_ids)
+
+    def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``softmax(q k^T * scale + mask) -> dropout -> @ v``: [b, heads, s, d] -> [b, heads, s, d]; the mask is
+        causal, and with ``document_ids`` ([b, s] of the whole sequence) also "same document". Under context
+        parallelism ``s`` is this rank's two chunks and the keys of the whole sequence take part."""
+        p = self.parallel
+        if p.cp_size > 1:  # no attention dropout here (checked with the flags)
+            return context_parallel_attention(q, k, v, group=p.cp_group, comm_type=self.cp_comm_type,
+                                              scale=self.softmax_scale,
+                                              inner_group=p.group("cp_inner"), outer_group=p.group("cp_outer"),
+                                              document_ids=document_ids)
+        dropout = self.dropout if self.training else 0.0
+        mask = None
+        if document_ids is not None:  # [b, 1, s, s]: causal and within one document (Megatron's dense mask)
+            s = q.size(2)
+            causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+            mask = ((document_ids[:, :, None] == document_ids[:, None, :]) & causal).unsqueeze(1)
+        # Dropout of the local heads' probabilities is inside the TP region: model-parallel RNG stream.
+        rng = self._rng.value.fork() if dropout > 0 else contextlib.nullcontext()
+        backend = resolve_attention_backend(self.attention_backend, q.device.type)[0]
+        with rng:
+            if backend == "local":
+                return local_attention(q, k, v, mask, self.softmax_scale, dropout)
+            with _sdpa_backends(backend):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                                      is_causal=mask is None, scale=self.softmax_scale,
+                                                      enable_gqa=self.heads_per_group > 1)
+
+    def _cached_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> torch.Tensor:
+        """Queries at positions ``offset ...`` over keys ``0 ... offset + s - 1`` (no dropout):
+        [b, heads, s, d] x [b, groups, offset + s, d] -> [b, heads, s, d]."""
+        s, total = q.size(2), k.size(2)
+        mask = None
+        if s > 1 and offset > 0:  # query i sees keys up to offset + i (SDPA's is_causal aligns top-left)
+            mask = torch.ones(s, total, dtype=torch.bool, device=q.device).tril(offset)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=s > 1 and offset == 0,
+                                              scale=self.softmax_scale, enable_gqa=self.heads_per_group > 1)
+
+
+class SelfAttention(CoreAttention):
     def __init__(self, config: ModelConfig, sequence_parallel: bool, output_init_std: float,
                  params_dtype=torch.float32, device=None, parallel: ParallelContext | None = None,
                  layer_number: int = 0, rng_tracker: RNGStatesTracker | None = None):
         super().__init__()
-        self.parallel = parallel = parallel or ParallelContext.single()
-        self._rng = Shared(tracker_or_current(rng_tracker))  # dropout of the probabilities, replayed on recompute
+        parallel = self._init_core(config, parallel, layer_number, rng_tracker)
         tp, tp_group = parallel.tp_size, parallel.tp_group
         c = config
-        self.cp_comm_type = c.attention.cp_comm_type_of(layer_number)  # --cp-comm-type, one or per layer
         self.heads_per_group = c.num_attention_heads // c.num_query_groups
         self.local_groups = c.num_query_groups // tp
         self.kv_channels = c.kv_channels
-        self.dropout = c.attention.attention_dropout
-        self.attention_backend = c.attention.attention_backend  # resolved per call on the tensors' device
-        # --recompute-granularity selective: keep no activations of the core attention (scores, softmax,
-        # dropout mask); recompute it in backward with the RNG replayed.
-        self.recompute_core_attention = c.recompute.recompute_granularity == "selective"
+        self.softmax_scale = 1.0 / math.sqrt(c.kv_channels)
         qkv_out = (c.num_attention_heads + 2 * c.num_query_groups) * c.kv_channels
         self.linear_qkv = ColumnParallelLinear(c.hidden_size, qkv_out, bias=c.qkv_bias, gather_output=False,
                                                sequence_parallel=sequence_parallel, init_std=c.init_method_std,
@@ -121,53 +186,6 @@ class SelfAttention(nn.Module):
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
-        if kv_cache is not None:
-            offset = kv_cache.offset
-            k, v = kv_cache.append(k, v)  # [b, groups/t, offset + s, d]: the cached keys/values and this step's
-            ctx = self._cached_attention(q, k, v, offset)
-        elif self.recompute_core_attention and self.training:
-            ctx = checkpoint(lambda *qkv: self._core_attention(*qkv, document_ids), q, k, v, tracker=self._rng.value)
-        else:
-            ctx = self._core_attention(q, k, v, document_ids)
+        ctx = self._attention(q, k, v, document_ids, kv_cache)
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, heads/t * d]
         return self.linear_proj(ctx)  # (out, bias)
-
-    def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """``softmax(q k^T / sqrt(d) + mask) -> dropout -> @ v``: [b, heads, s, d] -> [b, heads, s, d]; the mask is
-        causal, and with ``document_ids`` ([b, s] of the whole sequence) also "same document". Under context
-        parallelism ``s`` is this rank's two chunks and the keys of the whole sequence take part."""
-        p = self.parallel
-        if p.cp_size > 1:  # no attention dropout here (checked with the flags)
-            return context_parallel_attention(q, k, v, group=p.cp_group, comm_type=self.cp_comm_type,
-                                              scale=1.0 / math.sqrt(self.kv_channels),
-                                              inner_group=p.group("cp_inner"), outer_group=p.group("cp_outer"),
-                                              document_ids=document_ids)
-        dropout = self.dropout if self.training else 0.0
-        mask = None
-        if document_ids is not None:  # [b, 1, s, s]: causal and within one document (Megatron's dense mask)
-            s = q.size(2)
-            causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-            mask = ((document_ids[:, :, None] == document_ids[:, None, :]) & causal).unsqueeze(1)
-        # Dropout of the local heads' probabilities is inside the TP region: model-parallel RNG stream.
-        rng = self._rng.value.fork() if dropout > 0 else contextlib.nullcontext()
-        backend = resolve_attention_backend(self.attention_backend, q.device.type)[0]
-        scale = 1.0 / math.sqrt(self.kv_channels)
-        with rng:
-            if backend == "local":
-                return local_attention(q, k, v, mask, scale, dropout)
-            with _sdpa_backends(backend):
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                                      is_causal=mask is None, scale=scale,
-                                                      enable_gqa=self.heads_per_group > 1)
-
-    def _cached_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> torch.Tensor:
-        """Queries at positions ``offset ...`` over keys ``0 ... offset + s - 1`` (no dropout):
-        [b, heads, s, d] x [b, groups, offset + s, d] -> [b, heads, s, d]."""
-        s, total = q.size(2), k.size(2)
-        mask = None
-        if s > 1 and offset > 0:  # query i sees keys up to offset + i (SDPA's is_causal aligns top-left)
-            mask = torch.ones(s, total, dtype=torch.bool, device=q.device).tril(offset)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=s > 1 and offset == 0,
-                                              scale=1.0 / math.sqrt(self.kv_channels),
-                                              enable_gqa=self.heads_per_group > 1)

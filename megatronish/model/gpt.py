@@ -27,7 +27,7 @@ from ..parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from ..parallel.mappings import scatter_to_sequence_parallel_region
 from ..parallel.random import RNGStatesTracker, tracker_or_current
 from .norms import LayerNorm, RMSNorm
-from .rope import RotaryEmbedding
+from .rope import RotaryEmbedding, rotary_embedding
 from .transformer import TransformerBlock
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
@@ -96,8 +96,7 @@ class GPTModel(nn.Module):
 
         self.embedding = Embedding(c, self.padded_vocab_size, self.sequence_parallel, params_dtype, device,
                                    tp_group, rng_tracker) if pre_process else None
-        self.rotary = RotaryEmbedding(c.kv_channels, c.attention.rotary_percent, c.attention.rotary_base) \
-            if c.attention.position_embedding_type == "rope" else None
+        self.rotary = rotary_embedding(c)  # None without rotary positions
         self.decoder = TransformerBlock(c, first_layer, num_local_layers, post_process, self.sequence_parallel,
                                         params_dtype, device, parallel, rng_tracker)
         # --cross-entropy-loss-fusion: native = the fused PyTorch loss (any device), te = the Triton kernel

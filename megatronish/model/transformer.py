@@ -12,6 +12,7 @@ from ..config import ModelConfig
 from ..parallel.context import ParallelContext, Shared
 from ..parallel.random import RNGStatesTracker, checkpoint, tracker_or_current
 from .attention import SelfAttention
+from .mla import MLASelfAttention
 from .mlp import MLP
 from .moe.layer import MoELayer, is_moe_layer
 from .norms import build_norm
@@ -40,8 +41,9 @@ class TransformerLayer(nn.Module):
                               c.apply_layernorm_1p)
         self.input_layernorm = norm()
         parallel = parallel or ParallelContext.single()
-        self.self_attention = SelfAttention(c, sequence_parallel, out_std, params_dtype, device, parallel,
-                                            layer_number, rng_tracker)
+        attention = MLASelfAttention if c.attention.multi_latent_attention else SelfAttention
+        self.self_attention = attention(c, sequence_parallel, out_std, params_dtype, device, parallel, layer_number,
+                                        rng_tracker)
         self.pre_mlp_layernorm = norm()
         if is_moe_layer(c, layer_number):
             self.mlp = MoELayer(c, sequence_parallel, out_std, params_dtype, device, parallel, layer_number)

@@ -12,10 +12,18 @@ def num_floating_point_operations(cfg, batch_size: int) -> float:
     ``L_moe`` the MoE layers (``--moe-layer-freq``), ``k`` ``--moe-router-topk``, ``F`` the expert FFN size and
     ``F_shared`` ``--moe-shared-expert-intermediate-size``: an MoE layer counts the ``k`` experts each token
     runs, not all of them. As in Megatron-LM the router's ``[h, E]`` GEMM (``6 h E`` per token, small next to
-    the experts') is not counted."""
+    the experts') is not counted.
+
+    With ``--multi-latent-attention`` the attention term per layer and token is Megatron-LM's MLA branch:
+    ``6 [q + r_kv (h + a (d_nope + d_v) + 1) + h d_rope + a d_v h + a (d_nope + d_rope + d_v) s / 2]``, ``q`` being
+    ``h a (d_nope + d_rope)`` (full-rank query) or ``r_q (h + a (d_nope + d_rope) + 1)`` (the ``+ 1`` terms are
+    the latents' norms), the core attention halved for the causal mask."""
     h, s, L = cfg.hidden_size, cfg.seq_length, cfg.num_layers
     a, g = cfg.num_attention_heads, cfg.num_query_groups
     q = a * cfg.kv_channels
+    attention = 12.0 * h * h * (1 + g / a + s / h) * (q / h)  # per layer and token
+    if cfg.attention.multi_latent_attention:
+        attention = _mla_flops_per_token(cfg)
     gated = 1.5 if cfg.swiglu else 1.0
     V = cfg.padded_vocab_size(1)
     n_moe = sum(is_moe_layer(cfg, i) for i in range(L))
@@ -23,7 +31,17 @@ def num_floating_point_operations(cfg, batch_size: int) -> float:
     if n_moe:
         moe = cfg.moe
         mlp += n_moe * (moe.moe_router_topk * moe.moe_ffn_hidden_size + (moe.moe_shared_expert_intermediate_size or 0))
-    return 12.0 * batch_size * s * h * h * (L * (1 + g / a + s / h) * (q / h) + mlp / h * gated + V / (2.0 * h))
+    return batch_size * s * (L * attention + 12.0 * h * h * (mlp / h * gated + V / (2.0 * h)))
+
+
+def _mla_flops_per_token(cfg) -> float:
+    """Forward + backward FLOPs of one multi-latent attention layer per token (Megatron-LM's MLA terms)."""
+    m, h, a, s = cfg.attention, cfg.hidden_size, cfg.num_attention_heads, cfg.seq_length
+    q_head = m.qk_head_dim + m.qk_pos_emb_head_dim
+    q = h * a * q_head if m.q_lora_rank is None else m.q_lora_rank * (h + a * q_head + 1)
+    kv = m.kv_lora_rank * (h + a * (m.qk_head_dim + m.v_head_dim) + 1) + h * m.qk_pos_emb_head_dim
+    core = a * (q_head + m.v_head_dim) * s / 2
+    return 6.0 * (q + kv + a * m.v_head_dim * h + core)
 
 
 # Dense (no sparsity) peak TFLOP/s by device-name substring, for MFU: bf16/fp16 tensor cores.

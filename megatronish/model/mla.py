@@ -1,0 +1,156 @@
+"""Multi-latent attention (DeepSeek-V2/V3; ``--multi-latent-attention``), Megatron's ``MLASelfAttention``.
+
+Per token ``x`` ``[h]`` and head ``i`` (``n`` heads; ``d_nope`` = ``--qk-head-dim``, ``d_rope`` =
+``--qk-pos-emb-head-dim``, ``d_v`` = ``--v-head-dim``, ``r_q``/``r_kv`` = ``--q-lora-rank``/``--kv-lora-rank``)::
+
+    q_i           = W_q_up  norm_q(W_q_down x)      (or W_q x with --q-lora-rank unset)    [d_nope + d_rope]
+    c, k_rope     = W_kv_down x                                                           [r_kv], [d_rope]
+    k_nope_i, v_i = W_kv_up norm_kv(c)                                                    [d_nope], [d_v]
+    k_i           = [k_nope_i ; rope(k_rope)]   (the RoPE key is shared by all heads)
+    q_i           = [q_nope_i ; rope(q_rope_i)]
+    out           = W_proj [softmax(q_i k_i^T * scale + causal) v_i  for each i]
+
+``scale = 1 / sqrt(d_nope + d_rope)``, times ``mscale(factor, --mscale-all-dim)^2`` under YaRN. The norms exist
+with ``--qk-layernorm`` (as in Megatron-LM's layer specs; DeepSeek-V3 uses them), of ``--normalization``. RoPE
+uses DeepSeek's interleaved pair layout (:func:`~megatronish.model.rope.apply_rotary_interleaved`).
+
+Parameters (global names under ``decoder.layers.<i>.self_attention.``, Megatron's): ``linear_q_down_proj.weight``
+``[r_q, h]``, ``q_layernorm.weight`` ``[r_q]``, ``linear_q_up_proj.weight`` ``[n (d_nope + d_rope), r_q]`` (or
+``linear_q_proj.weight`` ``[n (d_nope + d_rope), h]``), ``linear_kv_down_proj.weight`` ``[r_kv + d_rope, h]`` (rows:
+the latent, then the RoPE key), ``kv_layernorm.weight`` ``[r_kv]``, ``linear_kv_up_proj.weight``
+``[n (d_nope + d_v), r_kv]`` (per head: its ``k_nope`` rows, then its ``v`` rows), ``linear_proj.weight``
+``[h, n d_v]``.
+
+Tensor parallelism: the up-projections (and the full-rank query projection) are column-parallel by heads and
+``linear_proj`` row-parallel, as in the standard attention. The down-projections and their norms are small and
+replicated over TP (Megatron's Transformer Engine layout, ``parallel_mode="duplicated"``): without sequence
+parallelism every rank computes them on the whole sequence and their gradients are complete (the up-projections'
+input gradients are all-reduced, and so is the shared RoPE key's); with it, each rank computes them on its
+sequence chunk, the up-projections all-gather the latents, the RoPE key is all-gathered, and the replicated
+weights' gradients are partial sums over TP, marked ``sequence_parallel`` like the norms' (summed after backward).
+
+Keys and values have different head sizes; context parallelism and the generation cache carry one size, so there
+the smaller of the two is zero-padded to the larger (zero key channels leave the scores unchanged, zero value
+channels are sliced off the output).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..parallel.context import ParallelContext
+from ..parallel.init import TensorDesc, set_desc
+from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
+from ..parallel.mappings import copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region
+from ..parallel.random import RNGStatesTracker
+from .attention import CoreAttention
+from .norms import build_norm
+from .rope import apply_rotary_interleaved, yarn_softmax_mscale
+
+
+class ReplicatedLinear(nn.Module):
+    """``x W^T`` with ``W`` ``[out, in]`` whole on every TP rank; ``sequence_parallel``: its gradient is a partial
+    sum over TP (the input is this rank's sequence chunk), all-reduced after backward."""
+
+    def __init__(self, input_size: int, output_size: int, sequence_parallel: bool, init_std: float,
+                 params_dtype=torch.float32, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=params_dtype, device=device))
+        set_desc(self.weight, TensorDesc((output_size, input_size), None, 1, "normal", init_std,
+                                         sequence_parallel=sequence_parallel))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class MLASelfAttention(CoreAttention):
+    def __init__(self, config: ModelConfig, sequence_parallel: bool, output_init_std: float,
+                 params_dtype=torch.float32, device=None, parallel: ParallelContext | None = None,
+                 layer_number: int = 0, rng_tracker: RNGStatesTracker | None = None):
+        super().__init__()
+        c, a = config, config.attention
+        parallel = self._init_core(c, parallel, layer_number, rng_tracker)
+        tp_group = parallel.tp_group
+        self.sequence_parallel = sequence_parallel
+        heads = c.num_attention_heads
+        self.local_heads = heads // parallel.tp_size
+        self.heads_per_group, self.local_groups = 1, self.local_heads  # every head its own key/value
+        self.qk_head_dim, self.rope_dim, self.v_head_dim = a.qk_head_dim, a.qk_pos_emb_head_dim, a.v_head_dim
+        self.kv_lora_rank = a.kv_lora_rank
+        q_head = self.qk_head_dim + self.rope_dim
+        self.kv_channels = max(q_head, self.v_head_dim)  # the generation cache's head size (both padded to it)
+        self.softmax_scale = yarn_softmax_mscale(a) / math.sqrt(q_head)
+        std = c.init_method_std
+
+        def column(in_size, out_size):
+            return ColumnParallelLinear(in_size, out_size, bias=False, sequence_parallel=sequence_parallel,
+                                        init_std=std, params_dtype=params_dtype, device=device, tp_group=tp_group)
+
+        def replicated(in_size, out_size):
+            return ReplicatedLinear(in_size, out_size, sequence_parallel, std, params_dtype, device)
+
+        def norm(size):  # --qk-layernorm: the latents' norms (Megatron builds them only then)
+            return build_norm(c.normalization, size, c.norm_epsilon, sequence_parallel, params_dtype, device) \
+                if a.qk_layernorm else None
+
+        self.q_lora = a.q_lora_rank is not None
+        if self.q_lora:
+            self.linear_q_down_proj = replicated(c.hidden_size, a.q_lora_rank)
+            self.q_layernorm = norm(a.q_lora_rank)
+            self.linear_q_up_proj = column(a.q_lora_rank, heads * q_head)
+        else:
+            self.linear_q_proj = column(c.hidden_size, heads * q_head)
+        self.linear_kv_down_proj = replicated(c.hidden_size, a.kv_lora_rank + self.rope_dim)
+        self.kv_layernorm = norm(a.kv_lora_rank)
+        self.linear_kv_up_proj = column(a.kv_lora_rank, heads * (self.qk_head_dim + self.v_head_dim))
+        self.linear_proj = RowParallelLinear(heads * self.v_head_dim, c.hidden_size, bias=c.add_bias_linear,
+                                             input_is_parallel=True, skip_bias_add=True,
+                                             sequence_parallel=sequence_parallel, init_std=output_init_std,
+                                             params_dtype=params_dtype, device=device, tp_group=tp_group)
+
+    def _query(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.q_lora:
+            return self.linear_q_proj(x)[0]  # [s, b, heads/t * (d_nope + d_rope)]
+        latent = self.linear_q_down_proj(x)  # [s(/t), b, r_q]
+        if self.q_layernorm is not None:
+            latent = self.q_layernorm(latent)
+        return self.linear_q_up_proj(latent)[0]
+
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, ...] | None = None,
+                document_ids: torch.Tensor | None = None, kv_cache=None):
+        """``x``: ``[s, b, h]`` (``[s/t, b, h]`` under sequence parallelism); ``rotary``: the tables of
+        ``--qk-pos-emb-head-dim`` (GPTModel's); the rest as :class:`~megatronish.model.attention.SelfAttention`."""
+        d_nope, d_rope, d_v, heads = self.qk_head_dim, self.rope_dim, self.v_head_dim, self.local_heads
+        q = self._query(x)
+        s, b = q.shape[:2]
+        q = q.view(s, b, heads, d_nope + d_rope)  # [s, b, heads/t, d_nope + d_rope]
+        latent, k_rope = self.linear_kv_down_proj(x).split([self.kv_lora_rank, d_rope], dim=-1)  # [s(/t), b, .]
+        if self.kv_layernorm is not None:
+            latent = self.kv_layernorm(latent)
+        kv = self.linear_kv_up_proj(latent)[0].view(s, b, heads, d_nope + d_v)  # [s, b, heads/t, d_nope + d_v]
+        k_nope, v = kv.split([d_nope, d_v], dim=-1)
+        # the shared RoPE key feeds every rank's heads: its gradient is summed over TP
+        tp_group = self.parallel.tp_group
+        if self.sequence_parallel:
+            k_rope = gather_from_sequence_parallel_region(k_rope, True, tp_group)  # [s, b, d_rope]
+        else:
+            k_rope = copy_to_tensor_model_parallel_region(k_rope, tp_group)
+        q_nope, q_rope = q.split([d_nope, d_rope], dim=-1)
+        cos, sin = rotary[0], rotary[1]  # (the fused in-place kernel is not used on these slices)
+        q_rope = apply_rotary_interleaved(q_rope, cos, sin)
+        k_rope = apply_rotary_interleaved(k_rope.unsqueeze(2), cos, sin)  # [s, b, 1, d_rope]
+        q = torch.cat((q_nope, q_rope), dim=-1)
+        k = torch.cat((k_nope, k_rope.expand(s, b, heads, d_rope)), dim=-1)  # [s, b, heads/t, d_nope + d_rope]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads/t, s, d]
+        pad = kv_cache is not None or self.parallel.cp_size > 1  # one head size for keys and values: pad
+        if pad:
+            q, k, v = (F.pad(t, (0, self.kv_channels - t.size(-1))) for t in (q, k, v))
+        ctx = self._attention(q, k, v, document_ids, kv_cache)  # [b, heads/t, s, d_v (padded)]
+        if pad:
+            ctx = ctx[..., :d_v]
+        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, heads * d_v)  # [s, b, heads/t * d_v]
+        return self.linear_proj(ctx)  # (out, bias)
