@@ -13,6 +13,7 @@ PKG = os.path.dirname(megatronish.__file__)
 FLOORS = {
     "env": 7,  # entry: ``python -m megatronish.env`` (the report's logic is tools.env)
     "tools": 6,  # console entry points (the tools/*.py scripts' logic)
+    "planner": 6,  # megatronish-plan: layouts, memory and step time predicted without processes
     "arguments": 5, "training": 5, "convert": 5, "testing": 5, "inference": 5,
     "checkpoint": 4, "optim": 4, "precision": 4,
     "model": 3,

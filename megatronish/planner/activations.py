@@ -1,0 +1,129 @@
+"""Activation bytes of one pipeline stage's rank at its peak, from ``training/memory.py``'s per-layer formulas
+(Korthikanti et al. 2022 generalized to GQA, SwiGLU and FFN size; ``cpu=True``: the same plus this
+implementation's known CPU deviations, what the saved-tensor hooks measure here).
+
+Per stage: ``in_flight`` microbatches (1F1B rank ``r`` of ``p``: ``min(M, p - r)``; interleaved: the warm-up
+forwards plus one, ``min(M v, 2 (p - r - 1) + (v - 1) p + 1)`` model chunks of ``L / (p v)`` layers; no pipeline:
+1) each hold the stage's layers' activations; the first stage adds the token ids (8 bytes a token) and the
+embedding dropout mask, the last the final norm's and output layer's inputs and the loss's fp32 softmax over its
+vocabulary shard (``4 s b V / t``). Under context parallelism a rank holds ``s / cp`` tokens. A mixture-of-experts
+layer's MLP part is replaced by the router (its input and fp32 logits) and the experts' share of the routed
+tokens (``k`` copies of each token, spread over the ``EP`` ranks, times the capacity factor when the experts' input
+is padded to capacity): each routed copy keeps its expert's FC1 input and activation input, as a dense MLP of the
+expert FFN size does, plus about ``3h`` bytes for the permutation (the permuted copy and the weighted expert
+output; measured on the saved-tensor hooks). Full recompute keeps each recomputed block's
+input and, during the backward, one block's full activations. Activations are in the parameters' dtype (fp32
+models: twice the 16-bit bytes).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..model.moe.layer import is_moe_layer
+from ..training.memory import activation_bytes_per_layer, cpu_activation_bytes_per_layer
+
+
+@dataclass(frozen=True)
+class StageActivations:
+    """One stage's peak: ``layers`` (all in-flight microbatches), ``embedding``, ``output`` (logits and loss) bytes,
+    and ``in_flight`` (microbatches, or model chunks when interleaved)."""
+
+    layers: float
+    embedding: float
+    output: float
+    in_flight: int
+    recompute: float = 0.0  # full recompute: one block's activations, rebuilt during the backward
+
+    @property
+    def total(self) -> float:
+        """The peak: the recomputed block comes after the last stage's loss activations are freed."""
+        return self.layers + self.embedding + max(self.output, self.recompute)
+
+
+def in_flight(p: int, v: int, r: int, m: int) -> int:
+    """Microbatches (interleaved: model chunks) whose activations stage ``r`` holds at once."""
+    if p == 1:
+        return 1
+    if v == 1:
+        return min(m, p - r)
+    return min(m * v, 2 * (p - r - 1) + (v - 1) * p + 1)
+
+
+def _layer(cfg, *, moe: bool, cpu: bool, recompute: str | None) -> float:
+    """One layer, one microbatch, in the parameters' dtype."""
+    m, par = cfg.model, cfg.parallel
+    s, b, h, t, a = m.seq_length // par.cp, cfg.train.micro_batch_size, m.hidden_size, par.tp, m.num_attention_heads
+    sp = cfg.sequence_parallel
+    kv = m.num_query_groups * m.kv_channels
+    fn = cpu_activation_bytes_per_layer if cpu else activation_bytes_per_layer
+    kw = dict(t=t, sequence_parallel=sp, recompute=recompute, kv_hidden_size=kv, swiglu=m.swiglu)
+    value = fn(s, b, h, a, ffn_hidden_size=0 if moe else m.ffn_hidden_size, **kw)
+    if moe:  # the router and the experts' share of the routed token copies
+        mo, etp = m.moe, par.expert_tp
+        capacity = mo.moe_expert_capacity_factor if mo.moe_pad_expert_input_to_capacity else 1.0
+        routed = s * b * mo.moe_router_topk * capacity * etp / t  # copies whose expert runs here (ETP shares one)
+        f = mo.moe_ffn_hidden_size / etp
+        # FC1's input and the activation's input (a dense MLP's), plus what the permutation keeps: ~3h a copy
+        per_copy = 5 * h + (6 if m.swiglu else 4) * f + (2 * f if cpu and m.swiglu else 0)
+        value += s * b / (t if sp else 1) * (2 * h + 4 * mo.num_experts) + routed * per_copy
+    sbh = s * b * h / (t if sp else 1)
+    scores = a * s * s * b / t
+    keeps_scores = recompute is None
+    if keeps_scores and not m.attention.attention_dropout:  # softmax output only: no mask, no dropped copy
+        value -= (8 if cpu else 3) * scores
+    if not m.hidden_dropout:  # the two hidden dropouts' masks
+        value -= (4 if cpu else 2) * sbh
+    fp32 = cfg.optim.params_dtype.itemsize == 4
+    if cpu and fp32:  # everything doubles but the fp32 scores; the SDPA's fp32 copies shrink to its scaled query
+        score_bytes = (12 if m.attention.attention_dropout else 4) * scores if keeps_scores else 0.0
+        upcast = (2 + 4 * kv / h) * s * b * h / t if keeps_scores else 0.0
+        value = 2 * (value - score_bytes) - upcast + score_bytes
+    elif fp32:
+        value *= 2
+    if cpu and m.normalization == "RMSNorm":  # fp32 input and output copies, and the rstd, of the two norms
+        value += 2 * ((4 if fp32 else 6) * sbh + 4 * sbh / h)
+    return value
+
+
+def stage_activations(cfg, pp_rank: int = 0, *, cpu: bool = False) -> StageActivations:
+    """Peak activation bytes of a rank of pipeline stage ``pp_rank`` (module docstring)."""
+    m, par = cfg.model, cfg.parallel
+    p, v = par.pp, par.vp
+    s, b, h, t = m.seq_length // par.cp, cfg.train.micro_batch_size, m.hidden_size, par.tp
+    scale = 2.0 if cfg.optim.params_dtype.itemsize == 4 else 1.0
+    rec = m.recompute
+    flight = in_flight(p, v, pp_rank, cfg.num_microbatches)
+    per_chunk = 0.0
+    peak_extra = 0.0
+    for c in range(v):
+        layers = list(par.layer_range(m.num_layers, pp_rank, c))
+        full = [_layer(cfg, moe=is_moe_layer(m, i), cpu=cpu, recompute=None) for i in layers]
+        if rec.recompute_granularity == "full":
+            k = rec.recompute_num_layers or 1
+            keep = 2 * s * b * h / (t if cfg.sequence_parallel else 1) * scale  # a block's input
+            if rec.recompute_method == "uniform":
+                blocks = [full[j:j + k] for j in range(0, len(full), k)]
+                per_chunk += len(blocks) * keep
+                peak_extra = max([peak_extra] + [sum(bl) for bl in blocks])
+            else:
+                k = min(k, len(full))
+                per_chunk += k * keep + sum(full[k:])
+                peak_extra = max([peak_extra] + full[:k])
+        else:
+            per_chunk += sum(_layer(cfg, moe=is_moe_layer(m, i), cpu=cpu, recompute=rec.recompute_granularity)
+                             for i in layers)
+    per_chunk /= v
+    embedding = output = 0.0
+    if pp_rank == 0:
+        sbh = s * b * h / (t if cfg.sequence_parallel else 1)
+        embedding = flight * (8 * s * b + (sbh * (2 if cpu else 1) * scale if m.hidden_dropout else 0))
+    if pp_rank == p - 1:
+        vocab = m.padded_vocab_size(t) / t
+        norm = 2 * s * b * h * scale  # the final norm's input (on CPU an RMSNorm keeps fp32 copies)
+        if cpu and m.normalization == "RMSNorm":
+            norm = 8 * s * b * h + 4 * s * b
+        output = norm + 2 * s * b * h * scale + 4 * s * b * vocab  # + the output layer's input, fp32 softmax
+    return StageActivations(per_chunk * flight, embedding, output, flight, peak_extra)
+
+
+__all__ = ["StageActivations", "stage_activations", "in_flight"]

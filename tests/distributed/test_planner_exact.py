@@ -1,0 +1,116 @@
+"""The planner's per-rank bytes against the real run's: for many layouts (dense GPT-2 and Llama, MoE with EP and
+ETP, CP, PP and VP, FSDP2, the distributed optimizer, 16-bit, recompute) the parameters, gradients and optimizer
+state that ``setup`` builds on 4 gloo ranks and one ``train_step`` fills (distinct storages) equal the bytes the
+planner counts on the rank's meta model exactly, and one step's saved activations (``saved_tensors_hooks``) are
+within 10% of its activation prediction (the CPU terms). All layouts run in one worker group."""
+import io
+from contextlib import redirect_stdout
+
+import pytest
+
+from megatronish.arguments import configs_from_args, parse_args
+from megatronish.parallel import groups
+from megatronish.testing import run_distributed
+
+BASE = ["--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--vocab-size", "100", "--tokenizer-type", "NullTokenizer", "--mock-data", "--global-batch-size", "8",
+        "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-3", "--eval-iters", "0", "--log-interval",
+        "100", "--seed", "3"]
+LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--group-query-attention",
+         "--num-query-groups", "2", "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
+MOE = ["--num-experts", "4", "--disable-bias-linear", "--moe-expert-capacity-factor", "1.0",
+       "--moe-pad-expert-input-to-capacity", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32"]
+TP, PP, CP, DP_OPT = "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size", \
+    "--use-distributed-optimizer"
+LAYOUTS = {
+    "gpt2 dp4 fp32": ["--num-layers", "2"],
+    "gpt2 dp4 bf16": ["--num-layers", "2", "--bf16"],
+    "gpt2 dp4 bf16 dist-opt": ["--num-layers", "2", "--bf16", DP_OPT],
+    "gpt2 dp4 fp16 dist-opt": ["--num-layers", "2", "--fp16", DP_OPT],
+    "gpt2 tp4 sp": ["--num-layers", "2", TP, "4", "--sequence-parallel"],
+    "gpt2 sgd bf16-grads": ["--num-layers", "2", "--bf16", "--optimizer", "sgd", "--grad-reduce-in-bf16"],
+    "llama tp2 dp2 sp bf16": ["--num-layers", "2", *LLAMA, TP, "2", "--sequence-parallel", "--bf16"],
+    "llama tp2 selective": ["--num-layers", "2", *LLAMA, TP, "2", "--recompute-granularity", "selective"],
+    "llama pp2 dp2 dist-opt": ["--num-layers", "4", *LLAMA, PP, "2", DP_OPT, "--bf16"],
+    "llama pp4": ["--num-layers", "4", *LLAMA, PP, "4"],
+    "llama pp2 vp2 dp2": ["--num-layers", "4", *LLAMA, PP, "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+    "gpt2 pp2 tp2 full recompute": ["--num-layers", "4", PP, "2", TP, "2", "--recompute-granularity", "full",
+                                    "--recompute-method", "uniform", "--recompute-num-layers", "1"],
+    "gpt2 pp2 tied dist-opt": ["--num-layers", "2", PP, "2", DP_OPT],
+    "llama cp2 dp2": ["--num-layers", "2", *LLAMA, CP, "2", "--attention-dropout", "0"],
+    "llama cp2 tp2 bf16": ["--num-layers", "2", *LLAMA, CP, "2", TP, "2", "--bf16", "--attention-dropout", "0"],
+    "moe ep4": ["--num-layers", "2", *MOE, "--expert-model-parallel-size", "4"],
+    "moe ep2 dp2 bf16 dist-opt": ["--num-layers", "2", *MOE, "--expert-model-parallel-size", "2", "--bf16", DP_OPT],
+    "moe tp2 ep2 etp1": ["--num-layers", "2", *MOE, TP, "2", "--sequence-parallel", "--expert-model-parallel-size",
+                         "2", "--expert-tensor-parallel-size", "1"],
+    "moe llama tp2 etp2": ["--num-layers", "2", *LLAMA, *MOE, TP, "2", "--sequence-parallel"],
+    "fsdp dp4 fp32": ["--num-layers", "2", "--use-torch-fsdp2"],
+    "fsdp dp4 bf16 llama": ["--num-layers", "2", *LLAMA, "--use-torch-fsdp2", "--bf16"],
+    "fsdp tp2 dp2": ["--num-layers", "2", TP, "2", "--use-torch-fsdp2"],
+}
+WORLD = 4
+
+
+def _cfg(argv):
+    return configs_from_args(parse_args(BASE + argv), WORLD)
+
+
+def _storages(tensors) -> dict:
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+
+
+def _measure_one(argv):
+    import torch
+
+    from megatronish.parallel.fsdp import local_shard
+    from megatronish.training import pretrain as training
+    from megatronish.training.memory import measured_state_bytes
+
+    groups.destroy_model_parallel()
+    cfg = _cfg(argv)
+    with redirect_stdout(io.StringIO()):
+        run, state = training.setup(cfg)
+        training.train_step(run, state)
+    params = [local_shard(p) for c in run.chunks for p in getattr(c, "module", c).parameters()]
+    grads = [local_shard(g) for c in run.chunks for p in getattr(c, "module", c).parameters()
+             for g in (p.grad, getattr(p, "main_grad", None)) if g is not None]
+    inner = run.optimizer.optimizer
+    opt = [p.detach() for g in inner.param_groups for p in g["params"]]
+    opt += [t for g in inner.param_groups for p in g["params"] for t in inner.state.get(p, {}).values()
+            if torch.is_tensor(t)]
+    sp, sg = _storages(params), _storages(grads)
+    so = {k: v for k, v in _storages(opt).items() if k not in sp and k not in sg}
+    return {"params": sum(sp.values()), "grads": sum(sg.values()), "optimizer": sum(so.values()),
+            "total": measured_state_bytes(run.chunks, run.optimizer), "activations": run.memory.measured}
+
+
+def _worker(rank, world, names):
+    return {name: _measure_one(LAYOUTS[name]) for name in names}
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return run_distributed(_worker, WORLD, list(LAYOUTS), timeout=900)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_state_bytes_are_exact(measured, name):
+    from megatronish.planner.state import rank_state_bytes
+
+    cfg = _cfg(LAYOUTS[name])
+    for rank in range(WORLD):
+        m = measured[rank][name]
+        p = rank_state_bytes(cfg, rank)
+        got = {"params": p.params, "grads": p.grads, "optimizer": p.optimizer, "total": p.total}
+        assert got == {k: m[k] for k in got}, f"rank {rank}: predicted {got}, measured {m}"
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_activation_bytes_within_ten_percent(measured, name):
+    from megatronish.planner.activations import stage_activations
+
+    cfg = _cfg(LAYOUTS[name])
+    for rank in range(WORLD):
+        got = measured[rank][name]["activations"]
+        predicted = stage_activations(cfg, cfg.parallel.coords(rank)["pp"], cpu=True).total
+        assert got == pytest.approx(predicted, rel=0.10), f"rank {rank}: measured {got}, predicted {predicted}"
