@@ -1,0 +1,53 @@
+"""``megatronish-plan``: ``pretrain_gpt.py``'s flags plus ``--world-size N`` (the launcher's world size) and the
+planner's own (``--gpu``, ``--gpus-per-node``, ``--hardware-file``, ``--json``, ``--plot``). Every problem the real
+launch would report is printed at once (one ``error:`` line each, exit 2); otherwise the plan: memory per pipeline
+stage, step time, throughput and MFU (docs/planner.md). No process group is started."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..arguments import build_parser, configs_from_args, exit_on_config_error
+from .hardware import KINDS, load_hardware
+from .plan import format_plan, make_plan, plot_plan
+
+PLANNER_FLAGS = ("world_size", "gpu", "gpus_per_node", "hardware_file", "json", "plot")
+
+
+def build_plan_parser() -> argparse.ArgumentParser:
+    p = build_parser(prog="megatronish-plan", description="Plan a pretrain_gpt.py run: validate the layout, "
+                                                           "predict memory per rank and step time.")
+    g = p.add_argument_group("planner")
+    g.add_argument("--world-size", type=int, required=True, help="the number of processes the launch would start")
+    g.add_argument("--gpu", default="H100-SXM", help=f"accelerator: {', '.join(KINDS)} (default H100-SXM)")
+    g.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per NVLink domain (default: the GPU's)")
+    g.add_argument("--hardware-file", default=None, help="TOML overriding the accelerator's numbers")
+    g.add_argument("--json", action="store_true", help="print the plan as JSON")
+    g.add_argument("--plot", default=None, metavar="FILE", help="draw memory per stage as a PNG (needs matplotlib)")
+    return p
+
+
+def plan_from_argv(argv=None) -> tuple[dict, argparse.Namespace]:
+    """Parse, validate (raises the run's :class:`~megatronish.errors.ConfigError` listing every problem) and plan."""
+    ns = build_plan_parser().parse_args(argv)
+    mine = {k: getattr(ns, k) for k in PLANNER_FLAGS}
+    for k in PLANNER_FLAGS:
+        delattr(ns, k)
+    cfg = configs_from_args(ns, mine["world_size"])
+    hw = load_hardware(mine["gpu"], mine["gpus_per_node"], mine["hardware_file"])
+    return make_plan(cfg, hw), argparse.Namespace(**mine)
+
+
+def main(argv=None) -> None:
+    plan, opts = exit_on_config_error(lambda: plan_from_argv(argv))
+    if opts.json:
+        json.dump(plan, sys.stdout, indent=1, default=str)
+        sys.stdout.write("\n")
+    else:
+        print(format_plan(plan))
+    if opts.plot and not plot_plan(plan, opts.plot):
+        print(f"note: --plot {opts.plot}: matplotlib is not installed; no picture", file=sys.stderr)
+
+
+__all__ = ["main", "build_plan_parser", "plan_from_argv"]

@@ -1,0 +1,100 @@
+"""One layout's plan: memory per pipeline stage (the fullest rank of each), step time and throughput, and its
+report (text, JSON, a picture)."""
+from __future__ import annotations
+
+from .activations import stage_activations
+from .hardware import CPU_KIND
+from .perf import step_time
+from .state import rank_state_bytes, stage_ranks
+
+GIB = 2 ** 30
+
+
+def make_plan(cfg, hw) -> dict:
+    """The plan of the validated ``cfg`` on ``hw`` (see docs/planner.md). Activations use the CPU terms of
+    ``training/memory.py`` on ``cpu-this-machine``, Korthikanti's elsewhere."""
+    cpu = hw.name == CPU_KIND
+    stages, fullest_state = [], None
+    for stage, ranks in enumerate(stage_ranks(cfg.parallel)):
+        states = {r: rank_state_bytes(cfg, r) for r in ranks}
+        rank = max(states, key=lambda r: states[r].total)
+        st = states[rank]
+        act = stage_activations(cfg, stage, cpu=cpu)
+        total = st.total + act.total
+        stages.append({"stage": stage, "rank": rank, "num_params": st.num_params, "params": st.params,
+                       "grads": st.grads, "optimizer": st.optimizer, "activations": act.total,
+                       "activations_layers": act.layers, "activations_embedding": act.embedding,
+                       "activations_output": max(act.output, act.recompute), "in_flight": act.in_flight,
+                       "total": total, "fits": total <= hw.hbm_bytes})
+        if fullest_state is None or st.total > fullest_state.total:
+            fullest_state = st
+    par = cfg.parallel
+    peak = max(s["total"] for s in stages)
+    return {"layout": {"world_size": par.world_size, "tp": par.tp, "pp": par.pp, "vp": par.vp, "cp": par.cp,
+                       "ep": par.ep, "etp": par.expert_tp, "dp": par.dp,
+                       "sequence_parallel": cfg.sequence_parallel, "fsdp": cfg.fsdp_active,
+                       "distributed_optimizer": cfg.optim.use_distributed_optimizer,
+                       "micro_batch_size": cfg.train.micro_batch_size,
+                       "global_batch_size": cfg.train.global_batch_size, "num_microbatches": cfg.num_microbatches,
+                       "recompute": cfg.model.recompute.recompute_granularity},
+            "hardware": {"name": hw.name, "hbm_gib": hw.hbm_gib, "peak_bf16_tflops": hw.peak("bf16") / 1e12,
+                         "gpus_per_node": hw.gpus_per_node, "source": hw.source},
+            "stages": stages, "peak_bytes": peak, "fits": peak <= hw.hbm_bytes,
+            "time": step_time(cfg, hw, fullest_state)}
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:8.2f}"
+
+
+def format_plan(plan: dict) -> str:
+    lay, hw, tm = plan["layout"], plan["hardware"], plan["time"]
+    flags = " ".join(f"{k}={v}" for k, v in lay.items() if v not in (None, False))
+    lines = [f"layout: {flags}", f"hardware: {hw['name']} ({hw['hbm_gib']:.0f} GiB, {hw['peak_bf16_tflops']:.0f} "
+             f"TFLOP/s bf16, {hw['gpus_per_node']} per node)", "",
+             "memory per rank (GiB; the fullest rank of each pipeline stage; params/grads/optimizer exact):",
+             "stage  rank      params     grads  optimizer  activations    total  fits"]
+    for s in plan["stages"]:
+        lines.append(f"{s['stage']:5d} {s['rank']:5d}  {_gib(s['params'])}  {_gib(s['grads'])}   "
+                     f"{_gib(s['optimizer'])}     {_gib(s['activations'])} {_gib(s['total'])}  "
+                     f"{'yes' if s['fits'] else 'NO'}")
+    lines += ["", f"step time {tm['step_s'] * 1e3:.1f} ms: {tm['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
+              f"{tm['model_tflops_per_gpu']:.1f} model TFLOP/s/GPU, MFU {tm['mfu'] * 100:.1f}%",
+              "breakdown (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in tm["breakdown_s"].items()),
+              "collectives per step (MB issued, per rank): "
+              + (", ".join(f"{k} {v / 1e6:.1f}" for k, v in tm["comm_bytes"].items()) or "none")]
+    return "\n".join(lines)
+
+
+def plot_plan(plan: dict, path: str) -> bool:
+    """A stacked bar per pipeline stage (parameters, gradients, optimizer, activations) against the memory.
+    False (nothing drawn) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    stages = plan["stages"]
+    fig, ax = plt.subplots(figsize=(max(4, 0.8 * len(stages) + 2), 4))
+    bottom = [0.0] * len(stages)
+    x = [s["stage"] for s in stages]
+    for key, color in (("params", "#4c72b0"), ("grads", "#dd8452"), ("optimizer", "#55a868"),
+                       ("activations", "#c44e52")):
+        vals = [s[key] / GIB for s in stages]
+        ax.bar(x, vals, bottom=bottom, color=color, label=key)
+        bottom = [a + b for a, b in zip(bottom, vals)]
+    ax.axhline(plan["hardware"]["hbm_gib"], color="black", linestyle="--", label="memory")
+    ax.set_xlabel("pipeline stage")
+    ax.set_ylabel("GiB per rank")
+    ax.set_title(f"{plan['hardware']['name']}: step {plan['time']['step_s'] * 1e3:.0f} ms, "
+                 f"MFU {plan['time']['mfu'] * 100:.0f}%")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+__all__ = ["make_plan", "format_plan", "plot_plan"]
