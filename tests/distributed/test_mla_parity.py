@@ -1,0 +1,143 @@
+"""Multi-latent attention (with YaRN) and DeepSeek-V3's MoE layer train in every layout exactly as one process.
+
+Each case runs 3 iterations through the training step and compares with a one-process run of the same model
+(same seed, no weight copying): the losses and every parameter's reduced gradient of every iteration (assembled
+from the ranks' slices; replicas must agree, so a missing reduction of a replicated down-projection shows), fp32,
+rtol 1e-5. SGD with an active gradient clip, so a wrong reduction shows up again in the next iteration. Then a
+checkpoint saved at TP 2 loads at TP 1 and the next iteration's loss equals the TP 2 run's.
+"""
+import pytest
+import torch
+
+from megatronish.arguments import configs_from_args, parse_args
+from megatronish.parallel import groups
+from megatronish.testing import assert_parity, global_tensors, run_distributed
+from megatronish.training import pretrain as training
+
+ITERS = 3
+BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--vocab-size", "96", "--make-vocab-size-divisible-by", "64", "--tokenizer-type", "NullTokenizer",
+        "--mock-data", "--global-batch-size", "8",
+        "--micro-batch-size", "2", "--train-iters", str(ITERS), "--optimizer", "sgd", "--lr", "0.3",
+        "--lr-decay-style", "constant", "--clip-grad", "0.5", "--attention-dropout", "0", "--hidden-dropout", "0",
+        "--eval-iters", "0", "--log-interval", "100", "--seed", "7", "--disable-bias-linear", "--swiglu",
+        "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
+        "--multi-latent-attention", "--kv-lora-rank", "12", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4",
+        "--v-head-dim", "6", "--qk-layernorm"]
+MODEL = {  # variant -> its flags
+    # q latent, YaRN (MLA's default RoPE) with a softmax mscale and an attention factor
+    "mla-yarn": ["--q-lora-rank", "16", "--rotary-scaling-factor", "4", "--mscale-all-dim", "0.7",
+                 "--yarn-original-max-position-embeddings", "8"],
+    "mla-full-q-rope": ["--rope-type", "rope"],
+    # DeepSeek-V3's MoE: the first layer dense with its own FFN size, sigmoid scores with the selection-only
+    # expert bias, group-limited top-k, the routed scaling factor, a shared expert
+    "mla-deepseek-moe": ["--q-lora-rank", "16", "--num-experts", "4", "--moe-layer-freq", "([0]*1+[1]*3)",
+                         "--ffn-hidden-size", "24", "--moe-ffn-hidden-size", "8", "--moe-router-topk", "2",
+                         "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                         "--moe-router-bias-update-rate", "1e-2", "--moe-router-num-groups", "2",
+                         "--moe-router-group-topk", "1", "--moe-router-topk-scaling-factor", "2.5",
+                         "--moe-shared-expert-intermediate-size", "16", "--moe-router-load-balancing-type",
+                         "seq_aux_loss", "--moe-aux-loss-coeff", "1e-2", "--moe-token-dispatcher-type", "alltoall"],
+}
+TP2, SP = ["--tensor-model-parallel-size", "2"], ["--sequence-parallel"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
+CASES = {  # name: (world, layout flags, model variant)
+    "tp2-sp": (2, TP2 + SP, "mla-yarn"),
+    "tp2": (2, TP2, "mla-yarn"),
+    "tp2-sp-full-q": (2, TP2 + SP, "mla-full-q-rope"),
+    "tp2-sp-recompute-full": (2, TP2 + SP + ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                             "--recompute-num-layers", "1"], "mla-yarn"),
+    "tp2-sp-recompute-selective": (2, TP2 + SP + ["--recompute-granularity", "selective"], "mla-yarn"),
+    "pp2": (2, PP2, "mla-yarn"),
+    "cp2-p2p": (2, ["--context-parallel-size", "2"], "mla-yarn"),
+    "dp2-distopt": (2, ["--use-distributed-optimizer"], "mla-yarn"),
+    "dp2-fsdp2": (2, ["--use-torch-fsdp2"], "mla-yarn"),
+    "pp2-vp2": (4, PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"], "mla-yarn"),
+    "cp2-allgather-tp2": (4, TP2 + ["--context-parallel-size", "2", "--cp-comm-type", "allgather"], "mla-yarn"),
+    "ep2-tp2-sp": (4, TP2 + SP + ["--expert-model-parallel-size", "2"], "mla-deepseek-moe"),
+    "ep2-tp2-sp-distopt": (4, TP2 + SP + ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"],
+                           "mla-deepseek-moe"),
+}
+
+
+def _run(argv, world):
+    """Losses and the reduced gradients of every iteration (numpy: they travel through a pipe)."""
+    groups.destroy_model_parallel()
+    cfg = configs_from_args(parse_args(BASE + argv), world)
+    run, state = training.setup(cfg)
+    grads, step = [], run.optimizer.step
+
+    def step_and_record():  # before clipping and the update
+        grads.append({k: v.numpy() for k, v in global_tensors(run.models, run.parallel, grads=True,
+                                                               optimizer=run.optimizer).items()})
+        return step()
+
+    run.optimizer.step = step_and_record
+    losses = [training.train_step(run, state).loss for _ in range(ITERS)]
+    return {"losses": losses, "grads": grads}
+
+
+def _checkpoint_losses(root):
+    """Iteration 3's loss from the checkpoint a TP 2 run saved after iteration 2, loaded at TP 2 and at TP 1."""
+    def run(flags):
+        groups.destroy_model_parallel()
+        argv = BASE + MODEL["mla-yarn"] + ["--optimizer", "adam", "--lr", "1e-2"] + flags
+        return [loss for _, loss in training.pretrain(configs_from_args(parse_args(argv), 2)).state.history]
+
+    saved = run(TP2 + SP + ["--save", root, "--exit-interval", "2"])  # saves when it exits
+    return dict(saved=saved, tp2=run(TP2 + SP + ["--load", root]), tp1=run(["--load", root]))
+
+
+def _worker(rank, world, cases, root=None):
+    out = {name: _run(argv, world) for name, argv in cases.items()}
+    if root is not None:
+        out["checkpoint"] = _checkpoint_losses(root)
+    return out if rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    refs = run_distributed(_worker, 1, MODEL)[0]
+    got = {}
+    for world in (2, 4):
+        cases = {name: flags + MODEL[variant] for name, (w, flags, variant) in CASES.items() if w == world}
+        root = str(tmp_path_factory.mktemp("mla_ckpt")) if world == 2 else None
+        got.update(run_distributed(_worker, world, cases, root, timeout=600)[0])
+    return refs, got
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_layout_equals_one_process(results, name):
+    refs, got = results
+    ref, out = refs[CASES[name][2]], got[name]
+    assert_parity(out["losses"], ref["losses"], f"{name} losses")
+    assert len(out["grads"]) == len(ref["grads"]) == ITERS
+    for it, (grads, ref_grads) in enumerate(zip(out["grads"], ref["grads"])):
+        assert sorted(grads) == sorted(ref_grads), f"{name}: parameter names differ"
+        for param, want in ref_grads.items():  # (the vocabulary pads to 128 at TP 1 and 2 alike)
+            assert_parity(grads[param], want, f"{name} iteration {it + 1} gradient of {param}")
+
+
+def test_reference_learns_and_every_mla_weight_gets_gradient(results):
+    refs, _ = results
+    for variant, ref in refs.items():
+        assert ref["losses"][-1] < ref["losses"][0], f"{variant}: {ref['losses']}"
+        g = ref["grads"][0]
+        attention = [n for n in g if ".self_attention." in n]
+        assert all(abs(g[n]).sum() > 0 for n in attention), variant
+    names = set(refs["mla-yarn"]["grads"][0])
+    for leaf in ("linear_q_down_proj", "q_layernorm", "linear_q_up_proj", "linear_kv_down_proj", "kv_layernorm",
+                 "linear_kv_up_proj", "linear_proj"):
+        assert f"decoder.layers.3.self_attention.{leaf}.weight" in names
+    assert "decoder.layers.0.self_attention.linear_q_proj.weight" in refs["mla-full-q-rope"]["grads"][0]
+    moe = refs["mla-deepseek-moe"]["grads"][0]
+    assert "decoder.layers.0.mlp.linear_fc1.weight" in moe and moe["decoder.layers.0.mlp.linear_fc1.weight"].shape \
+        == (48, 32)  # the dense first layer: SwiGLU of --ffn-hidden-size 24
+    assert moe["decoder.layers.1.mlp.experts.linear_fc1.weight"].shape == (4, 16, 32)  # --moe-ffn-hidden-size 8
+
+
+def test_checkpoint_saved_at_tp2_loads_at_tp1(results):
+    _, got = results
+    ck = got["checkpoint"]
+    assert len(ck["saved"]) == 2 and len(ck["tp2"]) == len(ck["tp1"]) == 1, ck
+    torch.testing.assert_close(torch.tensor(ck["tp1"]), torch.tensor(ck["tp2"]), rtol=1e-5, atol=0)
