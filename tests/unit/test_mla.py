@@ -256,3 +256,22 @@ def test_flops_count_mla_terms():
         logits = 2 * h * 100
         expected = 3 * B_ * s * (L * (attn + mlp) + logits)
         assert num_floating_point_operations(cfg, B_) == pytest.approx(expected, rel=1e-12)
+
+
+def test_generation_cache_equals_full_forward():
+    """The generation cache (keys and values padded to one head size) gives the full forward's logits."""
+    from megatronish.inference.kv_cache import InferenceParams
+    from megatronish.model import GPTModel
+
+    model = GPTModel(_ours(24, True)).eval()
+    model.init_parameters(3)
+    ids = torch.randint(0, 64, (B, S), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        full = model(ids)
+        cache = InferenceParams.for_model(model, max_batch=B, max_sequence=S)
+        steps = [model(ids[:, :5], inference_params=cache)]
+        cache.advance(5)
+        for t in range(5, S):
+            steps.append(model(ids[:, t:t + 1], inference_params=cache))
+            cache.advance(1)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
