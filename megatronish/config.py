@@ -280,6 +280,11 @@ class CheckpointConfig:
     # (iteration directory, iteration) of the --load checkpoint, resolved once when --use-checkpoint-args read its
     # config (checkpoint.args.resolve_load); the loader loads that one. None: the loader resolves --load itself.
     load_resolved: tuple[str, int | None] | None = None
+    # --load names a Hugging Face model directory (checkpoint.layout.is_hf_model_dir): its weights are read into
+    # this run's layout (convert/hf_load.py) and training starts at iteration 0 with a fresh optimizer
+    load_hf: bool = False
+    save_hf: str | None = None  # write the model as a Hugging Face directory (convert/hf_save.py)
+    save_hf_interval: int | None = None  # None: at every checkpoint save (and the end of training)
 
 
 @dataclass(frozen=True)

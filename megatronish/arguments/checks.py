@@ -280,9 +280,11 @@ def _check_logging(lg: configs.LoggingConfig, errors: list[str]) -> None:
 
 
 def _check_checkpoint(c: configs.CheckpointConfig, errors: list[str]) -> None:
-    for name in ("save_interval", "exit_interval", "exit_duration_in_mins"):
+    for name in ("save_interval", "exit_interval", "exit_duration_in_mins", "save_hf_interval"):
         value = getattr(c, name)
         if value is not None and value < 1:
             errors.append(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if c.save_hf_interval is not None and not c.save_hf:
+        errors.append("--save-hf-interval needs --save-hf (the directory to write the Hugging Face model to)")
     if c.use_checkpoint_args and not c.load:
         errors.append("--use-checkpoint-args needs --load (the checkpoint to take the model flags from)")

@@ -9,9 +9,14 @@ def add_checkpoint_flags(p) -> None:
     """Saving, loading and when to exit."""
     g = p.add_argument_group("checkpointing and exit")
     flag(g, "--save", default=None, help="directory to save checkpoints to")
-    flag(g, "--load", default=None, help="directory to resume from (its latest complete checkpoint)")
+    flag(g, "--load", default=None, help="directory to resume from (its latest complete checkpoint), or a Hugging "
+         "Face model directory to start from (its config.json gives the model flags)")
     g.add_argument("--save-interval", "--persistent-save-interval", type=int, default=None,
                    help="save every N iterations")
+    flag(g, "--save-hf", default=None, help="also write the model as a Hugging Face directory here "
+         "(DIR/iter_XXXXXXX, DIR/latest)")
+    flag(g, "--save-hf-interval", type=int, default=None,
+         help="write --save-hf every N iterations (default: at every checkpoint save) and at the end")
     flag(g, "--async-save", **on, help="write checkpoints in the background while training continues")
     flag(g, "--no-save-optim", **on, help="leave the optimizer state out of saved checkpoints")
     flag(g, "--no-save-rng", **on, help="leave the RNG states out of saved checkpoints")

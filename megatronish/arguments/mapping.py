@@ -41,8 +41,14 @@ def _rules(args, load_resolved: tuple[str, int | None] | None = None) -> dict[ty
         configs.DataConfig: dict(data_path=list(args.data_path or []),
                          split=args.split if args.split is not None else configs.DataConfig.split,
                          vocab_size_flag=args.vocab_size),
-        configs.CheckpointConfig: dict(load_resolved=load_resolved),
+        configs.CheckpointConfig: dict(load_resolved=load_resolved, load_hf=_is_hf_dir(args.load)),
     }
+
+
+def _is_hf_dir(path) -> bool:
+    from ..checkpoint.layout import is_hf_model_dir
+
+    return is_hf_model_dir(path)
 
 
 def _notes(args) -> list[str]:

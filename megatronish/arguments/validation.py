@@ -89,8 +89,18 @@ def configs_from_args(args: argparse.Namespace, world_size: int, *, for_training
     ``for_training=False``: see :func:`validate_args` (the micro-batch size defaults to 1). Under
     ``--use-checkpoint-args`` the ``--load`` checkpoint is resolved once, here: its stored config fills the flags
     (of a copy: ``args`` stays as given) and the loader loads that iteration (``CheckpointConfig.load_resolved``)."""
-    load_resolved = None
-    if getattr(args, "use_checkpoint_args", False) and args.load:  # without --load: validation names it
+    from ..checkpoint.layout import is_hf_model_dir
+
+    load_resolved, hf_vocab = None, None
+    if is_hf_model_dir(args.load):  # a Hugging Face model directory: its config.json gives the model flags
+        from .hf_args import hf_arg_values
+        from .parser import build_parser
+
+        values, hf_vocab = hf_arg_values(args, args.load, build_parser())
+        args = copy.copy(args)
+        for dest, value in values.items():
+            setattr(args, dest, value)
+    elif getattr(args, "use_checkpoint_args", False) and args.load:  # without --load: validation names it
         from ..checkpoint.args import checkpoint_arg_values, resolve_load  # reads the checkpoint's config
 
         load_resolved = resolve_load(args.load)
@@ -99,8 +109,15 @@ def configs_from_args(args: argparse.Namespace, world_size: int, *, for_training
         for dest, value in values.items():
             setattr(args, dest, value)
     cfg = _validated(args, world_size, for_training, load_resolved)
-    # The model's true vocabulary is the tokenizer's, built here once (it may read files) and kept on cfg.data.
-    return dataclasses.replace(cfg, model=cfg.model.replace(vocab_size=int(cfg.data.tokenizer.vocab_size)))
+    # The model's true vocabulary is the tokenizer's, built here once (it may read files) and kept on cfg.data;
+    # a Hugging Face model keeps its own (every embedding row; the tokenizer must fit in it).
+    vocab = int(cfg.data.tokenizer.vocab_size)
+    if hf_vocab is not None:
+        if vocab > hf_vocab:
+            raise ConfigError(f"the tokenizer has {vocab} tokens, more than the vocabulary of --load {args.load} "
+                              f"({hf_vocab}, config.json vocab_size); use the model's tokenizer")
+        vocab = hf_vocab
+    return dataclasses.replace(cfg, model=cfg.model.replace(vocab_size=vocab))
 
 
 # ---------------------------------------------------------------------------------------------------------------

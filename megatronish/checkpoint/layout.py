@@ -110,3 +110,11 @@ def incomplete_dirs(root: str, iteration: int | None | bool) -> list[str]:
         if newer or not os.path.isfile(os.path.join(path, ".metadata")):
             out.append(path)
     return out
+
+
+def is_hf_model_dir(path: str | None) -> bool:
+    """Whether ``path`` is a Hugging Face model directory (``config.json`` beside ``model.safetensors`` or
+    ``model.safetensors.index.json``) rather than one of our checkpoints (no tracker, not an iteration directory)."""
+    if not path or not os.path.isfile(os.path.join(path, "config.json")) or os.path.isfile(tracker_path(path)):
+        return False
+    return any(os.path.isfile(os.path.join(path, f)) for f in ("model.safetensors", "model.safetensors.index.json"))

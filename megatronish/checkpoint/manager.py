@@ -78,9 +78,11 @@ class Checkpointer:
     """Save/load for one training run (see the module docstring)."""
 
     def __init__(self, cfg, models, optimizer, scheduler, *, parallel: ParallelContext, fp8=None,
-                 rng_tracker: RNGStatesTracker | None = None):
+                 rng_tracker: RNGStatesTracker | None = None, on_save=None):
         """``rng_tracker``: the run's RNG streams, saved and restored with the other generators (None: the
-        current tracker, :func:`megatronish.parallel.random.get_rng_tracker`)."""
+        current tracker, :func:`megatronish.parallel.random.get_rng_tracker`). ``on_save(iteration)``: called
+        (on every rank) after each save that wrote a new iteration, e.g. the ``--save-hf`` export."""
+        self.on_save = on_save
         self.cfg = cfg
         self.ck = cfg.checkpoint
         self.models = models
@@ -110,7 +112,7 @@ class Checkpointer:
 
     def _load(self, state) -> bool:
         ck = self.ck
-        if not ck.load:
+        if not ck.load or ck.load_hf:  # a Hugging Face directory: the run's HF loader reads it (a fresh start)
             return False
         found = ck.load_resolved or layout.resolve(ck.load)  # resolved by --use-checkpoint-args, or here
         self._warn_incomplete(ck.load, found)
@@ -247,8 +249,11 @@ class Checkpointer:
     # ------------------------------------------------------------------------------------------------ save
     def save(self, state) -> None:
         """Save ``state.iteration`` to ``--save`` (collective); asynchronous with ``--async-save``."""
+        before = self._on_disk
         with dcp_io.gc_paused():
             self._save(state)
+        if self.on_save is not None and self._on_disk is not None and self._on_disk != before:
+            self.on_save(state.iteration)
 
     def _save(self, state) -> None:
         ck = self.ck
@@ -380,9 +385,10 @@ class Checkpointer:
 
 
 def setup_checkpointing(cfg, models, optimizer, scheduler, state, *, parallel: ParallelContext,
-                        fp8=None, rng_tracker: RNGStatesTracker | None = None) -> Checkpointer:
+                        fp8=None, rng_tracker: RNGStatesTracker | None = None, on_save=None) -> Checkpointer:
     """Build the run's :class:`Checkpointer` and resume from ``--load`` into ``state`` (collective)."""
-    ckpt = Checkpointer(cfg, models, optimizer, scheduler, parallel=parallel, fp8=fp8, rng_tracker=rng_tracker)
+    ckpt = Checkpointer(cfg, models, optimizer, scheduler, parallel=parallel, fp8=fp8, rng_tracker=rng_tracker,
+                        on_save=on_save)
     ckpt.load(state)
     if cfg.checkpoint.async_save and cfg.checkpoint.save:
         ckpt.reserve_staging()

@@ -39,35 +39,37 @@ def parse_size(s: str | int) -> int:
 class HFReader:
     """Tensors of a HF model directory, one at a time."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, flag: str = "--load-dir"):
+        """``flag``: the command-line flag that named ``path`` (for the error lines)."""
         self.path = path
         cfg = os.path.join(path, CONFIG)
         if not os.path.isfile(cfg):
-            raise ConvertError(f"--load-dir {path}: no {CONFIG} there; give a Hugging Face model directory")
+            raise ConvertError(f"{flag} {path}: no {CONFIG} there; give a Hugging Face model directory")
         try:
             with open(cfg) as f:
                 self.config = json.load(f)
         except (OSError, ValueError) as e:
-            raise ConvertError(f"--load-dir {path}: cannot read {cfg} ({e}); give a Hugging Face model "
+            raise ConvertError(f"{flag} {path}: cannot read {cfg} ({e}); give a Hugging Face model "
                                "directory with a valid config.json") from None
         if not isinstance(self.config, dict):
-            raise ConvertError(f"--load-dir {path}: {cfg} is not a JSON object")
+            raise ConvertError(f"{flag} {path}: {cfg} is not a JSON object")
         index, single = os.path.join(path, INDEX), os.path.join(path, SINGLE)
         if os.path.isfile(index):
             try:
                 with open(index) as f:
                     self.file_of = dict(json.load(f)["weight_map"])
             except (OSError, ValueError, KeyError, TypeError) as e:
-                raise ConvertError(f"--load-dir {path}: cannot read the weight map of {index} ({e!r})") from None
+                raise ConvertError(f"{flag} {path}: cannot read the weight map of {index} ({e!r})") from None
         elif os.path.isfile(single):
             from safetensors import safe_open
 
             with safe_open(single, "pt") as f:
                 self.file_of = {k: SINGLE for k in f.keys()}
         else:
-            raise ConvertError(f"--load-dir {path}: neither {SINGLE} nor {INDEX}; save the model with "
+            raise ConvertError(f"{flag} {path}: neither {SINGLE} nor {INDEX}; save the model with "
                                "safe_serialization (pytorch_model.bin is not read)")
         self._open: dict = {}
+        self.bytes_read = 0  # data bytes handed out by read()
 
     def names(self) -> list[str]:
         return list(self.file_of)
@@ -93,12 +95,33 @@ class HFReader:
         with safe_open(os.path.join(self.path, self.file_of[name]), "pt") as f:
             return f.get_tensor(name)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(self.file_of[name]).get_slice(name).get_shape())
+
+    def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        """Only the elements of tensor ``name`` at ``index`` (one slice per leading dimension): ``safe_open``'s
+        ``get_slice`` reads just their bytes. The files stay open until :meth:`close`."""
+        t = self._handle(self.file_of[name]).get_slice(name)[index]
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
     def dtype(self, name: str) -> torch.dtype:
         code = self._handle(self.file_of[name]).get_slice(name).get_dtype()
         return _FROM_CODE[code]
 
     def close(self) -> None:
         self._open.clear()
+
+
+def safetensors_header(tensors: list[tuple[str, tuple[int, ...], torch.dtype, int, int]]) -> bytes:
+    """The start of a safetensors file holding ``[(name, shape, dtype, begin, end)]`` (byte ranges of its data
+    part): the 8-byte little-endian header length and the JSON header, padded to 8 bytes. The data follows."""
+    header = {name: {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [b, e]}
+              for name, shape, dtype, b, e in tensors}
+    header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw
 
 
 class HFWriter:
@@ -132,14 +155,8 @@ class HFWriter:
     def _start(self, i: int) -> None:
         if self._f is not None:
             self._f.close()
-        header = {name: {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [b, e]}
-                  for name, shape, dtype, b, e in self.shards[i]}
-        header["__metadata__"] = {"format": "pt"}
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
         self._f = open(os.path.join(self.path, self.files[i]), "wb")
-        self._f.write(len(raw).to_bytes(8, "little"))
-        self._f.write(raw)
+        self._f.write(safetensors_header(self.shards[i]))
         self._cur = i
 
     def write(self, name: str, t: torch.Tensor) -> None:

@@ -40,19 +40,9 @@ class Source:
 
 # ---- loaders ------------------------------------------------------------------------------------------------
 
-def load_hf(args) -> Source:
-    r = HFReader(args.load_dir)
-    where = f"--load-dir {args.load_dir}"
-    cfg, arch = model_config_from_hf(r.config, true_vocab_size=args.true_vocab_size,
-                                     make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                                     where=f"{args.load_dir}/config.json")
-    names = set(r.names())
-    prefix = None
-    if arch == GPT2 and "transformer.wte.weight" not in names and "wte.weight" in names:
-        prefix = ""  # old GPT-2 files without the "transformer." prefix
-    padded = cfg.padded_vocab_size(args.target_tensor_parallel_size)
-    experts = expert_layout(names)  # MoE: per-expert tensors (published files) or transformers 5's fused ones
-    entries = build_entries(cfg, arch, padded, prefix, experts)
+def check_names(names: set[str], entries, cfg: ModelConfig, arch: str, where: str) -> None:
+    """The HF tensor ``names`` are exactly those the name map ``entries`` needs (a tied ``lm_head.weight`` and
+    buffers aside): one error line naming the first unexpected or missing tensor otherwise."""
     known = {n for e in entries for n in e.hf}
     if not cfg.untie_embeddings_and_output_weights:
         known.add("lm_head.weight")  # a copy of the tied word embedding, when present
@@ -67,6 +57,22 @@ def load_hf(args) -> Source:
         raise ConvertError(f"{where}: missing tensor {missing[0]!r} (needed for {owner})"
                            + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
                            + f"; the directory does not hold a complete {arch}")
+
+
+def load_hf(args) -> Source:
+    r = HFReader(args.load_dir)
+    where = f"--load-dir {args.load_dir}"
+    cfg, arch = model_config_from_hf(r.config, true_vocab_size=args.true_vocab_size,
+                                     make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                                     where=f"{args.load_dir}/config.json")
+    names = set(r.names())
+    prefix = None
+    if arch == GPT2 and "transformer.wte.weight" not in names and "wte.weight" in names:
+        prefix = ""  # old GPT-2 files without the "transformer." prefix
+    padded = cfg.padded_vocab_size(args.target_tensor_parallel_size)
+    experts = expert_layout(names)  # MoE: per-expert tensors (published files) or transformers 5's fused ones
+    entries = build_entries(cfg, arch, padded, prefix, experts)
+    check_names(names, entries, cfg, arch, where)
     shapes = expected_global_shapes(cfg, args.target_tensor_parallel_size)
     specs = [(e.ours, shapes[e.ours], r.dtype(e.hf[0])) for e in entries]
 

@@ -64,9 +64,9 @@ def configs_for_generation(args: argparse.Namespace, world_size: int):
     errors = []
     if not args.load:
         errors.append("--load is required: the checkpoint directory to generate from")
-    elif layout.resolve(args.load) is None:
+    elif layout.resolve(args.load) is None and not layout.is_hf_model_dir(args.load):
         errors.append(f"--load {args.load}: no checkpoint there (no {layout.TRACKER} and not an iter_XXXXXXX or "
-                      "release directory); point --load at a checkpoint directory")
+                      "release directory); point --load at a checkpoint directory or a Hugging Face model directory")
     if args.num_layers_per_virtual_pipeline_stage or args.num_virtual_stages_per_pipeline_rank:
         errors.append("generation runs one model chunk per pipeline rank: drop --num-layers-per-virtual-pipeline-"
                       "stage / --num-virtual-stages-per-pipeline-rank (the checkpoint loads at any layout)")
@@ -122,8 +122,13 @@ def load_generator(cfg, args) -> GenerationSession:
     (model,) = build_model_chunks(cfg.model, ctx, sequence_parallel=False, device=dev, params_dtype=dtype)
     ck = dataclasses.replace(cfg.checkpoint, no_load_optim=True, no_load_rng=True, finetune=True,
                              exit_on_missing_checkpoint=True)
-    Checkpointer(dataclasses.replace(cfg, checkpoint=ck), [model], None, None, parallel=ctx).load(
-        argparse.Namespace(iteration=0, consumed_samples=0, valid_consumed_samples=0))
+    if ck.load_hf:  # a Hugging Face model directory: each rank reads its own blocks
+        from ..convert.hf_load import load_hf_weights
+
+        load_hf_weights([model], cfg, ctx, ck.load)
+    else:
+        Checkpointer(dataclasses.replace(cfg, checkpoint=ck), [model], None, None, parallel=ctx).load(
+            argparse.Namespace(iteration=0, consumed_samples=0, valid_consumed_samples=0))
     model.eval()
     max_seq = args.inference_max_sequence_length or cfg.model.max_position_embeddings
     gen = Generator(model, ctx, max_batch=args.inference_max_requests, max_sequence=max_seq)

@@ -14,6 +14,8 @@ import torch.distributed as dist
 
 from .. import device
 from ..checkpoint.manager import setup_checkpointing
+from ..convert.hf_load import load_hf_weights
+from ..convert.hf_save import HFExport
 from ..data.mock import MockGPTDataset
 from ..model.build import build_model_chunks
 from ..optim.grad_scaler import build_grad_scaler
@@ -150,8 +152,13 @@ def setup(cfg, watch: Watch | None = None) -> tuple[TrainContext, TrainState]:
                        compiler=compiler, rng_tracker=rng_tracker)
     optimizer.timers = timers  # params-all-gather
     state = TrainState()
+    if cfg.checkpoint.save_hf:  # --save-hf: written at checkpoint saves or its own interval (convert/hf_save.py)
+        run.hf_export = HFExport(cfg, models, parallel)
     run.checkpointer = setup_checkpointing(cfg, models, optimizer, scheduler, state, parallel=parallel,
-                                           fp8=fp8, rng_tracker=rng_tracker)  # --load
+                                           fp8=fp8, rng_tracker=rng_tracker,
+                                           on_save=run.hf_export.on_checkpoint_saved if run.hf_export else None)
+    if cfg.checkpoint.load_hf:  # --load <HF directory>: each rank reads its own blocks (convert/hf_load.py)
+        load_hf_weights(models, cfg, parallel, cfg.checkpoint.load)
     optimizer.reload_model_params()  # fp32 master copies from the (loaded) 16-bit model, unless loaded themselves
     say = print_rank0()
     for line in run_notes(cfg):

@@ -68,6 +68,8 @@ def pretrain(cfg, watch: Watch | None = None) -> TrainResult:
                 logger.evaluate(state)
                 logger.window_start = time.perf_counter()  # evaluation time is not training time
             state.exit_reason = exit_policy.after_iteration(state, run.checkpointer)
+            if run.hf_export is not None:
+                run.hf_export.after_iteration(state.iteration)  # --save-hf-interval
             profiler.after_iteration(state.iteration)
             if t.manual_gc and t.manual_gc_interval and state.iteration % t.manual_gc_interval == 0:
                 gc.collect()
@@ -82,6 +84,8 @@ def pretrain(cfg, watch: Watch | None = None) -> TrainResult:
                 logger.evaluate(state, test=True)
         run.optimizer.finish_param_sync()  # callers get complete parameters (--overlap-param-gather)
         run.checkpointer.finish(state)  # final save; waits for background writes
+        if run.hf_export is not None:
+            run.hf_export.finish(state.iteration)  # --save-hf: the final state, unless just written
     finally:
         if loader is not None:
             loader.close()

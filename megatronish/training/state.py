@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 
     from ..checkpoint.manager import Checkpointer
     from ..config import RunConfig
+    from ..convert.hf_save import HFExport
     from ..data.blending import BlendedDataset
     from ..data.gpt_dataset import GPTDataset
     from ..data.mock import MockGPTDataset
@@ -76,6 +77,7 @@ class TrainContext:
     device: torch.device | None = None
     compiler: Compiler | None = None  # under --torch-compile
     rng_tracker: RNGStatesTracker | None = None  # the RNG streams of the model and the checkpoint
+    hf_export: HFExport | None = None  # under --save-hf: when and how the model is written for transformers
 
 
 @dataclass

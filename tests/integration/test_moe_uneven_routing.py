@@ -12,30 +12,22 @@ cross entropy of each micro-batch, averaged over the micro-batches), with Megatr
 the command line (weight decay 0.01 on matrices only, global grad-norm clip 1.0, betas 0.9 / 0.999, eps 1e-8) and
 its cosine schedule with linear warm-up. Every iteration's loss equals it (fp32, rtol 1e-5).
 """
-import math
-import os
-
 import pytest
 import torch
 
 from megatronish.arguments import configs_from_args, parse_args
-from megatronish.data.sampler import collate
 from megatronish.data.tokenizers import gpt2_files
 from megatronish.parallel import groups
 from megatronish.testing import run_distributed
 from megatronish.training import pretrain as training
 from megatronish.training.data_wiring import build_file_datasets
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ITERS, GBS, MBS, SEQ, LR, MIN_LR, WARMUP = 12, 8, 2, 64, 3e-3, 3e-4, 2
+from support.hf_training import GBS, ITERS, SEQ, corpus, hf_adamw_losses, schedule_flags
 
 
 def _argv(ours, prefix, dispatcher, layout):
     vocab, merges = gpt2_files()
     return ["--use-checkpoint-args", "--load", ours, "--finetune", "--seq-length", str(SEQ),
-            "--max-position-embeddings", str(SEQ), "--micro-batch-size", str(MBS), "--global-batch-size", str(GBS),
-            "--train-iters", str(ITERS), "--lr", str(LR), "--min-lr", str(MIN_LR), "--lr-decay-style", "cosine",
-            "--lr-warmup-iters", str(WARMUP), "--data-path", prefix, "--split", "100,0,0",
+            "--max-position-embeddings", str(SEQ), *schedule_flags(), "--data-path", prefix, "--split", "100,0,0",
             "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges,
             "--log-interval", "1000", "--eval-iters", "0", "--moe-token-dispatcher-type", dispatcher,
             # what --use-checkpoint-args leaves to the command line (as Megatron's does): transformers trains
@@ -66,45 +58,12 @@ def _worker(rank, world, cases):
     return out
 
 
-def _lr(iteration: int) -> float:
-    """Megatron's cosine schedule with linear warm-up, in samples, before iteration ``iteration`` (0-based)."""
-    n, warm, decay = iteration * GBS, WARMUP * GBS, ITERS * GBS
-    if n <= warm:
-        return LR * n / warm
-    return MIN_LR + 0.5 * (math.cos(math.pi * (n - warm) / (decay - warm)) + 1) * (LR - MIN_LR)
-
-
-def _hf_losses(hf, samples) -> list[float]:
-    params = [p for p in hf.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() > 1], "weight_decay": 0.01},
-                             {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}],
-                            lr=LR, betas=(0.9, 0.999), eps=1e-8)
-    losses, n = [], GBS // MBS
-    for it in range(ITERS):
-        batch = samples[it * GBS:(it + 1) * GBS]
-        opt.zero_grad()
-        loss = 0.0
-        for m in range(n):
-            mb = collate(batch[m * MBS:(m + 1) * MBS])
-            logits = hf(input_ids=mb["tokens"].long()).logits
-            ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)),
-                                                 mb["labels"].long().reshape(-1))
-            (ce / n).backward()
-            loss += ce.item() / n
-        losses.append(loss)
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        for group in opt.param_groups:
-            group["lr"] = _lr(it)
-        opt.step()
-    return losses
-
-
 def prepare(root):
     """The HF model (saved and converted under ``root``), the tokenized corpus, and the first iterations'
     samples in order: ``(hf, our checkpoint, data prefix, samples)``."""
     import transformers
 
-    from megatronish.tools import convert_checkpoint, preprocess_data
+    from megatronish.tools import convert_checkpoint
 
     transformers.logging.set_verbosity_error()
     cfg = transformers.Qwen3MoeConfig(vocab_size=50257, hidden_size=64, intermediate_size=160,
@@ -117,13 +76,7 @@ def prepare(root):
     hf.save_pretrained(root / "hf")
     convert_checkpoint.main(["--model-type", "GPT", "--loader", "hf", "--saver", "megatronish",
                              "--load-dir", str(root / "hf"), "--save-dir", str(root / "ours")])
-    with open(os.path.join(ROOT, "examples", "corpus", "python_docs.jsonl")) as src:
-        (root / "c.jsonl").write_text("".join(next(src) for _ in range(400)))
-    vocab, merges = gpt2_files()
-    preprocess_data.main(["--input", str(root / "c.jsonl"), "--output-prefix", str(root / "c"),
-                          "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges,
-                          "--append-eod", "--workers", "1"])
-    prefix, ours = str(root / "c_text_document"), str(root / "ours")
+    prefix, ours = corpus(root), str(root / "ours")
     train = build_file_datasets(configs_from_args(parse_args(_argv(ours, prefix, "allgather", [])), 1))[0]
     return hf, ours, prefix, [train[i] for i in range(ITERS * GBS)]
 
@@ -131,7 +84,7 @@ def prepare(root):
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     hf, ours, prefix, samples = prepare(tmp_path_factory.mktemp("qwen3moe"))
-    return ours, prefix, _hf_losses(hf, samples)
+    return ours, prefix, hf_adamw_losses(hf, samples)
 
 
 EP2 = ["--expert-model-parallel-size", "2"]

@@ -27,6 +27,10 @@ SIDEWAYS = {
     ("megatronish.config", "megatronish.model_config"),
     ("megatronish.inference", "megatronish.arguments"),
     ("megatronish.inference", "megatronish.training.initialize"),
+    ("megatronish.arguments.hf_args", "megatronish.convert"),
+    ("megatronish.training", "megatronish.convert.hf_load"),
+    ("megatronish.training", "megatronish.convert.hf_save"),
+    ("megatronish.inference", "megatronish.convert.hf_load"),
 }
 
 

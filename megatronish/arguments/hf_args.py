@@ -1,0 +1,86 @@
+"""``--load <Hugging Face model directory>``: the model flags from its ``config.json``.
+
+The architecture flags are taken from the directory as ``--use-checkpoint-args`` takes them from one of our
+checkpoints (``checkpoint/args.py``), with one difference: a flag given on the command line that contradicts the
+config is an error naming both (a checkpoint's config silently wins there, as in Megatron-LM). ``--seq-length``
+stays the command line's (default: ``max_position_embeddings``), and so does ``--max-position-embeddings`` for
+rotary models (it decides no weight). The run starts from iteration 0 with a fresh optimizer (as ``--finetune``).
+
+The tokenizer: with no tokenizer flag, a directory holding ``tokenizer.json`` or ``tokenizer_config.json`` gives
+``--tokenizer-type HuggingFaceTokenizer --tokenizer-model <dir>``; otherwise ``NullTokenizer`` over the model's
+vocabulary (pre-tokenized data), as ``--use-checkpoint-args`` does. The model's vocabulary is ``vocab_size`` of
+``config.json`` (every row of the embedding is kept, as the loss over them is transformers'); a tokenizer with more
+tokens is an error.
+"""
+from __future__ import annotations
+
+import os
+
+from ..checkpoint.args import _FORCED, _IF_UNSET
+from ..convert.hf_config import ConvertError, model_config_from_hf
+from ..convert.hf_io import HFReader
+from ..errors import ConfigError
+
+TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json")
+_FREE = ("seq_length",)  # the command line's, whatever the config says
+_FREE_WITH_ROPE = ("max_position_embeddings",)
+# the config's unless given: training choices that decide no weight
+_UNLESS_GIVEN = ("moe_aux_loss_coeff", "moe_grouped_gemm")
+
+
+def read_hf_config(path: str) -> dict:
+    try:
+        return HFReader(path, flag="--load").config
+    except ConvertError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _options(parser) -> dict[str, tuple[str, object]]:
+    """dest -> (first option string, default) of every flag."""
+    return {a.dest: (a.option_strings[0], a.default) for a in parser._actions if a.option_strings}
+
+
+def hf_arg_values(args, path: str, parser) -> tuple[dict, int]:
+    """``(flag values by dest, the model's vocabulary size)`` that the HF directory ``path`` gives a run with the
+    flags ``args`` (only read); ``parser``: the parser that made ``args`` (for the defaults). One
+    :class:`ConfigError` line per contradicting flag."""
+    where = f"{path}/config.json"
+    hf = read_hf_config(path)
+    try:
+        model, _ = model_config_from_hf(hf, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                                        where=where)
+    except ConvertError as e:
+        raise ConfigError(f"--load {path}: {e}") from None
+    flat = model.flat()
+    opts = _options(parser)
+    free = _FREE + (_FREE_WITH_ROPE if flat.get("position_embedding_type") == "rope" else ())
+    groups = flat["num_query_groups"]
+    wanted = {f: flat[f] for f in (*_IF_UNSET, *_FORCED, *_UNLESS_GIVEN) if f in flat and hasattr(args, f)}
+    wanted.update(group_query_attention=groups != flat["num_attention_heads"], num_query_groups=groups)
+    values, errors = {}, []
+    for dest, value in wanted.items():
+        given = getattr(args, dest)
+        option, default = opts.get(dest, (f"--{dest.replace('_', '-')}", None))
+        if dest in free or dest in _UNLESS_GIVEN:
+            if given is None or (dest in _UNLESS_GIVEN and given == default):
+                values[dest] = value
+            continue
+        if dest == "num_query_groups" and not args.group_query_attention:
+            given = default  # without --group-query-attention the flag is not used
+        if given != default and given != value and not (isinstance(value, float) and given == float(value)):
+            errors.append(f"{option} {_show(given)} contradicts --load {where}, which gives {dest} {_show(value)}; "
+                          f"drop {option} (the model's architecture is its config's)")
+        values[dest] = value
+    if errors:
+        raise ConfigError("\n".join(errors))
+    if args.tokenizer_type is None and args.vocab_file is None and args.tokenizer_model is None \
+            and args.vocab_size is None:
+        if any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_MARKERS):
+            values.update(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=path)
+        else:
+            values.update(tokenizer_type="NullTokenizer", vocab_size=flat["vocab_size"] - 1)
+    return values, int(flat["vocab_size"])
+
+
+def _show(v) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)
