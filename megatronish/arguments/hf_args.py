@@ -14,11 +14,11 @@ tokens is an error.
 """
 from __future__ import annotations
 
+import json
 import os
 
 from ..checkpoint.args import _FORCED, _IF_UNSET
 from ..convert.hf_config import ConvertError, model_config_from_hf
-from ..convert.hf_io import HFReader
 from ..errors import ConfigError
 
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json")
@@ -29,10 +29,16 @@ _UNLESS_GIVEN = ("moe_aux_loss_coeff", "moe_grouped_gemm")
 
 
 def read_hf_config(path: str) -> dict:
+    cfg = os.path.join(path, "config.json")
     try:
-        return HFReader(path, flag="--load").config
-    except ConvertError as e:
-        raise ConfigError(str(e)) from None
+        with open(cfg) as f:
+            out = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--load {path}: cannot read {cfg} ({e}); give a Hugging Face model directory with a "
+                          "valid config.json") from None
+    if not isinstance(out, dict):
+        raise ConfigError(f"--load {path}: {cfg} is not a JSON object")
+    return out
 
 
 def _options(parser) -> dict[str, tuple[str, object]]:
