@@ -120,6 +120,12 @@ class TrainingConfig:
     notes: list = field(default_factory=list)  # one log line each for flags accepted with a note (docs/flags.md)
     torch_compile: bool = False  # compile each transformer layer and the loss (docs/fsdp.md)
     check_for_nan_in_loss_and_grad: bool = True  # stop before the optimizer step on a NaN/Inf loss or gradient
+    # the rerun engine (training/rerun.py): rerun a suspicious iteration (disabled | validate_results | report_stats)
+    rerun_mode: str = "validate_results"
+    check_for_spiky_loss: bool = False  # a loss 10x the largest of the first 100 is suspicious
+    check_for_large_grads: bool = False  # a gradient norm 10x the largest of the first 100 is suspicious
+    error_injection_rate: int = 0  # testing: a fault in about one iteration in N
+    error_injection_type: str = "transient_error"  # correct_result | transient_error | persistent_error
 
 
 @dataclass(frozen=True)

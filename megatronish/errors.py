@@ -7,7 +7,8 @@ and exit 2 (:data:`EXIT_USER_ERROR`). Everything else is a bug and keeps its tra
 
 Exit codes (docs/reliability.md): 0 done, 1 a bug (traceback), 2 bad user input, 3 a non-finite loss or
 gradient (``--check-for-nan-in-loss-and-grad``), 4 a peer rank or the job's store is gone (the rank watchdog,
-``megatronish.training.watchdog``).
+``megatronish.training.watchdog``), 5 a rank computes wrong results (``--rerun-mode validate_results``,
+``megatronish.training.rerun``).
 
 :class:`CommandLineParser` is the ``argparse`` parser of every entry point: a command-line mistake is one
 ``error:`` line (an unknown flag names the closest known one) and exit 2, like every other user error.
@@ -20,13 +21,14 @@ import os
 import sys
 
 __all__ = ["UserError", "ConfigError", "CheckpointError", "TokenizerError", "BlendError", "IndexedDatasetError",
-           "ConvertError", "TrainingFailure", "NonFiniteError", "EXIT_BUG", "EXIT_USER_ERROR",
-           "EXIT_NON_FINITE", "EXIT_PEER_LOST", "CommandLineParser"]
+           "ConvertError", "TrainingFailure", "NonFiniteError", "FaultyRankError", "EXIT_BUG", "EXIT_USER_ERROR",
+           "EXIT_NON_FINITE", "EXIT_PEER_LOST", "EXIT_FAULTY_RANK", "CommandLineParser"]
 
 EXIT_BUG = 1
 EXIT_USER_ERROR = 2
 EXIT_NON_FINITE = 3
 EXIT_PEER_LOST = 4
+EXIT_FAULTY_RANK = 5
 
 
 class UserError(Exception):
@@ -71,6 +73,13 @@ class NonFiniteError(TrainingFailure):
     rank(s) and the first parameter with a non-finite gradient."""
 
     exit_code = EXIT_NON_FINITE
+
+
+class FaultyRankError(TrainingFailure):
+    """``--rerun-mode validate_results``: a wrong result that came back when its iteration was rerun on the same
+    ranks but not when other ranks computed the same micro-batches; the message names the rank and its host."""
+
+    exit_code = EXIT_FAULTY_RANK
 
 
 class CommandLineParser(argparse.ArgumentParser):

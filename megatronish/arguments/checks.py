@@ -279,6 +279,25 @@ def _check_logging(lg: configs.LoggingConfig, errors: list[str]) -> None:
                           "(MLflow logging is on with an experiment name)")
 
 
+def _check_rerun(t: configs.TrainingConfig, errors: list[str]) -> None:
+    """The rerun engine's flags (training/rerun.py)."""
+    modes = ("disabled", "validate_results", "report_stats")
+    if t.rerun_mode not in modes:
+        errors.append(f"--rerun-mode must be one of {', '.join(modes)}, got {t.rerun_mode}")
+    rate = t.error_injection_rate
+    if rate < 0:
+        errors.append(f"--error-injection-rate must be >= 0 (0: no injected faults), got {rate}")
+    elif rate == 0 and t.error_injection_type != "transient_error":
+        errors.append(f"--error-injection-type {t.error_injection_type} needs --error-injection-rate N (a fault in "
+                      "about one iteration in N)")
+    elif rate > 0 and t.rerun_mode != "validate_results":
+        errors.append(f"--error-injection-rate {rate} injects faults for --rerun-mode validate_results to find; got "
+                      f"--rerun-mode {t.rerun_mode}")
+    elif rate > 0 and not t.check_for_nan_in_loss_and_grad:
+        errors.append(f"--error-injection-rate {rate} injects NaNs, which --check-for-nan-in-loss-and-grad finds; "
+                      "drop --no-check-for-nan-in-loss-and-grad")
+
+
 def _check_checkpoint(c: configs.CheckpointConfig, errors: list[str]) -> None:
     for name in ("save_interval", "exit_interval", "exit_duration_in_mins", "save_hf_interval"):
         value = getattr(c, name)

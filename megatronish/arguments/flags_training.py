@@ -18,6 +18,17 @@ def add_batch_flags(p) -> None:
          help="stop before the optimizer step on a NaN/Inf loss or gradient (default: on)")
     flag(g, "--no-check-for-nan-in-loss-and-grad", action="store_false", dest="check_for_nan_in_loss_and_grad",
          help="count non-finite iterations as skipped and go on")
+    # Megatron's rerun engine (training/rerun.py, docs/reliability.md)
+    flag(g, "--rerun-mode", default="validate_results", choices=["disabled", "validate_results", "report_stats"],
+         help="validate_results: rerun a suspicious iteration to tell a faulty rank from a divergence; "
+              "report_stats: run every iteration twice and report how much the results differ")
+    flag(g, "--check-for-spiky-loss", **on, help="a loss 10x the largest of the first 100 is suspicious")
+    flag(g, "--check-for-large-grads", **on, help="a gradient norm 10x the largest of the first 100 is suspicious")
+    flag(g, "--error-injection-rate", type=int, default=0,
+         help="testing: inject a fault into about one iteration in N (0: none)")
+    flag(g, "--error-injection-type", default="transient_error",
+         choices=["correct_result", "transient_error", "persistent_error"],
+         help="testing: what a rerun of an injected iteration sees")
     flag(g, "--seed", type=int, default=1234)
 
 

@@ -29,10 +29,14 @@ def batch_reader(dataset):
     return functools.partial(get_batch, dataset)
 
 
-def microbatches(dataset, consumed: int, mbs: int, num_mb: int, dev, parallel: ParallelContext):
+def microbatches(dataset, consumed: int, mbs: int, num_mb: int, dev, parallel: ParallelContext,
+                 dp_rank: int | None = None):
+    """This data-parallel replica's micro-batches of the global batch at ``consumed`` (``dp_rank``: another
+    replica's, as a rerun on other ranks reads them)."""
     read = batch_reader(dataset)
+    dp_rank = parallel.dp_rank if dp_rank is None else dp_rank
     # CP ranks of one data-parallel replica read the same samples (each keeps its chunks of the sequence)
-    for idx in global_batch_indices(consumed, mbs, parallel.dp_size, parallel.dp_rank, num_mb):
+    for idx in global_batch_indices(consumed, mbs, parallel.dp_size, dp_rank, num_mb):
         yield {k: v.to(dev) for k, v in read(idx).items()}
 
 

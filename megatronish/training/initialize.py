@@ -28,6 +28,7 @@ from ..precision.fp8 import Fp8Manager, Fp8Recipe, check_transformer_impl, enabl
 from .attempt import attempt_store, uses_agent_store
 from .compile import Compiler
 from .memory import ActivationMeter, report_theoretical_memory
+from .rerun import make_rerun
 from .state import TrainContext, TrainState
 from .step import make_forward_step, print_rank0
 from .timers import Timers
@@ -151,6 +152,7 @@ def setup(cfg, watch: Watch | None = None) -> tuple[TrainContext, TrainState]:
                        train_ds=train_ds, valid_ds=valid_ds, test_ds=test_ds, timers=timers, device=dev,
                        compiler=compiler, rng_tracker=rng_tracker)
     optimizer.timers = timers  # params-all-gather
+    run.rerun = make_rerun(cfg, parallel)  # --rerun-mode: a suspicious iteration runs again (training/rerun.py)
     state = TrainState()
     if cfg.checkpoint.save_hf:  # --save-hf: written at checkpoint saves or its own interval (convert/hf_save.py)
         run.hf_export = HFExport(cfg, models, parallel)

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from ..precision.te_layers import TeManager
     from .compile import Compiler
     from .memory import ActivationMeter
+    from .rerun import RerunMachine
     from .timers import Timers
 
     Dataset = Union[MockGPTDataset, GPTDataset, BlendedDataset]
@@ -77,6 +78,7 @@ class TrainContext:
     device: torch.device | None = None
     compiler: Compiler | None = None  # under --torch-compile
     rng_tracker: RNGStatesTracker | None = None  # the RNG streams of the model and the checkpoint
+    rerun: RerunMachine | None = None  # --rerun-mode and the spike and gradient-norm checks (training/rerun.py)
     hf_export: HFExport | None = None  # under --save-hf: when and how the model is written for transformers
 
 

@@ -23,6 +23,7 @@ from .timers import Timers
 if TYPE_CHECKING:
     from ..parallel.context import ParallelContext
     from ..parallel.pipeline.timeline import PipelineTimeline
+    from .rerun import Run
     from .state import TrainContext, TrainState
 
 __all__ = ["make_forward_step", "loss_sums", "print_rank0", "compute_gradients", "apply_update", "train_step"]
@@ -94,10 +95,39 @@ def compute_gradients(run: TrainContext, state: TrainState, timeline: PipelineTi
     """Forward and backward of the global batch at ``state.consumed_samples`` (its size from the ramp under
     ``--rampup-batch-size``; ``batches``: its micro-batches read ahead by the loader, None: read here), the NaN
     check and the gradient finalization; returns the iteration's loss. The gradients are then in the DDP buffers
-    (``param.main_grad``)."""
+    (``param.main_grad``). Under ``--rerun-mode`` (``run.rerun``, :mod:`megatronish.training.rerun`) a suspicious
+    iteration runs again before anything below changes the state."""
+    cfg = run.cfg
+    num_mb = cfg.num_microbatches_at(state.consumed_samples)
+    if run.rerun is None:
+        check = None
+        if cfg.train.check_for_nan_in_loss_and_grad:
+            check = functools.partial(nan_check.check_loss_and_grads, run.models, run.chunks,
+                                      iteration=state.iteration + 1, check_grads=run.optimizer.grad_scaler is None)
+        stats = _forward_backward(run, state, num_mb, batches, timeline, check)
+    else:
+        def read(dp_rank: int | None) -> list[dict]:  # the micro-batches (dp_rank: another replica's, to rerun them)
+            if dp_rank is None and batches is not None:
+                return batches
+            with (run.timers or Timers(0))("batch-generator"):
+                return list(microbatches(run.train_ds, state.consumed_samples, cfg.train.micro_batch_size, num_mb,
+                                         torch.device("cpu"), run.parallel, dp_rank))
+
+        stats = run.rerun.run_iteration(run, state, read, lambda r: _forward_backward(
+            run, state, num_mb, r.batches, timeline if r.kind == "first" else None, r.check, r))
+    if cfg.model.moe.num_experts is not None:
+        moe_stats.update_expert_biases(run.models, run.parallel)
+    if cfg.train.empty_unused_memory_level >= 1:
+        device.empty_cache()
+    return _reported_loss(stats, run.parallel)
+
+
+def _forward_backward(run: TrainContext, state: TrainState, num_mb: int, batches: list[dict] | None,
+                      timeline: PipelineTimeline | None, check, rerun: Run | None = None) -> list[dict]:
+    """One run of the iteration's forward and backward, ``check(stats)`` (None: none) and the gradient
+    finalization; returns the micro-batches' stats. ``rerun``: which run of the iteration this is."""
     cfg = run.cfg
     timers = run.timers or Timers(0)
-    num_mb = cfg.num_microbatches_at(state.consumed_samples)
     for c in run.chunks:
         c.zero_grad_buffer()
     if batches is None:
@@ -115,16 +145,15 @@ def compute_gradients(run: TrainContext, state: TrainState, timeline: PipelineTi
     run.memory.report(print_fn=print_rank0())
     if run.compiler is not None:
         run.compiler.report()  # the compile time, once
-    nan_check.inject_for_test(run.chunks, stats, state.iteration + 1)  # a test hook; nothing unless asked
+    nan_check.inject_for_test(run.chunks, stats, state.iteration + 1,  # test hooks; nothing unless asked
+                              *((rerun.kind, rerun.owner, rerun.injection) if rerun is not None else ()))
     # --check-for-nan-in-loss-and-grad: before the optimizer step; before the data-parallel reduction where it has
     # not started yet (the rank that produced a NaN is named), after it under --overlap-grad-reduce and FSDP2 (whose
     # backward reduce-scatters)
-    check = functools.partial(nan_check.check_loss_and_grads, run.models, run.chunks, stats,
-                              iteration=state.iteration + 1, check_grads=run.optimizer.grad_scaler is None)
-    early = cfg.train.check_for_nan_in_loss_and_grad and not cfg.optim.overlap_grad_reduce \
+    early = check is not None and not cfg.optim.overlap_grad_reduce \
         and all(hasattr(c, "grad_buffer") for c in run.chunks)
     if early:
-        check()
+        check(stats)
     num_tokens = None
     if cfg.train.calculate_per_token_loss:  # this rank's loss tokens (last stage; finalize sends them on)
         num_tokens = torch.zeros((), dtype=torch.float32, device=device.current_device())
@@ -132,13 +161,9 @@ def compute_gradients(run: TrainContext, state: TrainState, timeline: PipelineTi
             num_tokens = torch.stack([s["lm loss"][1].float() for s in stats]).sum()
     with timers("grads-reduce-scatter" if cfg.optim.use_distributed_optimizer else "grads-all-reduce"):
         finalize_model_grads(run.chunks, run.parallel, num_tokens)
-    if cfg.train.check_for_nan_in_loss_and_grad and not early:
-        check()
-    if cfg.model.moe.num_experts is not None:
-        moe_stats.update_expert_biases(run.models, run.parallel)
-    if cfg.train.empty_unused_memory_level >= 1:
-        device.empty_cache()
-    return _reported_loss(stats, run.parallel)
+    if check is not None and not early:
+        check(stats)
+    return stats
 
 
 def apply_update(run: TrainContext, state: TrainState, loss: float) -> StepResult:
