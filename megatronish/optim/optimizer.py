@@ -271,7 +271,7 @@ class MegatronOptimizer:
         if bucket.world == 1:
             full.copy_(local)
         else:
-            dist.all_gather_single(full, local, group=bucket.group)
+            comm.all_gather_single(full, local, group=bucket.group)
         return full
 
     def load_sharded_param_state(self, get) -> None:

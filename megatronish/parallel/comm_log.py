@@ -25,8 +25,9 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["CommLog", "log", "reset", "register_group", "snapshot", "diagnose", "format_diagnosis",
-           "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-           "reduce_scatter_single", "all_to_all", "all_to_all_single", "broadcast", "barrier", "send", "recv",
+           "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
+           "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single", "broadcast",
+           "barrier", "send", "recv",
            "batch_isend_irecv", "all_gather_object", "broadcast_object_list", "gather_object", "P2POp", "ISEND",
            "IRECV"]
 
@@ -163,6 +164,11 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
     return _call(_LOG.record("all_gather_into_tensor", group, (_t(input_tensor),)), dist.all_gather_into_tensor,
                  output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+def all_gather_single(output, input, group=None, async_op=False):
+    return _call(_LOG.record("all_gather_single", group, (_t(input),)), dist.all_gather_single, output, input,
+                 group=group, async_op=async_op)
 
 
 def reduce_scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_op=False):

@@ -29,7 +29,6 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from . import comm_log as comm
@@ -221,7 +220,7 @@ class DistributedDataParallel(nn.Module):
             if bucket.world == 1:
                 continue
             lo, hi = bucket.shard()
-            bucket.gather_work = dist.all_gather_single(bucket.param_buffer, bucket.param_buffer[lo:hi],
+            bucket.gather_work = comm.all_gather_single(bucket.param_buffer, bucket.param_buffer[lo:hi],
                                                         group=bucket.group, async_op=self.overlap_param_gather)
             if not self.overlap_param_gather:
                 bucket.gather_work = None

@@ -11,8 +11,9 @@ import sys
 from ..arguments import build_parser, configs_from_args, exit_on_config_error
 from .hardware import KINDS, load_hardware
 from .plan import format_plan, make_plan, plot_plan
+from .search import format_search, search
 
-PLANNER_FLAGS = ("world_size", "gpu", "gpus_per_node", "hardware_file", "json", "plot")
+PLANNER_FLAGS = ("world_size", "gpu", "gpus_per_node", "hardware_file", "json", "plot", "search", "search_top_k")
 
 
 def build_plan_parser() -> argparse.ArgumentParser:
@@ -25,6 +26,9 @@ def build_plan_parser() -> argparse.ArgumentParser:
     g.add_argument("--hardware-file", default=None, help="TOML overriding the accelerator's numbers")
     g.add_argument("--json", action="store_true", help="print the plan as JSON")
     g.add_argument("--plot", default=None, metavar="FILE", help="draw memory per stage as a PNG (needs matplotlib)")
+    g.add_argument("--search", action="store_true", help="rank every valid layout of the model on this world size "
+                                                          "and global batch by predicted tokens/s")
+    g.add_argument("--search-top-k", type=int, default=5, help="layouts --search prints (default 5)")
     return p
 
 
@@ -36,11 +40,16 @@ def plan_from_argv(argv=None) -> tuple[dict, argparse.Namespace]:
         delattr(ns, k)
     cfg = configs_from_args(ns, mine["world_size"])
     hw = load_hardware(mine["gpu"], mine["gpus_per_node"], mine["hardware_file"])
+    if mine["search"]:
+        return {"search": search(cfg, hw, mine["search_top_k"]), "hw": hw}, argparse.Namespace(**mine)
     return make_plan(cfg, hw), argparse.Namespace(**mine)
 
 
 def main(argv=None) -> None:
     plan, opts = exit_on_config_error(lambda: plan_from_argv(argv))
+    if opts.search:
+        print(format_search(plan["search"], plan["hw"]))
+        return
     if opts.json:
         json.dump(plan, sys.stdout, indent=1, default=str)
         sys.stdout.write("\n")

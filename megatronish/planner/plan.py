@@ -3,9 +3,10 @@ report (text, JSON, a picture)."""
 from __future__ import annotations
 
 from .activations import stage_activations
+from .comms import bytes_by_kind, step_collectives
 from .hardware import CPU_KIND
 from .perf import step_time
-from .state import rank_state_bytes, stage_ranks
+from .state import build_rank, rank_state_bytes, stage_ranks
 
 GIB = 2 ** 30
 
@@ -14,9 +15,10 @@ def make_plan(cfg, hw) -> dict:
     """The plan of the validated ``cfg`` on ``hw`` (see docs/planner.md). Activations use the CPU terms of
     ``training/memory.py`` on ``cpu-this-machine``, Korthikanti's elsewhere."""
     cpu = hw.name == CPU_KIND
-    stages, fullest_state = [], None
+    stages, fullest_state, comm_bytes = [], None, {}
     for stage, ranks in enumerate(stage_ranks(cfg.parallel)):
-        states = {r: rank_state_bytes(cfg, r) for r in ranks}
+        built = {r: build_rank(cfg, r) for r in ranks}
+        states = {r: rank_state_bytes(cfg, r, built[r]) for r in ranks}
         rank = max(states, key=lambda r: states[r].total)
         st = states[rank]
         act = stage_activations(cfg, stage, cpu=cpu)
@@ -28,8 +30,12 @@ def make_plan(cfg, hw) -> dict:
                        "total": total, "fits": total <= hw.hbm_bytes})
         if fullest_state is None or st.total > fullest_state.total:
             fullest_state = st
+            comm_bytes = bytes_by_kind(step_collectives(cfg, rank, built[rank].chunks, built[rank].ctx))
     par = cfg.parallel
     peak = max(s["total"] for s in stages)
+    time = step_time(cfg, hw, fullest_state)
+    if not cfg.fsdp_active:  # counted exactly (planner/comms.py); FSDP2's stay the step-time model's estimate
+        time["comm_bytes"] = comm_bytes
     return {"layout": {"world_size": par.world_size, "tp": par.tp, "pp": par.pp, "vp": par.vp, "cp": par.cp,
                        "ep": par.ep, "etp": par.expert_tp, "dp": par.dp,
                        "sequence_parallel": cfg.sequence_parallel, "fsdp": cfg.fsdp_active,
@@ -40,7 +46,7 @@ def make_plan(cfg, hw) -> dict:
             "hardware": {"name": hw.name, "hbm_gib": hw.hbm_gib, "peak_bf16_tflops": hw.peak("bf16") / 1e12,
                          "gpus_per_node": hw.gpus_per_node, "source": hw.source},
             "stages": stages, "peak_bytes": peak, "fits": peak <= hw.hbm_bytes,
-            "time": step_time(cfg, hw, fullest_state)}
+            "time": time}
 
 
 def _gib(x: float) -> str:

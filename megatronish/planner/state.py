@@ -94,15 +94,35 @@ def _fsdp_state(cfg, models, world: int, index: int) -> StateBytes:
     return StateBytes(params, grads, opt, n)
 
 
-def rank_state_bytes(cfg, rank: int) -> StateBytes:
-    """Exact parameter, gradient and optimizer bytes of ``rank`` (see the module docstring)."""
+@dataclass(frozen=True)
+class BuiltRank:
+    """One rank's meta-device objects: its fake context, model chunks, DDP-wrapped chunks and optimizer (both
+    None under FSDP2)."""
+
+    ctx: object
+    models: list
+    chunks: list | None
+    optimizer: object | None
+
+
+def build_rank(cfg, rank: int) -> BuiltRank:
+    """``rank``'s model chunks on the meta device, wrapped and given an optimizer as ``setup`` does."""
     ctx, models = build_meta_chunks(cfg, rank)
     if cfg.fsdp_active:
-        return _fsdp_state(cfg, models, ctx.dp_cp_size, ctx.rank_in("dp_cp"))
+        return BuiltRank(ctx, models, None, None)
     chunks = wrap_model_chunks(models, cfg, ctx, print_fn=lambda *_: None)
     o = cfg.optim
     optimizer = get_megatron_optimizer(chunks, o, use_distributed_optimizer=o.use_distributed_optimizer,
                                        parallel=ctx)
+    return BuiltRank(ctx, models, chunks, optimizer)
+
+
+def rank_state_bytes(cfg, rank: int, built: BuiltRank | None = None) -> StateBytes:
+    """Exact parameter, gradient and optimizer bytes of ``rank`` (see the module docstring)."""
+    built = built or build_rank(cfg, rank)
+    ctx, models, chunks, optimizer = built.ctx, built.models, built.chunks, built.optimizer
+    if cfg.fsdp_active:
+        return _fsdp_state(cfg, models, ctx.dp_cp_size, ctx.rank_in("dp_cp"))
     params = grads = 0
     for chunk in chunks:
         grads += _nbytes(chunk.grad_buffer)
@@ -129,4 +149,4 @@ def stage_ranks(dims) -> list[list[int]]:
     return out
 
 
-__all__ = ["StateBytes", "rank_state_bytes", "build_meta_chunks", "stage_ranks"]
+__all__ = ["StateBytes", "BuiltRank", "build_rank", "rank_state_bytes", "build_meta_chunks", "stage_ranks"]

@@ -182,7 +182,8 @@ COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "reduce_sca
                "all_to_all", "all_to_all_single", "broadcast", "barrier", "monitored_barrier", "send", "recv",
                "isend", "irecv", "batch_isend_irecv", "gather", "scatter", "reduce", "all_gather_object",
                "broadcast_object_list", "gather_object", "scatter_object_list", "send_object_list",
-               "recv_object_list", "reduce_scatter_single", "_all_gather_base", "_reduce_scatter_base"}
+               "recv_object_list", "reduce_scatter_single", "all_gather_single", "_all_gather_base",
+               "_reduce_scatter_base"}
 # Modules allowed to reach them directly: the recorder itself. (DCP's and FSDP2's own collectives run inside torch,
 # which the package reaches through dcp.save/load and fully_shard, not through these names.)
 COLLECTIVE_CALLERS = {"megatronish.parallel.comm_log"}

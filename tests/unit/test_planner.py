@@ -49,3 +49,33 @@ def test_plot_and_cpu_probe(tmp_path):
 
     assert plot_plan(plan, str(out)) and out.stat().st_size > 0
     assert plan["hardware"]["peak_bf16_tflops"] > 0
+
+
+@pytest.mark.parametrize("extra", [
+    ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+    ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+     "--use-distributed-optimizer"],
+    ["--swiglu", "--untie-embeddings-and-output-weights", "--pipeline-model-parallel-size", "4"],
+    ["--num-experts", "4", "--disable-bias-linear", "--expert-model-parallel-size", "2", "--sequence-parallel",
+     "--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", "--moe-ffn-hidden-size", "32"],
+])
+def test_search_counts_parameters_as_the_meta_model(extra):
+    """--search's analytic count equals the meta-device count of every stage's first and last rank."""
+    from megatronish.arguments import build_parser, configs_from_args
+    from megatronish.planner.search import ParamTable, analytic_state
+    from megatronish.planner.state import rank_state_bytes, stage_ranks
+
+    cfg = configs_from_args(build_parser().parse_args(BASE + extra), 8)
+    table = ParamTable(cfg)
+    for stage, ranks in enumerate(stage_ranks(cfg.parallel)):
+        for r in ranks:
+            exact = rank_state_bytes(cfg, r)
+            approx = analytic_state(cfg, table, stage)
+            assert approx.num_params == exact.num_params, (stage, r)
+            assert approx.total == pytest.approx(exact.total, rel=0.02), (stage, r)
+
+
+def test_search_ranks_valid_layouts(capsys):
+    main(BASE + ["--world-size", "8", "--search", "--search-top-k", "3"])
+    out = capsys.readouterr().out
+    assert "layouts enumerated" in out and out.count("tokens/s/GPU") == 3 and out.count("loses to 1. on:") == 2

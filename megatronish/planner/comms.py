@@ -1,0 +1,224 @@
+"""Every collective one rank issues in one training step (after the first: the pipeline's one-time readiness
+all-reduce is not counted), counted from the layout and the rank's model built on the meta device.
+
+Bytes per collective, the convention of ``bytes_by_kind`` and of the step-time model: an all-reduce, broadcast,
+reduce-scatter or all-to-all moves its whole input (``B``), an all-gather its whole output (``n x`` the piece), a
+point-to-point exchange the bytes this rank sends. Kinds: ``all_reduce``, ``all_gather``, ``reduce_scatter``,
+``all_to_all``, ``broadcast``, ``p2p``.
+
+What one step issues (``M`` microbatches of ``b`` sequences of ``s / cp`` tokens, ``e`` bytes an activation):
+
+- TP, per microbatch and layer: without SP 4 all-reduces of ``[s, b, h]`` (a MoE layer 2: its MLP is the
+  experts'), with SP 2 all-gathers and 2 reduce-scatters (MoE layer: 1 and 1) forward and as many backward; full
+  recompute repeats the forward's; the first stage adds the embedding's (and under SP with learned positions the
+  position embedding's backward all-gather), the last the output layer's and the vocabulary-parallel cross
+  entropy's two fp32 all-reduces (``s b`` and ``2 s b`` floats); under SP one all-reduce per model chunk of the
+  gradients of the parameters every TP rank holds whole (norms, biases), in the gradient buffer's dtype.
+- CP (the p2p ring), per microbatch and layer: ``cp - 1`` K/V exchanges forward and backward (again under
+  recompute) and ``cp`` fp32 dK/dV exchanges backward; the last stage's loss adds one 4-byte all-reduce per
+  microbatch.
+- EP (the all-gather dispatcher over expert-TP x EP), per MoE layer and microbatch: the routing map (bytes), the
+  probabilities and the hidden states all-gathered, the hidden states reduce-scattered (forward), the probabilities
+  and hidden states reduce-scattered and the hidden states all-gathered (backward); once a step the MoE metrics'
+  all-reduces. The all-to-all dispatcher: its four all-to-alls of the routed copies per layer (an estimate: the
+  copies' split depends on the routing).
+- PP: each activation or gradient sent between stages (1F1B: ``M`` forward sends from every stage but the last and
+  ``M`` backward sends from every stage but the first; interleaved: per model chunk), the loss broadcast, the tied
+  embedding's gradient all-reduce between the first and last stages.
+- DP: every gradient bucket the rank's DDP built (all-reduce, or reduce-scatter and the parameter all-gather
+  under the distributed optimizer), over DP x CP or the expert-DP group; the loss all-reduce of the last stage.
+- The optimizer's gradient norm (model-parallel, or world under the distributed optimizer, FSDP2 and fp16) and
+  fp16's overflow check; the NaN check's world all-reduce.
+
+FSDP2's own gathers and reduce-scatters run inside torch (``fully_shard``): ``fsdp_collectives`` estimates them
+from its sharding rule.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..model.moe.layer import is_moe_layer
+from ..model.moe.stats import LOSS_NAMES, loss_names
+
+KIND_OF = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
+           "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
+           "all_to_all_single": "all_to_all"}
+
+
+@dataclass(frozen=True)
+class Collective:
+    """``count`` collectives of ``kind`` on the group ``group`` (a parallel-context kind) of ``n`` ranks, each
+    moving ``nbytes`` (module docstring's convention)."""
+
+    group: str
+    kind: str
+    n: int
+    nbytes: float
+    count: float = 1.0
+
+
+def bytes_by_kind(colls) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for c in colls:
+        if c.n > 1 and c.count:
+            out[c.kind] = out.get(c.kind, 0.0) + c.nbytes * c.count
+    return out
+
+
+def _size(ctx, kind: str) -> int:
+    return len(ctx.ranks(kind)) or 1
+
+
+def _tp_layer_counts(cfg, moe: bool) -> tuple[int, int]:
+    """(all-reduces without SP, all-gathers = reduce-scatters with SP) of one layer, one microbatch."""
+    full = cfg.model.recompute.recompute_granularity == "full"
+    base = 1 if moe else 2  # forward: attention (and the dense MLP)
+    return base * (2 + full), base * (2 + full)
+
+
+def step_collectives(cfg, rank: int, chunks, ctx) -> list[Collective]:
+    """Every collective of ``rank`` in one step (module docstring). ``chunks``: the rank's model chunks wrapped by
+    the run's DDP (``wrap_model_chunks`` over the meta model; None under FSDP2); ``ctx``: its fake context."""
+    m, par, o = cfg.model, cfg.parallel, cfg.optim
+    coords = par.coords(rank)
+    p, v, M = par.pp, par.vp, cfg.num_microbatches
+    first, last = coords["pp"] == 0, coords["pp"] == p - 1
+    s, b, h = m.seq_length // par.cp, cfg.train.micro_batch_size, m.hidden_size
+    e = 4 if o.params_dtype.itemsize == 4 else 2
+    sp, tp = cfg.sequence_parallel, par.tp
+    layers = [i for c in range(v) for i in par.layer_range(m.num_layers, coords["pp"], c)]
+    n_moe = sum(is_moe_layer(m, i) for i in layers) if m.moe.num_experts else 0
+    n_dense = len(layers) - n_moe
+    full = m.recompute.recompute_granularity == "full"
+    out: list[Collective] = []
+
+    def add(group, kind, nbytes, count=1.0, n=None):
+        n = _size(ctx, group) if n is None else n
+        if n > 1 and count:
+            out.append(Collective(group, kind, n, float(nbytes), float(count)))
+
+    act = s * b * h * e
+    if tp > 1:
+        per_mb = sum(_tp_layer_counts(cfg, moe)[sp] * k for moe, k in ((False, n_dense), (True, n_moe)))
+        if sp:
+            ag = rs = per_mb
+            if first:
+                rs += 1
+                ag += 1 + (m.attention.position_embedding_type == "learned_absolute")
+            if last:
+                ag += 1
+                rs += 1
+            add("tp", "all_gather", act, M * ag)
+            add("tp", "reduce_scatter", act, M * rs)
+        else:
+            add("tp", "all_reduce", act, M * (per_mb + first + last))
+        if last:
+            add("tp", "all_reduce", s * b * 4, M)
+            add("tp", "all_reduce", 2 * s * b * 4, M)
+    if par.cp > 1:
+        n = par.cp
+        kv = 2 * b * (m.num_query_groups // tp) * s * m.kv_channels
+        again = full or m.recompute.recompute_granularity == "selective"
+        add("cp", "p2p", kv * e, M * len(layers) * (n - 1) * (2 + again))
+        add("cp", "p2p", kv * 4, M * len(layers) * n)
+        if last:
+            add("cp", "all_reduce", 4, M)
+    if n_moe:
+        _moe(cfg, ctx, add, s, b, h, e, M, n_moe, full, p, layers)
+    if p > 1:
+        pipe = act // (tp if sp else 1)
+        sends = 2 * M * v - (M if first else 0) - (M if last else 0)
+        add("pp", "p2p", pipe, sends)
+        add("pp", "broadcast", 8)
+    if last and _size(ctx, "dp_cp") > 1:
+        add("dp_cp", "all_reduce", 8)
+    if chunks is not None:
+        _ddp(cfg, ctx, chunks, add, first, last)
+    _optimizer(cfg, ctx, add, n_moe_model=bool(m.moe.num_experts))
+    if cfg.train.check_for_nan_in_loss_and_grad:
+        add("world", "all_reduce", 8, n=par.world_size)
+    return out
+
+
+def rank_collectives(cfg, rank: int) -> list[Collective]:
+    """:func:`step_collectives` of ``rank``, its model built on the meta device (``state.build_rank``)."""
+    from .state import build_rank
+
+    built = build_rank(cfg, rank)
+    return step_collectives(cfg, rank, built.chunks, built.ctx)
+
+
+def _moe(cfg, ctx, add, s, b, h, e, M, n_moe, full, p, layers) -> None:
+    m, par = cfg.model, cfg.parallel
+    E = m.moe.num_experts
+    T = s * b // (par.tp if cfg.sequence_parallel else 1)  # this rank's tokens entering the router
+    n = _size(ctx, "tp_ep")  # expert-TP x EP
+    reps = M * n_moe
+    fwd = 2 if full else 1
+    if m.moe.moe_token_dispatcher_type == "allgather":
+        add("tp_ep", "all_gather", T * E * n, reps * fwd, n=n)  # the routing map, bytes
+        add("tp_ep", "all_gather", T * E * e * n, reps * fwd, n=n)
+        add("tp_ep", "all_gather", T * h * e * n, reps * (fwd + 1), n=n)
+        add("tp_ep", "reduce_scatter", T * h * e * n, reps * (fwd + 1), n=n)
+        add("tp_ep", "reduce_scatter", T * E * e * n, reps, n=n)
+    else:
+        k = m.moe.moe_router_topk
+        add("ep", "all_to_all", T * k * h * e, reps * 2 * (fwd + 1))
+    nl = m.num_layers
+    if p > 1:
+        for shape in (len(loss_names(m)) * nl, nl * E, nl * 2):
+            add("pp", "all_reduce", 4 * shape)
+    seq, every = _size(ctx, "tp_cp"), _size(ctx, "tp_dp_cp")
+    for name in loss_names(m):
+        if name == LOSS_NAMES["global_aux_loss"]:
+            add("tp_dp_cp", "all_reduce", 4 * nl, n=every)
+            continue
+        add("tp_cp", "all_reduce", 4 * nl, n=seq)
+        add("dp", "all_reduce", 4 * nl)
+    add("tp_dp_cp", "all_reduce", 4 * nl * E, n=every)
+    add("tp_dp_cp", "all_reduce", 4 * nl * 2, n=every)
+    if m.moe.moe_router_enable_expert_bias:
+        here = sum(is_moe_layer(m, i) for i in layers)
+        add("tp_dp_cp", "all_reduce", 4 * here * E, n=every)
+
+
+def _ddp(cfg, ctx, chunks, add, first: bool, last: bool) -> None:
+    dist_opt = cfg.optim.use_distributed_optimizer
+    for chunk in chunks:
+        module = chunk.module
+        if cfg.sequence_parallel and cfg.parallel.tp > 1:
+            n_sp = sum(q.numel() for q in module.parameters() if getattr(q, "sequence_parallel", False))
+            if n_sp:
+                add("tp", "all_reduce", n_sp * chunk.grad_buffer.element_size())
+        for bucket in chunk.buckets:
+            if bucket.world == 1:
+                continue
+            group = "dp_cp" if bucket.group is ctx.dp_cp_group else "expert_dp"
+            nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
+            add(group, "reduce_scatter" if dist_opt else "all_reduce", nbytes, n=bucket.world)
+            if dist_opt:
+                pb = bucket.param_buffer
+                add(group, "all_gather", pb.numel() * pb.element_size(), n=bucket.world)
+    if cfg.parallel.pp > 1 and not cfg.model.untie_embeddings_and_output_weights and (first or last):
+        for chunk in chunks:
+            for q in chunk.module.parameters():
+                if getattr(q, "shared_embedding", False):
+                    add("embedding", "all_reduce", q.numel() * chunk.grad_buffer.element_size())
+
+
+def _optimizer(cfg, ctx, add, n_moe_model: bool) -> None:
+    o, par = cfg.optim, cfg.parallel
+    world = par.world_size
+    sharded = o.use_distributed_optimizer or cfg.fsdp_active
+    if o.fp16:
+        add("world" if sharded or n_moe_model else "mp", "all_reduce", 4,
+            n=world if sharded or n_moe_model else None)
+    if sharded:
+        add("world", "all_reduce", 4, n=world)
+        return
+    add("mp", "all_reduce", 4)
+    if n_moe_model:
+        add("expert_mp", "all_reduce", 4)
+
+
+__all__ = ["Collective", "step_collectives", "rank_collectives", "bytes_by_kind", "KIND_OF"]

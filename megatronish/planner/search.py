@@ -1,0 +1,225 @@
+"""``megatronish-plan --search``: every valid layout of a model on a world size, GPU and global batch, those that
+fit memory ranked by predicted tokens/s (docs/planner.md).
+
+Enumerated: TP (dividing the heads, inside one node), PP (dividing the layers), VP (1, 2, 4), CP (1, 2, 4, 8),
+EP and expert TP (MoE: EP dividing the experts, ETP 1 or TP), the distributed optimizer or FSDP2 or neither,
+recompute (none, selective, full), micro-batch size (1, 2, 4, 8); DP is what is left. Memory is screened with the
+analytic per-rank count (:func:`analytic_state`: parameters from every tensor's global description, split as the
+layout splits it, equal to the meta-device count; bytes per element as ``state.py`` counts them, without the
+distributed optimizer's bucket padding and Adam's step counters, under 0.1%), the first and last pipeline stage's
+activations and the step-time model; the printed winners are validated by the launch's own rules.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from ..errors import ConfigError
+from ..model.moe.layer import is_moe_layer
+from .activations import stage_activations
+from .perf import step_time
+from .state import StateBytes, build_meta_chunks
+
+GIB = 2 ** 30
+
+
+class ParamTable:
+    """Every parameter's global description of one model, built once on the meta device; ``count`` gives one
+    rank's parameters under any layout without building it again."""
+
+    def __init__(self, cfg):
+        one = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, world_size=1, tp=1, pp=1, vp=1,
+                                                                    cp=1, ep=1, etp=None, cp_inner=None),
+                                  train=dataclasses.replace(cfg.train, global_batch_size=None))
+        _, models = build_meta_chunks(one, 0)
+        self.model = cfg.model
+        self.layers: dict[int, list] = {}
+        self.first, self.last, self.vocab = [], [], []  # embedding-side, output-side (final norm), vocab tensors
+        for name, p in models[0].named_parameters():
+            d = p.desc
+            if name.startswith("decoder.layers."):
+                self.layers.setdefault(int(name.split(".")[2]), []).append(d)
+            elif "word_embeddings" in name or name.startswith("output_layer"):
+                self.vocab.append((name.startswith("output_layer"), d))
+            elif name.startswith("embedding"):
+                self.first.append(d)
+            else:
+                self.last.append(d)
+        self._cache: dict = {}
+
+    @staticmethod
+    def _local(d, tp: int, ep: int, etp: int) -> int:
+        shape = list(d.global_shape)
+        if d.partition_dim is not None:
+            shape[d.partition_dim] //= etp if d.expert else tp
+        if d.expert:
+            shape[0] //= ep
+        return math.prod(shape)
+
+    def layer(self, i: int, tp: int, ep: int, etp: int) -> tuple[int, int]:
+        """(dense, expert) elements of layer ``i`` on one rank."""
+        key = (is_moe_layer(self.model, i) if self.model.moe.num_experts else False, tp, ep, etp)
+        if key not in self._cache:
+            ds = self.layers[i]
+            self._cache[key] = (sum(self._local(d, tp, ep, etp) for d in ds if not d.expert),
+                                sum(self._local(d, tp, ep, etp) for d in ds if d.expert))
+        return self._cache[key]
+
+    def count(self, par, pp_rank: int) -> tuple[int, int]:
+        """(dense, expert) parameter elements of a rank of pipeline stage ``pp_rank`` under ``par``."""
+        etp = par.expert_tp
+        dense = expert = 0
+        for c in range(par.vp):
+            for i in par.layer_range(self.model.num_layers, pp_rank, c):
+                a, b = self.layer(i, par.tp, par.ep, etp)
+                dense, expert = dense + a, expert + b
+        first, last = pp_rank == 0, pp_rank == par.pp - 1
+        vocab = self.model.padded_vocab_size(par.tp) // par.tp * self.model.hidden_size
+        if first:
+            dense += sum(self._local(d, par.tp, 1, 1) for d in self.first)
+        if last:
+            dense += sum(self._local(d, par.tp, 1, 1) for d in self.last)
+        for is_output, _ in self.vocab:
+            if (first and not is_output) or (last and is_output):
+                dense += vocab
+        if last and not first and not self.model.untie_embeddings_and_output_weights:
+            dense += vocab  # the tied embedding's copy on the last stage
+        return dense, expert
+
+
+def analytic_state(cfg, table: ParamTable, pp_rank: int) -> StateBytes:
+    """A rank's parameter, gradient and optimizer bytes from :class:`ParamTable` (module docstring)."""
+    o, par = cfg.optim, cfg.parallel
+    dense, expert = table.count(par, pp_rank)
+    n = dense + expert
+    e = o.params_dtype.itemsize
+    states = 8 if o.optimizer == "adam" else (4 if o.sgd_momentum else 0)
+    if cfg.fsdp_active:
+        world = par.dp * par.cp
+        return StateBytes(4 * -(-n // world), 4 * -(-n // world), (states * n) // world, n)
+    grad = 2 if o.grad_reduce_in_bf16 else 4
+    main = 4 if e == 2 else 0
+    if o.use_distributed_optimizer:
+        expert_dp = par.world_size // (par.ep * par.expert_tp * par.pp)
+        opt = (main + states) * (dense / (par.dp * par.cp) + expert / expert_dp)
+    else:
+        opt = (main + states) * n
+    return StateBytes(n * e, n * grad, int(opt), n)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(cfg, hw):
+    """Every layout of ``cfg``'s model on its world size (module docstring), as run configs (not yet validated)."""
+    m, par, t = cfg.model, cfg.parallel, cfg.train
+    world, gbs = par.world_size, t.global_batch_size
+    heads, groups = m.num_attention_heads, m.num_query_groups
+    experts = m.moe.num_experts
+    for tp in [d for d in _divisors(min(hw.gpus_per_node, heads)) if heads % d == 0 and groups % d == 0]:
+        for pp in [d for d in _divisors(m.num_layers) if d <= 128]:
+            for cp in (1, 2, 4, 8):
+                if world % (tp * pp * cp) or m.seq_length % (2 * cp * tp):
+                    continue
+                dp = world // (tp * pp * cp)
+                for ep in ([1] if not experts else [d for d in _divisors(experts) if (dp * cp * tp) % d == 0]):
+                    for etp in ((None,) if not experts else sorted({1, tp})):
+                        if experts and (dp * cp * tp) % (ep * (etp or tp)):
+                            continue
+                        for vp in (1, 2, 4) if pp > 2 else (1,):
+                            if m.num_layers % (pp * vp):
+                                continue
+                            for mbs in (1, 2, 4, 8):
+                                if gbs % (mbs * dp) or (vp > 1 and (gbs // (mbs * dp)) % pp):
+                                    continue
+                                dims = dataclasses.replace(par, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, vp=vp)
+                                yield from _variants(cfg, dims, mbs, dp * cp)
+
+
+def _variants(cfg, dims, mbs: int, dp_cp: int):
+    train = dataclasses.replace(cfg.train, micro_batch_size=mbs)
+    for opt in ("none", "dist-opt", "fsdp") if dp_cp > 1 else ("none",):
+        if opt == "fsdp" and dims.pp > 1:
+            continue
+        optim = dataclasses.replace(cfg.optim, use_distributed_optimizer=opt == "dist-opt",
+                                    use_torch_fsdp2=opt == "fsdp")
+        for rec in (None, "selective", "full"):
+            kw = dict(recompute_granularity=rec, recompute_method="uniform" if rec == "full" else None,
+                      recompute_num_layers=1 if rec == "full" else None)
+            model = cfg.model.replace(**kw)
+            yield dataclasses.replace(cfg, parallel=dims, train=train, optim=optim, model=model,
+                                      sequence_parallel_flag=True)
+
+
+def evaluate(cfg, hw, table: ParamTable) -> dict | None:
+    """The screened plan of one candidate: peak memory of its first and last stage and the step-time model."""
+    stages = sorted({0, cfg.parallel.pp - 1})
+    mem, state0 = 0.0, None
+    for s in stages:
+        st = analytic_state(cfg, table, s)
+        mem = max(mem, st.total + stage_activations(cfg, s).total)
+        state0 = st if state0 is None or st.total > state0.total else state0
+    if mem > hw.hbm_bytes:
+        return None
+    return {"cfg": cfg, "peak_bytes": mem, "time": step_time(cfg, hw, state0)}
+
+
+def describe(cfg) -> str:
+    par, o = cfg.parallel, cfg.optim
+    opt = "fsdp2" if cfg.fsdp_active else "dist-opt" if o.use_distributed_optimizer else "-"
+    moe = f" EP{par.ep} ETP{par.expert_tp}" if cfg.model.moe.num_experts else ""
+    return (f"TP{par.tp} PP{par.pp} VP{par.vp} CP{par.cp}{moe} DP{par.dp} mbs{cfg.train.micro_batch_size} {opt} "
+            f"recompute={cfg.model.recompute.recompute_granularity or '-'}"
+            f"{' SP' if cfg.sequence_parallel else ''}")
+
+
+def search(cfg, hw, top_k: int = 5) -> dict:
+    """The ``top_k`` fitting layouts by predicted tokens/s, each validated by the launch's rules."""
+    from ..arguments.validation import validate
+
+    table = ParamTable(cfg)
+    seen, fits = 0, []
+    for cand in candidates(cfg, hw):
+        seen += 1
+        r = evaluate(cand, hw, table)
+        if r is not None:
+            fits.append(r)
+    fits.sort(key=lambda r: -r["time"]["tokens_per_s_per_gpu"])
+    top = []
+    for r in fits:
+        try:
+            validate(r["cfg"])
+        except ConfigError:
+            continue
+        top.append(r)
+        if len(top) == top_k:
+            break
+    return {"enumerated": seen, "fit": len(fits), "top": top}
+
+
+def why_loses(winner: dict, other: dict) -> str:
+    """The breakdown term where ``other`` is worse than ``winner`` by the most."""
+    a, b = winner["time"]["breakdown_s"], other["time"]["breakdown_s"]
+    keys = set(a) | set(b)
+    worst = max(keys, key=lambda k: b.get(k, 0.0) - a.get(k, 0.0))
+    d = b.get(worst, 0.0) - a.get(worst, 0.0)
+    return f"{worst} +{d * 1e3:.1f} ms"
+
+
+def format_search(res: dict, hw) -> str:
+    lines = [f"{res['enumerated']} layouts enumerated, {res['fit']} fit {hw.hbm_gib:.0f} GiB; top {len(res['top'])}:"]
+    if not res["top"]:
+        return lines[0] + " none"
+    win = res["top"][0]
+    for i, r in enumerate(res["top"]):
+        tm = r["time"]
+        lines.append(f"{i + 1}. {describe(r['cfg'])}: {tm['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, step "
+                     f"{tm['step_s'] * 1e3:.1f} ms, MFU {tm['mfu'] * 100:.1f}%, peak {r['peak_bytes'] / GIB:.1f} GiB")
+        lines.append("   breakdown (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in tm["breakdown_s"].items()))
+        if i:
+            lines.append(f"   loses to 1. on: {why_loses(win, r)}")
+    return "\n".join(lines)
+
+
+__all__ = ["ParamTable", "analytic_state", "candidates", "evaluate", "search", "format_search", "describe"]
