@@ -28,7 +28,8 @@ What one step issues (``M`` microbatches of ``b`` sequences of ``s / cp`` tokens
 - DP: every gradient bucket the rank's DDP built (all-reduce, or reduce-scatter and the parameter all-gather
   under the distributed optimizer), over DP x CP or the expert-DP group; the loss all-reduce of the last stage.
 - The optimizer's gradient norm (model-parallel, or world under the distributed optimizer, FSDP2 and fp16) and
-  fp16's overflow check; the NaN check's world all-reduce.
+  fp16's overflow check; the rerun check's world all-reduce of four flags (``--rerun-mode`` other than
+  ``disabled``), or else the NaN check's of two.
 
 FSDP2's own gathers and reduce-scatters run inside torch (``fully_shard``): ``fsdp_collectives`` estimates them
 from its sharding rule.
@@ -135,7 +136,9 @@ def step_collectives(cfg, rank: int, chunks, ctx) -> list[Collective]:
     if chunks is not None:
         _ddp(cfg, ctx, chunks, add, first, last)
     _optimizer(cfg, ctx, add, n_moe_model=bool(m.moe.num_experts))
-    if cfg.train.check_for_nan_in_loss_and_grad:
+    if getattr(cfg.train, "rerun_mode", "disabled") != "disabled":  # the rerun check's four flags
+        add("world", "all_reduce", 16, n=par.world_size)
+    elif cfg.train.check_for_nan_in_loss_and_grad:
         add("world", "all_reduce", 8, n=par.world_size)
     return out
 
