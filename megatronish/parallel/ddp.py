@@ -155,6 +155,8 @@ class DistributedDataParallel(nn.Module):
 
     # ---- gradient reduction ------------------------------------------------------------------------
     def _on_grad_ready(self, p: torch.Tensor) -> None:
+        if p.grad is None:  # a weight gradient deferred to the split backward's W (parallel/weight_grad.py)
+            return
         p.main_grad.add_(p.grad)
         p.grad = None
         if not (self.overlap_grad_reduce and self._sync_enabled):

@@ -24,10 +24,14 @@ from .mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from .weight_grad import linear
 
 
 class _TensorParallel(nn.Module):
     """A layer split over ``tp_group`` (kept shared by copies of the layer)."""
+
+    # the split backward's store while a zero-bubble schedule runs (weight_grad.attached): the weight GEMM waits
+    weight_grad_store = None
 
     @property
     def tp_group(self):
@@ -74,7 +78,8 @@ class ColumnParallelLinear(_TensorParallel):
         else:
             x = copy_to_tensor_model_parallel_region(x, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
-        out = F.linear(x, weight, bias) if self.fp8 is None else self.fp8(x, weight, bias)  # [s, b, out/t]
+        out = linear(x, weight, bias, self.weight_grad_store) if self.fp8 is None \
+            else self.fp8(x, weight, bias)  # [s, b, out/t]
         if self.gather_output:
             out = gather_from_tensor_model_parallel_region(out, self.tp_group)  # [s, b, out]
         return out, (self.bias if self.skip_bias_add else None)
@@ -110,7 +115,8 @@ class RowParallelLinear(_TensorParallel):
     def forward(self, x: torch.Tensor):
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
-        out = F.linear(x, self.weight) if self.fp8 is None else self.fp8(x, self.weight, None)  # partial [s,b,out]
+        out = linear(x, self.weight, None, self.weight_grad_store) if self.fp8 is None \
+            else self.fp8(x, self.weight, None)  # partial [s,b,out]
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(out, self.tp_group)  # [s/t, b, out]
         else:

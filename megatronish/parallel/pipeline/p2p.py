@@ -150,3 +150,26 @@ class P2PCommunicator:
         """Returns ``(activation from prev, gradient from next)``."""
         return self._communicate("send_forward_backward_recv_forward_backward", send_next=output,
                                  send_prev=input_grad, recv_prev=recv_prev, recv_next=recv_next)
+
+    # ---- single asynchronous messages (the zero-bubble schedules' action lists) ------------------------------
+    def _peer(self, pp_peer: int) -> int:
+        if pp_peer == (self.pp_rank + 1) % self.pp_size:
+            return self.next_rank
+        if pp_peer == (self.pp_rank - 1) % self.pp_size:
+            return self.prev_rank
+        raise ValueError(f"pipeline rank {self.pp_rank} has no link to pipeline rank {pp_peer}")
+
+    def isend(self, tensor, kind: str, pp_peer: int):
+        """Post the send of an ``activation`` or ``gradient`` to adjacent pipeline rank ``pp_peer``; returns the
+        request (wait for it before the iteration ends)."""
+        tag = _TAG_ACTIVATION if kind == "activation" else _TAG_GRADIENT
+        op = comm.P2POp(comm.ISEND, self._check(tensor, kind), self._peer(pp_peer), self.group, tag)
+        return comm.batch_isend_irecv([op])[0]
+
+    def irecv(self, kind: str, pp_peer: int):
+        """Post the receive of an ``activation`` or ``gradient`` from ``pp_peer``: ``(tensor, request)``."""
+        buf = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device)
+        tag = _TAG_ACTIVATION if kind == "activation" else _TAG_GRADIENT
+        op = comm.P2POp(comm.IRECV, buf, self._peer(pp_peer), self.group, tag)
+        return buf, comm.batch_isend_irecv([op])[0]
+

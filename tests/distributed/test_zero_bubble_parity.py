@@ -1,0 +1,159 @@
+"""Zero-bubble schedules with the split backward give the single-process model: under ZB-H1 at PP 2 and PP 4,
+combined with TP 2 + sequence parallelism, full recompute, data parallelism with overlapped (hook-launched)
+gradient reduction, the distributed optimizer's reduce-scatter and ``--calculate-per-token-loss``, the loss and
+every gradient equal one process running the same microbatches (fp32, rtol 1e-5), and so do the parameters
+after a few SGD (momentum) steps. Each rank executes exactly its action list's F/B/W order. One group of 4 ranks runs
+every case."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatronish.model import GPTModel
+from megatronish.model.build import build_model_chunks
+from megatronish.optim.optimizer import build_optimizer, use_main_grads
+from megatronish.parallel import groups
+from megatronish.parallel.ddp import DistributedDataParallel, finalize_model_grads
+from megatronish.parallel.dims import ParallelDims
+from megatronish.parallel.init import gather_to_global
+from megatronish.parallel.pipeline.schedules import forward_backward_no_pipelining, pipeline_tensor_shape
+from megatronish.parallel.pipeline.timeline import PipelineTimeline
+from megatronish.parallel.pipeline.zb_runner import forward_backward_zero_bubble
+from megatronish.parallel.pipeline.zero_bubble import schedule_actions
+from megatronish.parallel.random import set_random_seed
+from megatronish.testing import run_distributed
+from tests.distributed.test_pipeline_parity import FLAVORS as PARITY_FLAVORS
+from tests.distributed.test_pipeline_parity import _forward_step as mean_loss_forward_step
+
+SEED, MBS, S, V, H, NUM_MB, STEPS, WORLD = 1234, 2, 16, 100, 32, 4, 2, 4
+FLAVORS = {name: (lambda make=make: make().replace(num_layers=4)) for name, make in PARITY_FLAVORS.items()}
+
+
+def _lr(per_token):  # per-token losses are sums: the same step size per token
+    return 0.1 / (NUM_MB * MBS * S) if per_token else 0.1
+
+
+def _data():
+    g = torch.Generator().manual_seed(99)
+    return [(torch.randint(0, V, (MBS, S), generator=g), torch.randint(0, V, (MBS, S), generator=g))
+            for _ in range(NUM_MB)]
+
+
+def _forward_step(per_token):
+    if not per_token:
+        return mean_loss_forward_step()
+
+    def forward_step(data_iterator, model):
+        ids, labels = next(data_iterator)
+        return model(ids, labels=labels), lambda losses: (losses.sum(), {"lm loss": losses.sum().detach()})
+
+    return forward_step
+
+
+@pytest.fixture(scope="module")
+def references():
+    """{(flavor, per_token): (losses, {name: first step's grad}, {name: parameter after STEPS steps})}."""
+    refs = {}
+    for flavor, make in FLAVORS.items():
+        for per_token in (False, True):
+            set_random_seed(SEED)
+            model = GPTModel(make())
+            model.init_parameters(SEED)
+            opt = build_optimizer(list(model.named_parameters()), "sgd", lr=_lr(per_token), weight_decay=0.1)
+            for step in range(STEPS):
+                model.zero_grad(set_to_none=True)
+                stats = forward_backward_no_pipelining(_forward_step(per_token), iter(_data()), model, NUM_MB,
+                                                       per_token_loss=per_token)
+                if step == 0:
+                    losses = torch.stack([s["lm loss"] for s in stats])
+                    grads = {n: p.grad.clone() for n, p in model.named_global_parameters()}
+                opt.step()
+            refs[(flavor, per_token)] = (losses, grads, {n: p.detach().clone()
+                                                         for n, p in model.named_global_parameters()})
+    return refs
+
+
+def _check_case(flavor, tp, pp, sp, recompute, dist_opt, per_token, refs):
+    what = f"{flavor} zb-h1 TP{tp} PP{pp} DP{WORLD // (tp * pp)} SP={sp} recompute={recompute} " \
+           f"dist-opt={dist_opt} per-token={per_token}"
+    cfg = FLAVORS[flavor]()
+    if recompute:
+        cfg = cfg.replace(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    dims = ParallelDims(world_size=WORLD, tp=tp, pp=pp, tie_embeddings=not cfg.untie_embeddings_and_output_weights)
+    groups.destroy_model_parallel()
+    ctx = groups.initialize_model_parallel(dims)
+    set_random_seed(SEED, pp_rank=ctx.pp_rank, tp_rank=ctx.tp_rank)
+    (chunk,) = build_model_chunks(cfg, ctx, sequence_parallel=sp)
+    chunk.init_parameters(SEED)
+    ddp = DistributedDataParallel(chunk, dp_group=ctx.dp_cp_group, overlap_grad_reduce=True,
+                                  use_distributed_optimizer=dist_opt, average=not per_token, bucket_size=2000)
+    dp, dp_rank = ctx.dp_size, ctx.dp_rank
+    mine = _data()[dp_rank::dp]
+    shape = pipeline_tensor_shape(S, MBS, H, tp=tp, sequence_parallel=sp)
+    ref_losses, ref_grads, ref_params = refs[(flavor, per_token)]
+    optimizer = build_optimizer(list(chunk.named_parameters()), "sgd", lr=_lr(per_token), weight_decay=0.1)
+
+    for step in range(STEPS):
+        ddp.zero_grad_buffer()
+        timeline = PipelineTimeline(dist.get_rank())
+        stats = forward_backward_zero_bubble(_forward_step(per_token), iter(mine), ddp, len(mine),
+                                             schedule="zb-h1", tensor_shape=shape, parallel=ctx,
+                                             timeline=timeline, per_token_loss=per_token)
+        finalize_model_grads([ddp], ctx)
+        if step > 0:
+            use_main_grads(optimizer)
+            optimizer.step()
+            continue
+        executed = [(e["name"], e["microbatch"], e["chunk"]) for e in timeline.events if e["cat"] == "compute"]
+        planned = [(a.op, a.microbatch, a.chunk) for a in schedule_actions("zb-h1", pp, len(mine))[ctx.pp_rank]
+                   if a.op in "FBW"]
+        assert executed == planned, f"{what}: executed order differs from the action list"
+        if ctx.pp_rank == pp - 1:
+            losses = torch.stack([s["lm loss"] for s in stats])
+            every = [torch.empty_like(losses) for _ in range(dp)]
+            dist.all_gather(every, losses, group=ctx.dp_group)
+            got = torch.stack(every, 1).reshape(-1)  # microbatch i came from DP rank i % dp
+            torch.testing.assert_close(got, ref_losses, rtol=1e-5, atol=0, msg=lambda m: f"{what} loss: {m}")
+        for name, p in chunk.named_global_parameters():
+            if dist_opt:  # only this rank's shard of each bucket holds the reduced gradient
+                bucket = ddp.bucket_of(p)
+                lo, hi = bucket.shard()
+                plo, phi = ddp.param_range[id(p)]
+                a, b = max(plo, bucket.start + lo), min(phi, bucket.start + hi)
+                if a < b:
+                    ref = ref_grads[name].reshape(-1)[a - plo:b - plo]
+                    torch.testing.assert_close(ddp.grad_buffer[a:b], ref, rtol=1e-5, atol=1e-6,
+                                               msg=lambda m: f"{what} grad shard {name}: {m}")
+                continue
+            g = gather_to_global(p.main_grad, p.desc, ctx.tp_group)
+            ref = ref_grads[name]
+            if g.shape != ref.shape:  # padded vocabulary rows
+                g = g[: ref.shape[0]]
+            torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what} grad {name}: {m}")
+        if not dist_opt:
+            use_main_grads(optimizer)
+            optimizer.step()
+    if not dist_opt:  # parameters after the steps
+        for name, p in chunk.named_global_parameters():
+            w = gather_to_global(p.detach(), p.desc, ctx.tp_group)[: ref_params[name].shape[0]]
+            torch.testing.assert_close(w, ref_params[name], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{what} parameter {name} after {STEPS} steps: {m}")
+
+
+def _worker(rank, world, cases, refs):
+    for case in cases:
+        _check_case(*case, refs)
+    groups.destroy_model_parallel()
+    return True
+
+
+# (flavor, tp, pp, sequence_parallel, full recompute, distributed optimizer, per-token loss)
+CASES = [
+    ("llama", 1, 4, False, False, False, False),  # PP 4
+    ("gpt2", 2, 2, True, True, False, False),  # TP 2 + SP x PP 2, full recompute, tied embeddings
+    ("llama", 1, 2, False, True, True, False),  # PP 2 x DP 2, distributed optimizer, recompute
+    ("llama", 2, 2, True, False, False, True),  # TP 2 + SP x PP 2, per-token loss
+]
+
+
+def test_zero_bubble_parity(references):
+    assert all(run_distributed(_worker, WORLD, CASES, references, timeout=300))
