@@ -91,10 +91,14 @@ def ours_to_hf_state_dict(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig,
     return dict(ours_to_hf(tensors.items(), cfg, arch, experts=experts))
 
 
-def load_into_model(model, tensors: Mapping[str, torch.Tensor], tp_rank: int = 0, tp: int = 1) -> None:
-    """Copy global tensors into a model chunk at tensor-parallel rank ``tp_rank`` of ``tp``: each parameter
-    takes its slice (``split_global`` with its ``TensorDesc``); vocabulary rows are padded or cut to the
-    chunk's padded size (extra rows must be zero padding)."""
+def load_into_model(model, tensors: Mapping[str, torch.Tensor], tp_rank: int = 0, tp: int = 1,
+                    parallel=None) -> None:
+    """Copy global tensors into a model chunk at tensor-parallel rank ``tp_rank`` of ``tp`` (or, with a
+    ``parallel`` context, at its tensor-, expert- and expert-tensor-parallel ranks): each parameter takes its
+    slice (``split_global`` with its ``TensorDesc``); vocabulary rows are padded or cut to the chunk's padded size
+    (extra rows must be zero padding)."""
+    if parallel is not None:
+        tp_rank, tp = parallel.tp_rank, parallel.tp_size
     with torch.no_grad():
         for name, p in model.named_global_parameters():
             if name not in tensors:
@@ -109,7 +113,11 @@ def load_into_model(model, tensors: Mapping[str, torch.Tensor], tp_rank: int = 0
             if tuple(full.shape) != tuple(p.desc.global_shape):
                 raise ConvertError(f"{name}: global shape {list(full.shape)}, the model needs "
                                    f"{list(p.desc.global_shape)}")
-            p.copy_(split_global(p.desc, full.to(p.device), tp_rank, tp))
+            if p.desc.expert and parallel is not None:
+                p.copy_(split_global(p.desc, full.to(p.device), parallel.etp_rank, parallel.etp_size,
+                                     parallel.ep_rank, parallel.ep_size))
+            else:
+                p.copy_(split_global(p.desc, full.to(p.device), tp_rank, tp))
 
 
 def model_global_tensors(model) -> dict[str, torch.Tensor]:

@@ -9,7 +9,8 @@ RoPE, SwiGLU, grouped-query attention). The Llama-flavored families differ only 
 per-head q/k RMSNorm (``--qk-layernorm``; Qwen3), how config.json turns on sliding-window attention (rejected
 when the window is shorter than the sequence) and the MoE router style (docs/convert.md, "Mixture of experts":
 Mixtral's renormalised top-k is ours without ``--moe-router-pre-softmax``; Qwen's ``norm_topk_prob=false`` is
-ours with it; Qwen2-MoE adds the sigmoid-gated shared expert). ``head_dim`` (``--kv-channels``) and tied
+ours with it; Qwen2-MoE adds the sigmoid-gated shared expert). ``DeepseekV3ForCausalLM`` (multi-latent
+attention, YaRN, DeepSeek's MoE) has its own mapping, :mod:`.hf_deepseek`. ``head_dim`` (``--kv-channels``) and tied
 embeddings are read from config.json for every family. Settings either side cannot express are a
 :class:`ConvertError`.
 """
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from ..config import ModelConfig
 from ..errors import ConvertError
 from ..model.moe.layer import is_moe_layer
+from .hf_deepseek import DEEPSEEK_V3, deepseek_config_from_hf, deepseek_fits, deepseek_hf_config
 
 GPT2, LLAMA, MISTRAL = "GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM"
 QWEN2, QWEN3 = "Qwen2ForCausalLM", "Qwen3ForCausalLM"
@@ -48,8 +50,8 @@ FAMILIES = {  # first match wins on export when no source config.json says which
     QWEN3_MOE: Family("qwen3_moe", qk_norm=True, window_switch="use_sliding_window", moe="qwen"),
 }
 MOE_ARCHITECTURES = tuple(a for a, f in FAMILIES.items() if f.moe)
-ARCHITECTURES = (GPT2, *FAMILIES)
-_MODEL_TYPE = {GPT2: "gpt2", **{a: f.model_type for a, f in FAMILIES.items()}}
+ARCHITECTURES = (GPT2, *FAMILIES, DEEPSEEK_V3)  # DeepSeek-V3: multi-latent attention (hf_deepseek.py)
+_MODEL_TYPE = {GPT2: "gpt2", **{a: f.model_type for a, f in FAMILIES.items()}, DEEPSEEK_V3: "deepseek_v3"}
 _ARCH_OF_TYPE = {v: k for k, v in _MODEL_TYPE.items()}
 _TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
 
@@ -115,6 +117,8 @@ def model_config_from_hf(hf: dict, *, true_vocab_size: int | None = None, make_v
                           add_bias_linear=True, attention_dropout=float(hf.get("attn_pdrop", 0.1)),
                           hidden_dropout=float(hf.get("resid_pdrop", 0.1)), **common)
         return cfg, arch
+    if arch == DEEPSEEK_V3:
+        return deepseek_config_from_hf(hf, common, where), arch
     act = hf.get("hidden_act", "silu")
     _require(act == "silu", where, f"hidden_act {act!r} is not supported (SwiGLU uses silu)")
     _require(int(hf.get("pretraining_tp", 1)) == 1, where, "pretraining_tp > 1 is not supported")
@@ -202,6 +206,9 @@ def architecture_of(cfg: ModelConfig, where: str = "checkpoint", *, base: dict |
     Mistral, though a Llama expresses the same model)."""
     _require(not getattr(cfg, "apply_layernorm_1p", False), where,
              "--apply-layernorm-1p (zero-centered norm weights) has no HF equivalent in this converter")
+    if cfg.attention.multi_latent_attention:
+        deepseek_fits(cfg, where)
+        return DEEPSEEK_V3
     gpt2_like = (cfg.normalization == "LayerNorm" and cfg.attention.position_embedding_type == "learned_absolute"
                  and not cfg.swiglu)
     llama_like = cfg.normalization == "RMSNorm" and cfg.attention.position_embedding_type == "rope" and cfg.swiglu
@@ -292,6 +299,10 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32", *, base: dict
                    scale_attn_by_inverse_layer_idx=False)
         out.setdefault("bos_token_id", cfg.vocab_size - 1)
         out.setdefault("eos_token_id", cfg.vocab_size - 1)
+    elif arch == DEEPSEEK_V3:
+        for key in ("rope_scaling", "quantization_config", "num_mtp_layers"):
+            out.pop(key, None)
+        out.update(deepseek_hf_config(cfg))
     else:
         for key in ("rope_scaling", "num_experts", "num_local_experts"):
             out.pop(key, None)

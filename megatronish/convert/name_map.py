@@ -29,6 +29,7 @@ import torch
 from ..config import ModelConfig
 from ..model.moe.layer import is_moe_layer
 from .hf_config import FAMILIES, GPT2, MIXTRAL, QWEN2_MOE, ConvertError
+from .hf_deepseek import DEEPSEEK_V3
 
 WORD = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"
@@ -157,11 +158,45 @@ def _moe_entries(cfg: ModelConfig, arch: str, o: str, h: str, layout: str) -> li
                                  [(f"{m}experts.{e}.{gate}.weight", f"{m}experts.{e}.{up}.weight") for e in experts]),
                 _stacked_experts(f"{o}mlp.experts.linear_fc2.weight",
                                  [(f"{m}experts.{e}.{down}.weight",) for e in experts])]
+    if arch == DEEPSEEK_V3:
+        s = f"{m}shared_experts."
+        out.append(_same(f"{o}mlp.router.expert_bias", f"{m}gate.e_score_correction_bias"))
+        if cfg.moe.moe_shared_expert_intermediate_size:
+            out += [_gate_up(f"{o}mlp.shared_experts.linear_fc1.weight", f"{s}gate_proj", f"{s}up_proj"),
+                    _same(f"{o}mlp.shared_experts.linear_fc2.weight", f"{s}down_proj.weight")]
     if arch == QWEN2_MOE:
         s = f"{m}shared_expert."
         out += [_gate_up(f"{o}mlp.shared_experts.linear_fc1.weight", f"{s}gate_proj", f"{s}up_proj"),
                 _same(f"{o}mlp.shared_experts.linear_fc2.weight", f"{s}down_proj.weight"),
                 _same(f"{o}mlp.shared_experts.gate_weight", f"{m}shared_expert_gate.weight")]
+    return out
+
+
+def _mla_entries(cfg: ModelConfig, o: str, h: str) -> list[Entry]:
+    """DeepSeek-V3's multi-latent attention: the same tensors under transformers' names (RoPE rows in DeepSeek's
+    interleaved pair order both sides, ``rope_interleave`` true)."""
+    names = [("linear_q_down_proj", "q_a_proj"), ("q_layernorm", "q_a_layernorm"), ("linear_q_up_proj", "q_b_proj")] \
+        if cfg.attention.q_lora_rank is not None else [("linear_q_proj", "q_proj")]
+    names += [("linear_kv_down_proj", "kv_a_proj_with_mqa"), ("kv_layernorm", "kv_a_layernorm"),
+              ("linear_kv_up_proj", "kv_b_proj"), ("linear_proj", "o_proj")]
+    return [_same(f"{o}{ours}.weight", f"{h}{theirs}.weight") for ours, theirs in names]
+
+
+def _mla_shapes(cfg: ModelConfig, o: str) -> dict[str, tuple[int, ...]]:
+    a, h, n = cfg.attention, cfg.hidden_size, cfg.num_attention_heads
+    q_head = a.qk_head_dim + a.qk_pos_emb_head_dim
+    out = {f"{o}linear_kv_down_proj.weight": (a.kv_lora_rank + a.qk_pos_emb_head_dim, h),
+           f"{o}linear_kv_up_proj.weight": (n * (a.qk_head_dim + a.v_head_dim), a.kv_lora_rank),
+           f"{o}linear_proj.weight": (h, n * a.v_head_dim)}
+    if a.q_lora_rank is None:
+        out[f"{o}linear_q_proj.weight"] = (n * q_head, h)
+    else:
+        out.update({f"{o}linear_q_down_proj.weight": (a.q_lora_rank, h),
+                    f"{o}linear_q_up_proj.weight": (n * q_head, a.q_lora_rank)})
+    if a.qk_layernorm:
+        out[f"{o}kv_layernorm.weight"] = (a.kv_lora_rank,)
+        if a.q_lora_rank is not None:
+            out[f"{o}q_layernorm.weight"] = (a.q_lora_rank,)
     return out
 
 
@@ -195,22 +230,24 @@ def build_entries(cfg: ModelConfig, arch: str, padded_vocab: int, prefix: str | 
                     _same(f"{o}mlp.linear_fc2.bias", f"{h}mlp.c_proj.bias")]
         out += [_same("decoder.final_layernorm.weight", f"{p}ln_f.weight"),
                 _same("decoder.final_layernorm.bias", f"{p}ln_f.bias")]
-    elif arch in FAMILIES:  # every Llama-flavored family: one table, the config's switches pick the tensors
+    elif arch in FAMILIES or arch == DEEPSEEK_V3:  # Llama-flavored families and DeepSeek-V3: one table
         kinds = ("weight", "bias") if cfg.add_bias_linear else ("weight",)
         qkv_kinds = ("weight", "bias") if cfg.qkv_bias else ("weight",)
         out.append(_vocab_entry(WORD, "model.embed_tokens.weight", V, padded_vocab))
         for i in range(cfg.num_layers):
             o, h = f"decoder.layers.{i}.", f"model.layers.{i}."
             out.append(_same(f"{o}input_layernorm.weight", f"{h}input_layernorm.weight"))
-            for kind in qkv_kinds:
+            if cfg.attention.multi_latent_attention:
+                out += _mla_entries(cfg, f"{o}self_attention.", f"{h}self_attn.")
+            for kind in qkv_kinds if not cfg.attention.multi_latent_attention else ():
                 out.append(Entry(f"{o}self_attention.linear_qkv.{kind}",
                                  tuple(f"{h}self_attn.{x}_proj.{kind}" for x in "qkv"),
                                  lambda q, k, v: qkv_to_ours(q, k, v, groups),
                                  lambda x: qkv_from_ours(x, heads, groups, d)))
-            if cfg.attention.qk_layernorm:  # Qwen3 / Qwen3-MoE: per-head RMSNorm of queries and keys
+            if cfg.attention.qk_layernorm and arch != DEEPSEEK_V3:  # Qwen3 / Qwen3-MoE: per-head q/k RMSNorm
                 out += [_same(f"{o}self_attention.{x}_layernorm.weight", f"{h}self_attn.{x}_norm.weight")
                         for x in "qk"]
-            for kind in kinds:
+            for kind in kinds if arch != DEEPSEEK_V3 else ():
                 out.append(_same(f"{o}self_attention.linear_proj.{kind}", f"{h}self_attn.o_proj.{kind}"))
             out.append(_same(f"{o}pre_mlp_layernorm.weight", f"{h}post_attention_layernorm.weight"))
             if is_moe_layer(cfg, i):
@@ -245,15 +282,18 @@ def expected_global_shapes(cfg: ModelConfig, tp: int = 1) -> dict[str, tuple[int
             out[f"{o}{ln}.weight"] = (h,)
             if norm_bias:
                 out[f"{o}{ln}.bias"] = (h,)
-        out[f"{o}self_attention.linear_qkv.weight"] = (qkv, h)
+        if cfg.attention.multi_latent_attention:
+            out.update(_mla_shapes(cfg, f"{o}self_attention."))
+        else:
+            out[f"{o}self_attention.linear_qkv.weight"] = (qkv, h)
         if cfg.qkv_bias:
             out[f"{o}self_attention.linear_qkv.bias"] = (qkv,)
-        if cfg.attention.qk_layernorm:
+        if cfg.attention.qk_layernorm and not cfg.attention.multi_latent_attention:
             for x in "qk":
                 out[f"{o}self_attention.{x}_layernorm.weight"] = (cfg.kv_channels,)
                 if norm_bias:
                     out[f"{o}self_attention.{x}_layernorm.bias"] = (cfg.kv_channels,)
-        out[f"{o}self_attention.linear_proj.weight"] = (h, proj_in)
+        out.setdefault(f"{o}self_attention.linear_proj.weight", (h, proj_in))
         if cfg.add_bias_linear:
             out[f"{o}self_attention.linear_proj.bias"] = (h,)
         if is_moe_layer(cfg, i):

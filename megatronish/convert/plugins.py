@@ -7,6 +7,7 @@ global tensors with shapes and dtypes, and an iterator that produces them one at
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from .hf_config import (
     model_config_from_dict,
     model_config_from_hf,
 )
+from .hf_deepseek import DEEPSEEK_V3, FP8_DTYPES, fp8_view, mtp_layer_names
 from .hf_io import HFReader, HFWriter, parse_size
 from .name_map import IGNORED_HF_SUFFIXES, VOCAB_TENSORS, build_entries, expected_global_shapes, expert_layout
 
@@ -65,7 +67,13 @@ def load_hf(args) -> Source:
     cfg, arch = model_config_from_hf(r.config, true_vocab_size=args.true_vocab_size,
                                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                                      where=f"{args.load_dir}/config.json")
-    names = set(r.names())
+    names, get = fp8_view(r.names(), r.get, r.config)  # FP8 block-scaled weights: dequantized to bfloat16
+    mtp = mtp_layer_names(names, r.config) if arch == DEEPSEEK_V3 else []
+    if mtp:  # multi-token prediction is not built here
+        first = r.config["num_hidden_layers"]
+        print(f"note: {len(mtp)} tensors of the multi-token-prediction layers (model.layers.{first}...) are not "
+              "converted", file=sys.stderr, flush=True)
+        names -= set(mtp)
     prefix = None
     if arch == GPT2 and "transformer.wte.weight" not in names and "wte.weight" in names:
         prefix = ""  # old GPT-2 files without the "transformer." prefix
@@ -74,11 +82,12 @@ def load_hf(args) -> Source:
     entries = build_entries(cfg, arch, padded, prefix, experts)
     check_names(names, entries, cfg, arch, where)
     shapes = expected_global_shapes(cfg, args.target_tensor_parallel_size)
-    specs = [(e.ours, shapes[e.ours], r.dtype(e.hf[0])) for e in entries]
+    specs = [(e.ours, shapes[e.ours], torch.bfloat16 if r.dtype(e.hf[0]) in FP8_DTYPES else r.dtype(e.hf[0]))
+             for e in entries]
 
     def tensors():
         try:
-            yield from hf_to_ours(r.get, cfg, arch, padded, prefix=prefix, experts=experts, where=where)
+            yield from hf_to_ours(get, cfg, arch, padded, prefix=prefix, experts=experts, where=where)
         finally:
             r.close()
 

@@ -18,6 +18,15 @@ _FAMILY = {
                                 shared_expert_intermediate_size=40, norm_topk_prob=False),
     "Qwen3MoeForCausalLM": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16,
                                 norm_topk_prob=True),
+    # multi-latent attention with a query latent, YaRN, one dense layer, then 8 experts (top-4 of the best 2 of 4
+    # groups, sigmoid scores with the expert bias, scaled by 2.5) and two shared experts' width
+    "DeepseekV3ForCausalLM": dict(
+        num_key_value_heads=8, rms_norm_eps=1e-6, q_lora_rank=24, kv_lora_rank=20, qk_nope_head_dim=12,
+        qk_rope_head_dim=8, v_head_dim=10, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=4,
+        n_group=4, topk_group=2, routed_scaling_factor=2.5, moe_intermediate_size=16, n_shared_experts=2,
+        norm_topk_prob=True, num_nextn_predict_layers=0,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=8,
+                             beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=0.8)),
 }
 
 
@@ -25,8 +34,9 @@ def tiny_hf_model(arch: str, *, vocab: int = 100, seed: int = 0, tied: bool | No
     """A small fp32 ``GPT2LMHeadModel`` (tanh GELU), dense Llama-flavored model (``LlamaForCausalLM``,
     ``MistralForCausalLM``, ``Qwen2ForCausalLM`` with q/k/v biases, ``Qwen3ForCausalLM`` with q/k norms and
     ``head_dim`` 16) or mixture of experts (``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``,
-    ``Qwen3MoeForCausalLM``: 4 experts, top-2) with random weights (biases, norms and the embedding included),
-    dropout off, SDPA attention."""
+    ``Qwen3MoeForCausalLM``: 4 experts, top-2; ``DeepseekV3ForCausalLM``: multi-latent attention and DeepSeek's
+    MoE) with random weights (biases, norms, the embedding and DeepSeek's expert bias included), dropout off, SDPA
+    attention."""
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -36,8 +46,10 @@ def tiny_hf_model(arch: str, *, vocab: int = 100, seed: int = 0, tied: bool | No
                   tie_word_embeddings=True if tied is None else tied)
         config_cls, cls = transformers.GPT2Config, transformers.GPT2LMHeadModel
     else:
-        kw = dict(_LLAMA_LIKE, vocab_size=vocab, tie_word_embeddings=False if tied is None else tied,
-                  **_FAMILY.get(arch, {}))
+        kw = dict(_LLAMA_LIKE, vocab_size=vocab, tie_word_embeddings=False if tied is None else tied)
+        kw.update(_FAMILY.get(arch, {}))
+        if arch == "DeepseekV3ForCausalLM":
+            kw.pop("rope_theta")  # in rope_parameters
         name = arch.removesuffix("ForCausalLM")
         config_cls, cls = getattr(transformers, f"{name}Config"), getattr(transformers, arch)
     kw.update(over)
@@ -54,4 +66,7 @@ def tiny_hf_model(arch: str, *, vocab: int = 100, seed: int = 0, tied: bool | No
                 p.copy_(torch.randn(p.shape, generator=g))
             elif name.endswith("shared_expert_gate.weight"):
                 p.copy_(0.5 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek's expert bias: it changes the choice
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
     return model.eval()

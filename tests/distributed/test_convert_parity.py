@@ -24,7 +24,6 @@ DENSE = {"gpt2": ("GPT2LMHeadModel", {}), "llama": ("LlamaForCausalLM", {}), "mi
 def _worker(rank, world):
     ctx = groups.initialize_model_parallel(ParallelDims(world_size=world, tp=2, pp=2))
     tp, tp_rank = 2, groups.get_tensor_model_parallel_rank()
-    pp_rank = groups.get_pipeline_model_parallel_rank()
     out = {}
     for name, (arch, over) in DENSE.items():
         hf = tiny_hf_model(arch, vocab=V, **over)
@@ -32,20 +31,26 @@ def _worker(rank, world):
         tensors = hf_state_dict_to_ours(hf.state_dict(), cfg, a, tp=tp)
         (model,) = build_model_chunks(cfg, ctx)
         load_into_model(model, tensors, tp_rank, tp)
-        model.eval()
-        ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(5))
-        with torch.no_grad():
-            if pp_rank == 0:
-                dist.send(model(ids).contiguous(), groups.get_pipeline_model_parallel_next_rank())
-            else:
-                x = torch.empty(S, B, cfg.hidden_size)
-                dist.recv(x, groups.get_pipeline_model_parallel_prev_rank())
-                model.set_input_tensor(x)
-                logits = gather_from_tensor_model_parallel_region(model(ids), ctx.tp_group)[..., :V]
-                ref = hf(input_ids=ids).logits
-                out[name] = (logits - ref).abs().max().item()
-                assert_parity(logits, ref, f"{name} logits at TP 2 x PP 2", rtol=1e-5)
+        logits, ref = _two_stage_logits(model, ctx, hf, cfg.hidden_size)
+        if logits is not None:
+            out[name] = (logits - ref).abs().max().item()
+            assert_parity(logits, ref, f"{name} logits at TP 2 x PP 2", rtol=1e-5)
     return out
+
+
+def _two_stage_logits(model, ctx, hf, hidden):
+    """Run a two-stage pipeline on fixed tokens: ``(logits, transformers' logits)`` on the last stage (the
+    vocabulary gathered over TP), ``(None, None)`` on the first."""
+    model.eval()
+    ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        if ctx.pp_rank == 0:
+            dist.send(model(ids).contiguous(), groups.get_pipeline_model_parallel_next_rank())
+            return None, None
+        x = torch.empty(S, B, hidden)
+        dist.recv(x, groups.get_pipeline_model_parallel_prev_rank())
+        model.set_input_tensor(x)
+        return gather_from_tensor_model_parallel_region(model(ids), ctx.tp_group)[..., :V], hf(input_ids=ids).logits
 
 
 def test_hf_logits_at_tp2_pp2():
@@ -122,3 +127,36 @@ def test_moe_hf_loss_at_ep2_pp2(tmp_path):
         assert set(res) == set(MOE_FAMILIES)
         for arch, (ours, ref) in res.items():
             assert abs(ours - ref) <= 1e-5 * abs(ref), (arch, ours, ref)
+
+
+# ---- DeepSeek-V3 (multi-latent attention, YaRN, DeepSeek's MoE) at TP 2 x PP 2 x EP 2 ------------------------------
+
+DEEPSEEK = {"q_lora_yarn_groups": {},  # tiny_hf_model's DeepSeek-V3: q latent, YaRN, group-limited top-4, shared
+            "full_q_rope_top2": dict(q_lora_rank=None, first_k_dense_replace=2, n_group=1, topk_group=1,
+                                     num_experts_per_tok=2, n_shared_experts=1,
+                                     rope_parameters=dict(rope_type="default", rope_theta=10000.0))}
+
+
+def _deepseek_worker(rank, world, models):
+    ctx = groups.initialize_model_parallel(ParallelDims(world_size=world, tp=2, pp=2, ep=2))
+    out = {}
+    for name, hf in models.items():
+        cfg, a = model_config_from_hf(hf.config.to_dict())
+        (model,) = build_model_chunks(cfg, ctx)
+        load_into_model(model, hf_state_dict_to_ours(hf.state_dict(), cfg, a, tp=2), parallel=ctx)
+        logits, ref = _two_stage_logits(model, ctx, hf, cfg.hidden_size)
+        if logits is not None:
+            out[name] = (logits - ref).abs().max().item()
+            assert_parity(logits, ref, f"DeepSeek-V3 {name} logits at TP 2 x PP 2 x EP 2", rtol=1e-5)
+    return out
+
+
+def test_deepseek_v3_logits_at_tp2_pp2_ep2():
+    """transformers' DeepseekV3ForCausalLM (MLA with and without the query latent, YaRN and plain RoPE, a first
+    dense layer, sigmoid routing with the expert bias, group-limited top-k, shared experts) converted and loaded
+    at TP 2 x PP 2 x EP 2 (8 ranks): transformers' logits (fp32, rtol 1e-5)."""
+    models = {name: tiny_hf_model("DeepseekV3ForCausalLM", vocab=V, **over) for name, over in DEEPSEEK.items()}
+    results = run_distributed(_deepseek_worker, 8, models, timeout=600)
+    last = [r for r in results if r]
+    assert len(last) == 4 and all(set(r) == set(DEEPSEEK) for r in last)
+    print("max |logits - transformers'|:", last[0])

@@ -57,3 +57,23 @@ def test_example_flags_validate(env, script, shape):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"VALID {shape}" in proc.stdout
+
+
+def test_deepseek_v3_example_flags_validate(env):
+    """examples/deepseek_v3/pretrain_deepseek_v3.sh: DeepSeek-V3's shape validates for 1024 ranks (TP 8, EP 64)."""
+    proc = subprocess.run(["bash", os.path.join(REPO, "examples", "deepseek_v3", "pretrain_deepseek_v3.sh")],
+                          env={**subprocess_env(), **env, "NPROC": "1024", "NNODES": "1"}, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "VALID 61 7168 128 128 8" in proc.stdout
+
+
+def test_deepseek_v3_tiny_example_runs(tmp_path):
+    """examples/deepseek_v3/tiny.sh on CPU: trains at EP 2, exports to transformers, and transformers' logits
+    equal ours (its compare step exits 1 otherwise)."""
+    proc = subprocess.run(["bash", os.path.join(REPO, "examples", "deepseek_v3", "tiny.sh"), "--train-iters", "4"],
+                          env={**subprocess_env(), "PYTHON": sys.executable, "OUT": str(tmp_path)},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "DeepseekV3ForCausalLM: max |logits - ours|" in proc.stdout
+    assert (tmp_path / "hf" / "config.json").is_file()
