@@ -49,13 +49,19 @@ KIND_OF = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_gat
 @dataclass(frozen=True)
 class Collective:
     """``count`` collectives of ``kind`` on the group ``group`` (a parallel-context kind) of ``n`` ranks, each
-    moving ``nbytes`` (module docstring's convention)."""
+    moving ``nbytes`` (module docstring's convention). ``role`` says what the step-time model may hide it behind
+    (``ROLES``)."""
 
     group: str
     kind: str
     n: int
     nbytes: float
     count: float = 1.0
+    role: str = "exposed"
+
+
+# what each collective is, for the step-time model's overlap rules (planner/perf.py)
+ROLES = ("tp", "cp_ring", "ep", "pp_p2p", "grad_reduce", "param_gather", "fsdp", "exposed")
 
 
 def bytes_by_kind(colls) -> dict[str, float]:
@@ -93,10 +99,11 @@ def step_collectives(cfg, rank: int, chunks, ctx) -> list[Collective]:
     full = m.recompute.recompute_granularity == "full"
     out: list[Collective] = []
 
-    def add(group, kind, nbytes, count=1.0, n=None):
+    def add(group, kind, nbytes, count=1.0, n=None, role=None):
         n = _size(ctx, group) if n is None else n
         if n > 1 and count:
-            out.append(Collective(group, kind, n, float(nbytes), float(count)))
+            role = role or {"tp": "tp", "ep": "ep", "tp_ep": "ep"}.get(group, "exposed")
+            out.append(Collective(group, kind, n, float(nbytes), float(count), role))
 
     act = s * b * h * e
     if tp > 1:
@@ -120,8 +127,8 @@ def step_collectives(cfg, rank: int, chunks, ctx) -> list[Collective]:
         n = par.cp
         kv = 2 * b * (m.num_query_groups // tp) * s * m.kv_channels
         again = full or m.recompute.recompute_granularity == "selective"
-        add("cp", "p2p", kv * e, M * len(layers) * (n - 1) * (2 + again))
-        add("cp", "p2p", kv * 4, M * len(layers) * n)
+        add("cp", "p2p", kv * e, M * len(layers) * (n - 1) * (2 + again), role="cp_ring")
+        add("cp", "p2p", kv * 4, M * len(layers) * n, role="cp_ring")
         if last:
             add("cp", "all_reduce", 4, M)
     if n_moe:
@@ -129,7 +136,7 @@ def step_collectives(cfg, rank: int, chunks, ctx) -> list[Collective]:
     if p > 1:
         pipe = act // (tp if sp else 1)
         sends = 2 * M * v - (M if first else 0) - (M if last else 0)
-        add("pp", "p2p", pipe, sends)
+        add("pp", "p2p", pipe, sends, role="pp_p2p")
         add("pp", "broadcast", 8)
     if last and _size(ctx, "dp_cp") > 1:
         add("dp_cp", "all_reduce", 8)
@@ -149,6 +156,85 @@ def rank_collectives(cfg, rank: int) -> list[Collective]:
 
     built = build_rank(cfg, rank)
     return step_collectives(cfg, rank, built.chunks, built.ctx)
+
+
+# the axes each group kind varies along: the dense grid (tp, cp, dp, pp) or the expert grid (etp, ep, edp, pp)
+_DENSE = {"tp": ("tp",), "pp": ("pp",), "dp": ("dp",), "dp_cp": ("cp", "dp"), "cp": ("cp",), "mp": ("tp", "pp"),
+          "tp_dp": ("tp", "dp"), "tp_dp_cp": ("tp", "cp", "dp"), "tp_cp": ("tp", "cp")}
+_EXPERT = {"ep": ("ep",), "expert_dp": ("edp",), "etp": ("etp",), "tp_ep": ("etp", "ep"),
+           "expert_mp": ("etp", "ep", "pp")}
+
+
+def group_span(par, rank: int, group: str) -> tuple[int, int, int]:
+    """(lowest rank, highest rank, size) of ``rank``'s group ``group``, by rank arithmetic (order tp-cp-ep-dp-pp;
+    the same groups as ``ParallelDims.group_of`` without listing every group of the world)."""
+    if group == "world":
+        return 0, par.world_size - 1, par.world_size
+    c = par.coords(rank)
+    stage = par.world_size // par.pp
+    if group in ("embedding", "position_embedding"):
+        first = rank - c["pp"] * stage
+        ends = c["pp"] in (0, par.pp - 1) and group == "embedding" and par.tie_embeddings and par.pp > 1
+        return (first, first + (par.pp - 1) * stage, 2) if ends else (rank, rank, 1)
+    names, sizes = (("tp", "cp", "dp", "pp"), par._sizes) if group in _DENSE else \
+        (("etp", "ep", "edp", "pp"), par._expert_sizes)
+    axes = (_DENSE.get(group) or _EXPERT[group])
+    stride, lo, width, n = 1, rank, 0, 1
+    for name, size in zip(names, sizes):
+        if name in axes:
+            lo -= c[name] * stride
+            width += (size - 1) * stride
+            n *= size
+        stride *= size
+    return lo, lo + width, n
+
+
+class GroupSizes:
+    """What :func:`step_collectives` reads of a context (its groups' sizes) from rank arithmetic alone: a layout
+    search prices thousands of layouts without building their contexts."""
+
+    def __init__(self, par, rank: int):
+        self.par, self.rank = par, rank
+
+    def ranks(self, group: str) -> range:
+        lo, hi, n = group_span(self.par, self.rank, group)
+        return range(n)
+
+
+def ddp_estimate(cfg, state, expert_params: int = 0) -> list[Collective]:
+    """The DDP buckets' collectives of a rank whose state is ``state`` without building its DDP: the gradient
+    buffer (all-reduce, or reduce-scatter and the parameter buffer's all-gather under the distributed optimizer)
+    cut into buckets of ``--ddp-bucket-size`` (Megatron's default), experts' share over expert-DP."""
+    from ..parallel.ddp import default_bucket_size
+
+    o, par = cfg.optim, cfg.parallel
+    n = max(state.num_params, 1)
+    dp_cp = par.dp * par.cp
+    out = []
+    for group, world, share in (("dp_cp", dp_cp, n - expert_params), ("expert_dp", par.expert_dp, expert_params)):
+        if world <= 1 or share <= 0:
+            continue
+        size = o.ddp_bucket_size or default_bucket_size(world, o.overlap_grad_reduce) or share
+        buckets = max(1, -(-share // size))
+        grad = state.grads * share / n / buckets
+        kind = "reduce_scatter" if o.use_distributed_optimizer else "all_reduce"
+        out.append(Collective(group, kind, world, grad, buckets, "grad_reduce"))
+        if o.use_distributed_optimizer:
+            out.append(Collective(group, "all_gather", world, state.params * share / n / buckets, buckets,
+                                  "param_gather"))
+    return out
+
+
+def fsdp_estimate(cfg, state) -> list[Collective]:
+    """FSDP2's gathers and reduce-scatters (they run inside torch): per microbatch the 16-bit (or fp32) copy of the
+    rank's TP slice gathered for the forward and again for the backward (once under PP, where units stay gathered
+    between them), and the fp32 gradients reduce-scattered."""
+    par, o = cfg.parallel, cfg.optim
+    n, M = par.dp * par.cp, cfg.num_microbatches
+    e = o.params_dtype.itemsize
+    gathers = 2 if par.pp == 1 or o.fsdp_reshard_after_forward == "always" else 1
+    return [Collective("dp_cp", "all_gather", n, state.params * e / 4 * n, M * gathers, "fsdp"),
+            Collective("dp_cp", "reduce_scatter", n, state.grads * n, M, "fsdp")]
 
 
 def _moe(cfg, ctx, add, s, b, h, e, M, n_moe, full, p, layers) -> None:
@@ -198,10 +284,10 @@ def _ddp(cfg, ctx, chunks, add, first: bool, last: bool) -> None:
                 continue
             group = "dp_cp" if bucket.group is ctx.dp_cp_group else "expert_dp"
             nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
-            add(group, "reduce_scatter" if dist_opt else "all_reduce", nbytes, n=bucket.world)
+            add(group, "reduce_scatter" if dist_opt else "all_reduce", nbytes, n=bucket.world, role="grad_reduce")
             if dist_opt:
                 pb = bucket.param_buffer
-                add(group, "all_gather", pb.numel() * pb.element_size(), n=bucket.world)
+                add(group, "all_gather", pb.numel() * pb.element_size(), n=bucket.world, role="param_gather")
     if cfg.parallel.pp > 1 and not cfg.model.untie_embeddings_and_output_weights and (first or last):
         for chunk in chunks:
             for q in chunk.module.parameters():
@@ -224,4 +310,5 @@ def _optimizer(cfg, ctx, add, n_moe_model: bool) -> None:
         add("expert_mp", "all_reduce", 4)
 
 
-__all__ = ["Collective", "step_collectives", "rank_collectives", "bytes_by_kind", "KIND_OF"]
+__all__ = ["Collective", "ROLES", "step_collectives", "rank_collectives", "bytes_by_kind", "KIND_OF", "group_span",
+           "GroupSizes", "ddp_estimate", "fsdp_estimate"]

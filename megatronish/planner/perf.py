@@ -1,35 +1,50 @@
 """Step time, throughput and MFU of a layout on an accelerator: the model of docs/planner.md.
 
 Compute: the iteration's model FLOPs (``training/flops.py``, Megatron-LM's formula) split into GEMMs and the
-attention core (the ``s/h`` term; causal, so half of it is computed), times ``4/3`` for the layers under full
-recompute; each rank does ``1/world`` of it. GEMMs run at ``GEMM_EFFICIENCY`` of the dtype's dense peak (fp8 under
-``--fp8-format``), the attention core at ``ATTENTION_EFFICIENCY``; memory-bound work (norms, activations,
-residuals, rotary, dropout: ``MEMORY_BOUND_BYTES`` per token and hidden unit, and the optimizer's pass over its
-state) at ``MEMORY_EFFICIENCY`` of the HBM bandwidth.
+attention core (the ``s/h`` term; causal, so half of it is computed). Recompute: selective recompute runs the
+attention core's forward again (``+1/3`` of its FLOPs); full recompute one more forward of the recomputed layers
+(``+1/3`` of their FLOPs, and of their memory-bound work). Each rank does ``1/world`` of it. GEMMs run at
+``GEMM_EFFICIENCY`` of the dtype's dense peak (fp8 under ``--fp8-format``, plus the casts' memory traffic), the
+attention core at ``ATTENTION_EFFICIENCY``; memory-bound work (norms, activations, residuals, rotary, dropout:
+``MEMORY_BOUND_BYTES`` per token and hidden unit, ``COMPILED_MEMORY_FACTOR`` of it under ``--torch-compile``, and
+the optimizer's pass over its state) at ``MEMORY_EFFICIENCY`` of the HBM bandwidth.
 
-Communication, per rank and step, by algorithm (``n`` ranks in the group, ``B`` bytes): ring all-reduce moves
-``2 (n-1)/n B`` in ``2 (n-1)`` steps, reduce-scatter and all-gather ``(n-1)/n B`` in ``n-1``, all-to-all
-``(n-1)/n B`` in ``n-1``, p2p ``B`` in one; time = moved / bandwidth + steps x latency, over NVLink when the group
-lies inside one node (ranks in the order tp-cp-ep-dp-pp: a group whose span, stride x size, fits
-``gpus_per_node``) and over the network otherwise, at ``LINK_EFFICIENCY`` of the link's bandwidth.
+Communication: the rank's exact collective list (``planner/comms.py``: every collective of one step, its group,
+kind, bytes and count; FSDP2's and, in a search, the DDP buckets' estimated), each priced by algorithm (``n``
+ranks, ``B`` bytes): ring all-reduce moves ``2 (n-1)/n B`` in ``2 (n-1)`` steps, reduce-scatter and all-gather
+``(n-1)/n B`` in ``n-1``, all-to-all ``(n-1)/n B`` in ``n-1``, p2p and broadcast ``B`` in one; time = moved /
+(link x ``LINK_EFFICIENCY``) + steps x latency (an all-reduce takes the faster of the ring and a tree's ``2 B`` in
+``2 log2 n`` hops, as NCCL does for small messages). The link: NVLink when the group's ranks (rank order tp-cp-ep-dp-pp,
+``comms.group_span``) lie in one node of ``gpus_per_node``, else the network.
 
-Exposed vs overlapped: TP (and SP) collectives are on the critical path; CP's ring exchange hides behind the
-attention core; EP all-to-alls are exposed; PP p2p costs its warm-up and cool-down transfers, ``2 (p-1)``; DP
-gradient reduction is exposed, or under ``--overlap-grad-reduce`` hides behind the last microbatch's backward
-(what does not fit is exposed); the distributed optimizer's parameter all-gather likewise behind the first forward
-under ``--overlap-param-gather``; FSDP2's per-microbatch gathers and reduce-scatters behind the microbatch's
-compute. The pipeline bubble is ``(p-1)/(v m)`` of the compute.
+Overlap (each collective's ``role``): TP/SP collectives are exposed (``tp_overlap``: hidden behind the GEMMs,
+as asynchronous TP does); the CP ring hides behind the attention core; EP dispatch is exposed; PP sends are
+exposed, each rank's own and the ``2 (p-1)`` of the warm-up and cool-down; DP gradient reduction is exposed, or
+under ``--overlap-grad-reduce`` hides behind the last microbatch's backward but for its last bucket; the distributed
+optimizer's parameter all-gather likewise behind the first microbatch's forward under ``--overlap-param-gather``;
+FSDP2's gathers and reduce-scatters behind the compute; everything else (loss, gradient norm, the tied
+embedding's and SP parameters' gradients, MoE statistics) is exposed. The pipeline bubble is ``(p-1)/(v m)`` of
+the compute.
+
+The efficiencies are fitted on three published runs (docs/planner.md, "Against published runs").
 """
 from __future__ import annotations
 
-from ..model.moe.layer import is_moe_layer
-from ..training.flops import num_floating_point_operations
+import math
 
-GEMM_EFFICIENCY = 0.70
-ATTENTION_EFFICIENCY = 0.45
-MEMORY_EFFICIENCY = 0.70
-LINK_EFFICIENCY = 0.75
+from ..training.flops import num_floating_point_operations
+from .comms import GroupSizes, ddp_estimate, fsdp_estimate, group_span, step_collectives
+
+# fitted (benchmarks/bench_planner.py published --fit) on torchtitan's Llama 3.1 8B FSDP 8 bf16 and 70B FSDP 32 x TP 8
+# runs and Megatron-LM's GPT-3 175B; the a-priori values were 0.70, 0.45, 0.70, 0.75
+GEMM_EFFICIENCY = 0.52
+ATTENTION_EFFICIENCY = 0.25
+MEMORY_EFFICIENCY = 0.50
+LINK_EFFICIENCY = 0.90
 MEMORY_BOUND_BYTES = 60  # per token and hidden unit, forward + backward, one layer (16-bit)
+COMPILED_MEMORY_FACTOR = 0.5  # torch.compile fuses the elementwise chains: about half the traffic is left
+FP8_CAST_BYTES = 5  # per element cast to fp8: read 16 bits twice (amax, cast), write 8 bits
+EFFICIENCIES = ("GEMM_EFFICIENCY", "ATTENTION_EFFICIENCY", "MEMORY_EFFICIENCY", "LINK_EFFICIENCY")
 
 
 def _moved(kind: str, n: int, nbytes: float) -> tuple[float, int]:
@@ -38,33 +53,30 @@ def _moved(kind: str, n: int, nbytes: float) -> tuple[float, int]:
         return 0.0, 0
     if kind == "all_reduce":
         return 2 * (n - 1) / n * nbytes, 2 * (n - 1)
-    if kind == "p2p":
+    if kind in ("p2p", "broadcast"):
         return nbytes, 1
     return (n - 1) / n * nbytes, n - 1  # reduce_scatter, all_gather, all_to_all
 
 
-def _link(hw, stride: int, n: int) -> tuple[float, float]:
-    """(bytes/s, latency) of a group of ``n`` ranks ``stride`` apart."""
-    if stride * n <= hw.gpus_per_node:
-        return hw.intra_node_gbps * 1e9 * LINK_EFFICIENCY, hw.intra_node_latency_s
-    return hw.inter_node_gbps * 1e9 * LINK_EFFICIENCY, hw.inter_node_latency_s
+def link(hw, par, rank: int, group: str, eff: float | None = None) -> tuple[float, float]:
+    """(bytes/s, latency) of ``rank``'s group ``group``: NVLink inside one node, else the network."""
+    lo, hi, _ = group_span(par, rank, group)
+    eff = LINK_EFFICIENCY if eff is None else eff
+    if lo // hw.gpus_per_node == hi // hw.gpus_per_node:
+        return hw.intra_node_gbps * 1e9 * eff, hw.intra_node_latency_s
+    return hw.inter_node_gbps * 1e9 * eff, hw.inter_node_latency_s
 
 
-class _Comms:
-    """Collectives of one step: bytes per kind and time, per group."""
-
-    def __init__(self, hw):
-        self.hw, self.bytes, self.time = hw, {}, {}
-
-    def add(self, group: str, kind: str, n: int, stride: int, nbytes: float, count: float = 1.0) -> float:
-        if n <= 1 or count <= 0:
-            return 0.0
-        moved, steps = _moved(kind, n, nbytes)
-        bw, lat = _link(self.hw, stride, n)
-        t = count * (moved / bw + steps * lat)
-        self.bytes[kind] = self.bytes.get(kind, 0.0) + count * nbytes
-        self.time[group] = self.time.get(group, 0.0) + t
-        return t
+def price(c, hw, par, rank: int, eff: float | None = None) -> float:
+    """Seconds of the ``count`` collectives ``c`` (a ``comms.Collective``) of ``rank``."""
+    if c.n <= 1 or not c.count:
+        return 0.0
+    moved, steps = _moved(c.kind, c.n, c.nbytes)
+    bw, lat = link(hw, par, rank, c.group, eff)
+    one = moved / bw + steps * lat
+    if c.kind == "all_reduce":  # NCCL's tree for small messages: 2 B over 2 log2(n) hops
+        one = min(one, 2 * c.nbytes / bw + 2 * math.ceil(math.log2(c.n)) * lat)
+    return c.count * one
 
 
 def _compute_dtype(cfg) -> str:
@@ -74,71 +86,94 @@ def _compute_dtype(cfg) -> str:
     return "bf16" if o.bf16 else "fp16" if o.fp16 else "tf32"
 
 
-def step_time(cfg, hw, state) -> dict:
+def collectives(cfg, state, rank: int, expert_params: int = 0) -> list:
+    """``rank``'s collectives without its built model (a search): ``comms.step_collectives`` over the layout's
+    group sizes, with the DDP buckets (or FSDP2's traffic) estimated from ``state``."""
+    colls = step_collectives(cfg, rank, None, GroupSizes(cfg.parallel, rank))
+    if cfg.fsdp_active:
+        return colls + fsdp_estimate(cfg, state)
+    return colls + ddp_estimate(cfg, state, expert_params)
+
+
+def _recomputed_share(cfg) -> float:
+    """The share of a stage's layers that full recompute runs forward twice."""
+    rec, par = cfg.model.recompute, cfg.parallel
+    if rec.recompute_granularity != "full":
+        return 0.0
+    if rec.recompute_method == "block":
+        per_chunk = cfg.model.num_layers // (par.pp * par.vp)
+        return min(1.0, (rec.recompute_num_layers or 1) / per_chunk)
+    return 1.0
+
+
+def step_time(cfg, hw, state, colls=None, rank: int | None = None, *, tp_overlap: bool = False,
+              efficiencies: dict | None = None) -> dict:
     """Predicted seconds of one iteration and its breakdown. ``state``: the fullest rank's
-    :class:`~megatronish.planner.state.StateBytes` (its gradient and parameter buffers are what DP moves)."""
+    :class:`~megatronish.planner.state.StateBytes`; ``colls``: that rank's collectives (``comms.step_collectives``
+    over its built model), else estimated (:func:`collectives`); ``rank``: that rank (default: the first rank of
+    the last stage). ``efficiencies`` overrides the module's constants by name (a fit)."""
+    eff = {k: globals()[k] for k in EFFICIENCIES}
+    eff.update(efficiencies or {})
     m, par, t = cfg.model, cfg.parallel, cfg.train
-    s, b, h = m.seq_length, t.micro_batch_size, m.hidden_size
+    s, h = m.seq_length, m.hidden_size
     M, p, v, world = cfg.num_microbatches, par.pp, par.vp, par.world_size
-    e = 2 if _compute_dtype(cfg) != "tf32" else 4
+    rank = par.rank_of(pp=p - 1) if rank is None else rank
+    if colls is None:
+        colls = collectives(cfg, state, rank)
+    dtype = _compute_dtype(cfg)
+    e = 2 if dtype != "tf32" else 4
     flops = num_floating_point_operations(m, t.global_batch_size)
     L = m.num_layers
     q = m.num_attention_heads * m.kv_channels
     attn = 12.0 * t.global_batch_size * s * h * h * L * (s / h) * (q / h)
-    full = m.recompute.recompute_granularity == "full"
+    again = _recomputed_share(cfg)
     layer_share = 1.0 - 6.0 * t.global_batch_size * s * h * m.padded_vocab_size(1) / flops
-    recompute = 1.0 + (layer_share / 3 if full else 0.0)
-    gemm_s = (flops - attn) * recompute / world / (hw.peak(_compute_dtype(cfg)) * GEMM_EFFICIENCY)
+    gemm_s = (flops - attn) * (1.0 + layer_share * again / 3) / world / (hw.peak(dtype) * eff["GEMM_EFFICIENCY"])
+    attn_again = 1 / 3 if again or m.recompute.recompute_granularity == "selective" else 0.0
     attn_peak = hw.peak("bf16" if e == 2 else "tf32")
-    attn_s = attn / 2 * (4 / 3 if full or m.recompute.recompute_granularity == "selective" else 1.0) / world / (
-        attn_peak * ATTENTION_EFFICIENCY)
+    attn_s = attn / 2 * (1 + attn_again) / world / (attn_peak * eff["ATTENTION_EFFICIENCY"])
     tokens_rank = t.global_batch_size * s / (par.dp * par.cp)  # this rank's tokens per step (its DP x CP share)
-    mem_bytes = tokens_rank * MEMORY_BOUND_BYTES * h * e / 2 * (L / p) / par.tp
+    per_token = MEMORY_BOUND_BYTES * e / 2 * (1 + again / 3)
+    if cfg.train.torch_compile:
+        per_token *= COMPILED_MEMORY_FACTOR
+    if dtype == "fp8":  # each GEMM's input and output gradient cast: ~3 (h + h + h + ffn) elements a token, twice
+        per_token += FP8_CAST_BYTES * 2 * (3 + m.ffn_hidden_size / h) * (1 + again / 3)
+    mem_bytes = tokens_rank * per_token * h * (L / p) / par.tp
     mem_bytes += 2 * state.total  # the optimizer step reads and writes its state
-    mem_s = mem_bytes / (hw.hbm_tbps * 1e12 * MEMORY_EFFICIENCY)
+    mem_s = mem_bytes / (hw.hbm_tbps * 1e12 * eff["MEMORY_EFFICIENCY"])
     compute = gemm_s + attn_s + mem_s
     per_mb = compute / M  # one microbatch through this rank's layers, forward + backward
     bubble = (p - 1) / (v * M) * compute if p > 1 else 0.0
 
-    c = _Comms(hw)
-    sp = cfg.sequence_parallel
-    act = s // par.cp * b * h * e  # one microbatch's hidden states on a rank
-    layers_here = L // p
-    tp_kind = ("all_gather", "reduce_scatter") if sp else ("all_reduce",)
-    exposed = {}
-    per_layer = 6 if full else 4  # forward 2 (SP: 2 all-gathers and 2 reduce-scatters), backward 2, recompute 2
-    for kind in tp_kind:
-        exposed["tp"] = exposed.get("tp", 0.0) + c.add("tp", kind, par.tp, 1, act, M * layers_here * per_layer)
-    if par.cp > 1:
-        kv = m.num_query_groups * m.kv_channels
-        kv_bytes = 2 * s // par.cp * b * kv / par.tp * e
-        ring = c.add("cp", "p2p", par.cp, par.tp, kv_bytes, M * layers_here * 3 * (par.cp - 1))
-        exposed["cp"] = max(0.0, ring - attn_s)
-    if m.moe.num_experts and par.ep > 1:
-        n_moe = sum(is_moe_layer(m, i) for i in range(L)) / p
-        a2a = s // par.cp * b * m.moe.moe_router_topk * h * e / par.tp
-        exposed["ep"] = c.add("ep", "all_to_all", par.ep, par.expert_tp, a2a, M * n_moe * 4)
-    if p > 1:
-        p2p = act / (par.tp if sp else 1)
-        c.add("pp", "p2p", p, par.tp * par.cp * par.dp, p2p, 2 * M * v)
-        bw, lat = _link(hw, par.tp * par.cp * par.dp, p)
-        exposed["pp"] = 2 * (p - 1) * (p2p / bw + lat)
-    dp_n, dp_stride = par.dp * par.cp, par.tp
+    by_role: dict[str, float] = {}
+    count: dict[str, float] = {}
+    comm_s: dict[str, float] = {}
+    comm_bytes: dict[str, float] = {}
+    for c in colls:
+        x = price(c, hw, par, rank, eff["LINK_EFFICIENCY"])
+        by_role[c.role] = by_role.get(c.role, 0.0) + x
+        count[c.role] = count.get(c.role, 0.0) + c.count
+        comm_s[c.group] = comm_s.get(c.group, 0.0) + x
+        if c.n > 1:
+            comm_bytes[c.kind] = comm_bytes.get(c.kind, 0.0) + c.nbytes * c.count
     o = cfg.optim
-    if cfg.fsdp_active:
-        gathered = state.params * e / 4  # 16-bit copies of this rank's full (TP) parameters, per gather
-        gathers = 2 if cfg.parallel.pp == 1 or o.fsdp_reshard_after_forward == "always" else 1
-        dp = c.add("dp", "all_gather", dp_n, dp_stride, gathered * dp_n, M * gathers)
-        dp += c.add("dp", "reduce_scatter", dp_n, dp_stride, state.grads * dp_n, M)
-        exposed["dp"] = max(0.0, dp - compute)
-    elif dp_n > 1:
-        if o.use_distributed_optimizer:
-            grad = c.add("dp", "reduce_scatter", dp_n, dp_stride, state.grads)
-            gather = c.add("dp", "all_gather", dp_n, dp_stride, state.params)
-        else:
-            grad, gather = c.add("dp", "all_reduce", dp_n, dp_stride, state.grads), 0.0
-        window = per_mb * 2 / 3 if o.overlap_grad_reduce else 0.0  # the last microbatch's backward
-        exposed["dp"] = max(0.0, grad - window) + max(0.0, gather - (per_mb / 3 if o.overlap_param_gather else 0))
+    exposed = {}
+    tp = by_role.get("tp", 0.0)
+    exposed["tp"] = max(0.0, tp - gemm_s) if tp_overlap else tp
+    exposed["cp"] = max(0.0, by_role.get("cp_ring", 0.0) - attn_s)
+    exposed["ep"] = by_role.get("ep", 0.0)
+    if p > 1:
+        pp = [c for c in colls if c.role == "pp_p2p"]
+        one = price(pp[0], hw, par, rank, eff["LINK_EFFICIENCY"]) / pp[0].count if pp else 0.0
+        exposed["pp"] = by_role.get("pp_p2p", 0.0) + 2 * (p - 1) * one
+    grad, gather = by_role.get("grad_reduce", 0.0), by_role.get("param_gather", 0.0)
+    last_bucket = grad / count["grad_reduce"] if grad else 0.0
+    first_bucket = gather / count["param_gather"] if gather else 0.0
+    exposed["dp"] = (max(grad - per_mb * 2 / 3, last_bucket) if o.overlap_grad_reduce else grad) + \
+        (max(gather - per_mb / 3, first_bucket) if o.overlap_param_gather else gather)
+    exposed["dp"] += max(0.0, by_role.get("fsdp", 0.0) - compute)
+    exposed["other"] = by_role.get("exposed", 0.0)
+    exposed = {k: x for k, x in exposed.items() if x}
     step = compute + bubble + sum(exposed.values())
     tokens = t.global_batch_size * s
     tflops = flops / step / world / 1e12
@@ -146,7 +181,8 @@ def step_time(cfg, hw, state) -> dict:
             "mfu": tflops * 1e12 / hw.peak("bf16"), "flops_per_step": flops,
             "breakdown_s": {"gemm": gemm_s, "attention": attn_s, "memory_bound": mem_s, "bubble": bubble,
                             **{f"exposed_{k}": x for k, x in exposed.items()}},
-            "comm_s": dict(c.time), "comm_bytes": dict(c.bytes)}
+            "comm_s": comm_s, "comm_by_role_s": by_role, "comm_bytes": comm_bytes}
 
 
-__all__ = ["step_time", "GEMM_EFFICIENCY", "ATTENTION_EFFICIENCY", "MEMORY_EFFICIENCY", "LINK_EFFICIENCY"]
+__all__ = ["step_time", "collectives", "price", "link", "GEMM_EFFICIENCY", "ATTENTION_EFFICIENCY",
+           "MEMORY_EFFICIENCY", "LINK_EFFICIENCY", "EFFICIENCIES"]

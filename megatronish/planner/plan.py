@@ -3,7 +3,7 @@ report (text, JSON, a picture)."""
 from __future__ import annotations
 
 from .activations import stage_activations
-from .comms import bytes_by_kind, step_collectives
+from .comms import fsdp_estimate, step_collectives
 from .hardware import CPU_KIND
 from .perf import step_time
 from .state import build_rank, rank_state_bytes, stage_ranks
@@ -11,11 +11,19 @@ from .state import build_rank, rank_state_bytes, stage_ranks
 GIB = 2 ** 30
 
 
-def make_plan(cfg, hw) -> dict:
+def make_plan(cfg, hw, **time_kw) -> dict:
     """The plan of the validated ``cfg`` on ``hw`` (see docs/planner.md). Activations use the CPU terms of
-    ``training/memory.py`` on ``cpu-this-machine``, Korthikanti's elsewhere."""
+    ``training/memory.py`` on ``cpu-this-machine``, Korthikanti's elsewhere. ``time_kw``: ``perf.step_time``'s
+    keywords (``tp_overlap``, ``efficiencies``)."""
+    stages, state, colls, rank = plan_inputs(cfg, hw)
+    return plan_from_inputs(cfg, hw, stages, state, colls, rank, **time_kw)
+
+
+def plan_inputs(cfg, hw) -> tuple[list, object, list, int]:
+    """Memory per stage, and the fullest rank's state bytes, collectives (counted on its meta model) and rank:
+    what :func:`plan_from_inputs` prices."""
     cpu = hw.name == CPU_KIND
-    stages, fullest_state, comm_bytes = [], None, {}
+    stages, fullest_state, colls, fullest_rank = [], None, [], 0
     for stage, ranks in enumerate(stage_ranks(cfg.parallel)):
         built = {r: build_rank(cfg, r) for r in ranks}
         states = {r: rank_state_bytes(cfg, r, built[r]) for r in ranks}
@@ -29,13 +37,17 @@ def make_plan(cfg, hw) -> dict:
                        "activations_output": max(act.output, act.recompute), "in_flight": act.in_flight,
                        "total": total, "fits": total <= hw.hbm_bytes})
         if fullest_state is None or st.total > fullest_state.total:
-            fullest_state = st
-            comm_bytes = bytes_by_kind(step_collectives(cfg, rank, built[rank].chunks, built[rank].ctx))
+            fullest_state, fullest_rank = st, rank
+            colls = step_collectives(cfg, rank, built[rank].chunks, built[rank].ctx)
+            if cfg.fsdp_active:  # FSDP2's own collectives run inside torch: estimated
+                colls += fsdp_estimate(cfg, st)
+    return stages, fullest_state, colls, fullest_rank
+
+
+def plan_from_inputs(cfg, hw, stages, state, colls, rank, **time_kw) -> dict:
     par = cfg.parallel
     peak = max(s["total"] for s in stages)
-    time = step_time(cfg, hw, fullest_state)
-    if not cfg.fsdp_active:  # counted exactly (planner/comms.py); FSDP2's stay the step-time model's estimate
-        time["comm_bytes"] = comm_bytes
+    time = step_time(cfg, hw, state, colls, rank, **time_kw)
     return {"layout": {"world_size": par.world_size, "tp": par.tp, "pp": par.pp, "vp": par.vp, "cp": par.cp,
                        "ep": par.ep, "etp": par.expert_tp, "dp": par.dp,
                        "sequence_parallel": cfg.sequence_parallel, "fsdp": cfg.fsdp_active,
@@ -103,4 +115,4 @@ def plot_plan(plan: dict, path: str) -> bool:
     return True
 
 
-__all__ = ["make_plan", "format_plan", "plot_plan"]
+__all__ = ["make_plan", "plan_inputs", "plan_from_inputs", "format_plan", "plot_plan"]

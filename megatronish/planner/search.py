@@ -17,7 +17,7 @@ import math
 from ..errors import ConfigError
 from ..model.moe.layer import is_moe_layer
 from .activations import stage_activations
-from .perf import step_time
+from .perf import collectives, step_time
 from .state import StateBytes, build_meta_chunks
 
 GIB = 2 ** 30
@@ -155,14 +155,17 @@ def _variants(cfg, dims, mbs: int, dp_cp: int):
 def evaluate(cfg, hw, table: ParamTable) -> dict | None:
     """The screened plan of one candidate: peak memory of its first and last stage and the step-time model."""
     stages = sorted({0, cfg.parallel.pp - 1})
-    mem, state0 = 0.0, None
+    mem, state0, stage0 = 0.0, None, 0
     for s in stages:
         st = analytic_state(cfg, table, s)
         mem = max(mem, st.total + stage_activations(cfg, s).total)
-        state0 = st if state0 is None or st.total > state0.total else state0
+        if state0 is None or st.total > state0.total:
+            state0, stage0 = st, s
     if mem > hw.hbm_bytes:
         return None
-    return {"cfg": cfg, "peak_bytes": mem, "time": step_time(cfg, hw, state0)}
+    rank = cfg.parallel.rank_of(pp=stage0)
+    colls = collectives(cfg, state0, rank, table.count(cfg.parallel, stage0)[1])
+    return {"cfg": cfg, "peak_bytes": mem, "time": step_time(cfg, hw, state0, colls, rank)}
 
 
 def describe(cfg) -> str:

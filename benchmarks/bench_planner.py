@@ -1,0 +1,314 @@
+"""The planner against published runs and against this machine.
+
+    python benchmarks/bench_planner.py published [--fit] [--search]
+    python benchmarks/bench_planner.py cpu [--rounds 2 --iters 4]
+
+``published``: torchtitan's Llama 3.1 8B / 70B / 405B H100 runs (benchmarks/llama3_h100_202412_torchtitan.md in
+pytorch/torchtitan, December 2024: 96 GB HBM2e H100s at 500 W, ``benchmarks/hardware/h100_96gb_500w.toml``) and
+Megatron-LM's GPT-3 175B (its README's model table, H100-SXM), each modelled as stated (layout, batch, sequence,
+activation checkpointing, Float8 GEMMs, torch.compile, asynchronous TP), predicted vs published tokens/s/GPU,
+TFLOP/s/GPU, MFU and peak memory with ratios. ``--fit`` fits the four efficiencies on the runs marked ``fit``
+(a grid, least squares of log ratios) and prints them; ``--search`` ranks every layout for each published run's
+model, GPU count and batch and says where the published layout lands.
+
+``cpu``: the planner on ``cpu-this-machine`` against the real ``train_step`` in forked gloo ranks (1, 2 and 4
+processes on this machine's cores; each rank runs one thread, so the probed one-thread peak and copy rate are
+shared out when there are more ranks than cores), median of ``--iters`` steps after two warm-up steps, layouts
+alternated over ``--rounds`` rounds (the spread is the rounds' range).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import itertools
+import math
+import os
+import statistics
+import time
+from contextlib import redirect_stdout
+
+HW_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hardware", "h100_96gb_500w.toml")
+COMMON = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--train-iters", "10", "--lr", "1e-4", "--bf16"]
+LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--group-query-attention",
+         "--num-query-groups", "8", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+         "--vocab-size", "128256", "--attention-dropout", "0", "--hidden-dropout", "0"]
+L8B = LLAMA + ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--ffn-hidden-size",
+               "14336"]
+L70B = LLAMA + ["--num-layers", "80", "--hidden-size", "8192", "--num-attention-heads", "64", "--ffn-hidden-size",
+                "28672"]
+# 126 layers do not split into 8 (or 16) stages: 128 modelled, the step time scaled by 126/128
+L405B = LLAMA + ["--num-layers", "128", "--hidden-size", "16384", "--num-attention-heads", "128",
+                 "--ffn-hidden-size", "53248"]
+GPT3 = ["--num-layers", "96", "--hidden-size", "12288", "--num-attention-heads", "96", "--vocab-size", "131072",
+        "--seq-length", "4096", "--max-position-embeddings", "4096"]
+
+
+def seq(n: int) -> list[str]:
+    return ["--seq-length", str(n), "--max-position-embeddings", str(n)]
+
+
+FSDP, SEL = ["--use-torch-fsdp2"], ["--recompute-granularity", "selective"]
+FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+TT = "torchtitan llama3_h100_202412"
+# name, source, world, flags, options (fp8, compile, async_tp, layers_scale), published tokens/s/GPU, GiB, fit
+RUNS = [
+    ("8B FSDP8 bf16", f"{TT} Table 1", 8, L8B + seq(8192) + FSDP + SEL + ["--micro-batch-size", "2",
+                                                                         "--global-batch-size", "16"],
+     {}, 5762, 82.4, True),
+    ("8B FSDP8 compile", f"{TT} Table 1", 8, L8B + seq(8192) + FSDP + SEL + ["--micro-batch-size", "2",
+                                                                            "--global-batch-size", "16"],
+     {"compile": True}, 6667, 77.0, False),
+    ("8B FSDP8 compile fp8", f"{TT} Table 1", 8, L8B + seq(8192) + FSDP + SEL + ["--micro-batch-size", "2",
+                                                                                "--global-batch-size", "16"],
+     {"compile": True, "fp8": True}, 8532, 76.8, False),
+    ("8B FSDP128 bf16", f"{TT} Table 3", 128, L8B + seq(8192) + FSDP + SEL + ["--micro-batch-size", "2",
+                                                                             "--global-batch-size", "256"],
+     {}, 5605, 67.0, False),
+    ("8B FSDP128 compile fp8", f"{TT} Table 3", 128, L8B + seq(8192) + FSDP + SEL + ["--micro-batch-size", "2",
+                                                                                    "--global-batch-size", "256"],
+     {"compile": True, "fp8": True}, 8380, 61.8, False),
+    *[(f"8B FSDP{8 // cp} CP{cp} s{s // 1024}k", f"{TT} Table 2", 8,
+       L8B + seq(s) + FSDP + FULL + ["--context-parallel-size", str(cp), "--micro-batch-size", "1",
+                                     "--global-batch-size", str(8 // cp)],
+       {"compile": True, "fp8": True}, tps, mem, False)
+      for cp, s, tps, mem in ((1, 32768, 3890, 83.9), (2, 65536, 2540, 84.2), (4, 131072, 1071, 84.0))],
+    ("70B FSDP32 TP8", f"{TT} Table 4", 256, L70B + seq(8192) + FSDP + FULL + [
+        "--tensor-model-parallel-size", "8", "--sequence-parallel", "--micro-batch-size", "16",
+        "--global-batch-size", "512"], {"compile": True, "fp8": True}, 829, 71.9, True),
+    ("70B FSDP32 TP8 AsyncTP", f"{TT} Table 4", 256, L70B + seq(8192) + FSDP + FULL + [
+        "--tensor-model-parallel-size", "8", "--sequence-parallel", "--micro-batch-size", "16",
+        "--global-batch-size", "512"], {"compile": True, "fp8": True, "async_tp": True}, 876, 67.6, False),
+    *[(f"405B FSDP8 TP8 PP8 {name}", f"{TT} Table 5", 512, L405B + seq(8192) + FSDP + FULL + [
+        "--tensor-model-parallel-size", "8", "--sequence-parallel", "--pipeline-model-parallel-size", "8",
+        "--micro-batch-size", "4", "--global-batch-size", "256", *extra],
+       {"compile": True, "fp8": True, "async_tp": True, "layers_scale": 126 / 128}, tps, mem, False)
+      for name, extra, tps, mem in (("1F1B", [], 100, 82.5),
+                                    ("interleaved", ["--num-layers-per-virtual-pipeline-stage", "8"], 128, 72.7))],
+    ("GPT-3 175B TP8 PP6 DP48", "Megatron-LM README model table", 2304, GPT3 + SEL + [
+        "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "6", "--sequence-parallel",
+        "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather", "--micro-batch-size", "1",
+        "--global-batch-size", "1152"], {"hw": "H100-SXM", "tflops": 432.8}, None, None, True),
+]
+GIB = 2 ** 30
+
+
+def _cfg(flags, world, opts):
+    from megatronish.arguments import build_parser, configs_from_args
+
+    cfg = configs_from_args(build_parser().parse_args(COMMON + flags), world)
+    if opts.get("compile"):
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, torch_compile=True))
+    if opts.get("fp8"):  # Float8 GEMMs (torchao's on nn.Linear); our FSDP2 does not take --fp8-format yet
+        cfg = dataclasses.replace(cfg, model=cfg.model.replace(fp8="hybrid"))
+    return cfg
+
+
+def _hw(opts):
+    from megatronish.planner.hardware import load_hardware
+
+    return load_hardware(opts["hw"]) if "hw" in opts else load_hardware("H100-SXM", hardware_file=HW_FILE)
+
+
+def prepared():
+    """Each run's config, hardware and plan inputs (built once)."""
+    from megatronish.planner.plan import plan_inputs
+
+    out = []
+    for name, src, world, flags, opts, tps, mem, fit in RUNS:
+        cfg, hw = _cfg(flags, world, opts), _hw(opts)
+        out.append((name, src, cfg, hw, opts, tps, mem, fit, plan_inputs(cfg, hw)))
+    return out
+
+
+def predict(run, efficiencies=None):
+    from megatronish.planner.plan import plan_from_inputs
+
+    name, src, cfg, hw, opts, tps, mem, fit, inputs = run
+    plan = plan_from_inputs(cfg, hw, *inputs, tp_overlap=bool(opts.get("async_tp")), efficiencies=efficiencies)
+    tm = plan["time"]
+    scale = opts.get("layers_scale", 1.0)
+    step = tm["step_s"] * scale
+    tokens = cfg.train.global_batch_size * cfg.model.seq_length / cfg.parallel.world_size
+    tflops = tm["model_tflops_per_gpu"]  # FLOPs and time scale alike
+    return {"tps": tokens / step, "tflops": tflops, "mfu": tflops * 1e12 / hw.peak("bf16"),
+            "mem": plan["peak_bytes"] / GIB, "plan": plan}
+
+
+def _flops_per_token(cfg) -> float:
+    from megatronish.training.flops import num_floating_point_operations
+
+    return num_floating_point_operations(cfg.model, 1) / cfg.model.seq_length
+
+
+def _published_tps(run) -> float:
+    """Published tokens/s/GPU (Megatron-LM publishes TFLOP/s/GPU: converted with the same FLOPs formula)."""
+    name, src, cfg, hw, opts, tps, mem, fit, _ = run
+    return tps if tps is not None else opts["tflops"] * 1e12 / _flops_per_token(cfg)
+
+
+def fit(runs) -> dict:
+    """The efficiencies minimising the squared log ratio of predicted to published tokens/s on the ``fit`` runs
+    (a grid; ties go to the a-priori values)."""
+    from megatronish.planner import perf
+
+    prior = {k: getattr(perf, k) for k in perf.EFFICIENCIES}
+    grid = {"GEMM_EFFICIENCY": [x / 100 for x in range(40, 81, 2)],
+            "ATTENTION_EFFICIENCY": [x / 100 for x in range(25, 71, 5)],
+            "MEMORY_EFFICIENCY": [x / 100 for x in range(50, 91, 10)],
+            "LINK_EFFICIENCY": [x / 100 for x in range(45, 91, 15)]}
+    chosen = [r for r in runs if r[7]]
+    best, best_err = None, math.inf
+    for values in itertools.product(*grid.values()):
+        eff = dict(zip(grid, values))
+        err = sum(math.log(predict(r, eff)["tps"] / _published_tps(r)) ** 2 for r in chosen)
+        err += 1e-4 * sum((eff[k] - prior[k]) ** 2 for k in eff)
+        if err < best_err:
+            best, best_err = eff, err
+    return best
+
+
+def published(args) -> None:
+    runs = prepared()
+    eff = None
+    if args.fit:
+        eff = fit(runs)
+        print("fitted on", ", ".join(r[0] for r in runs if r[7]), ":",
+              ", ".join(f"{k} {v:.2f}" for k, v in eff.items()))
+    print(f"{'run':34s} {'fit':4s} {'tok/s/GPU pub':>13s} {'pred':>7s} {'ratio':>6s} {'TFLOP/s pub':>11s} "
+          f"{'pred':>6s} {'MFU pred':>8s} {'GiB pub':>8s} {'pred':>6s} {'ratio':>6s}")
+    for r in runs:
+        p = predict(r, eff)
+        pub = _published_tps(r)
+        name, src, cfg, hw, opts, tps, mem, fitted, _ = r
+        pub_tflops = pub * _flops_per_token(cfg) / 1e12
+        mem_s = f"{mem:8.1f} {p['mem']:6.1f} {p['mem'] / mem:6.2f}" if mem else f"{'-':>8s} {p['mem']:6.1f} {'-':>6s}"
+        print(f"{name:34s} {'yes' if fitted else 'held':4s} {pub:13,.0f} {p['tps']:7,.0f} {p['tps'] / pub:6.2f} "
+              f"{pub_tflops:11.1f} {p['tflops']:6.1f} {p['mfu'] * 100:7.1f}% {mem_s}")
+        if args.verbose:
+            print("   breakdown (ms): " + ", ".join(f"{k} {v * 1e3:.0f}"
+                                                    for k, v in p["plan"]["time"]["breakdown_s"].items()))
+    if args.search:
+        _search(runs)
+
+
+def _search(runs) -> None:
+    from megatronish.planner.search import describe, format_search, search
+
+    seen = set()
+    for r in runs:
+        name, src, cfg, hw, opts, *_ = r
+        key = (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.seq_length, cfg.parallel.world_size,
+               cfg.train.global_batch_size)
+        if key in seen:
+            continue
+        seen.add(key)
+        t0 = time.perf_counter()
+        res = search(cfg, hw, 5)
+        mine = describe(cfg)
+        place = next((i + 1 for i, x in enumerate(res["top"]) if describe(x["cfg"]) == mine), None)
+        print(f"\n== search for {name}: published layout {mine}: "
+              f"{'#' + str(place) if place else 'not in the top 5'} ({time.perf_counter() - t0:.0f} s)")
+        print(format_search(res, hw))
+
+
+# ---------------------------------------------------------------------------------------------- this machine
+CPU_BASE = ["--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "256", "--max-position-embeddings",
+            "256", "--vocab-size", "2048", "--tokenizer-type", "NullTokenizer", "--mock-data", "--micro-batch-size",
+            "2", "--global-batch-size", "8", "--train-iters", "100", "--lr", "1e-4", "--eval-iters", "0",
+            "--log-interval", "1000", "--num-layers", "4"]
+CPU_LAYOUTS = {
+    "1: single": (1, []),
+    "1: selective": (1, ["--recompute-granularity", "selective"]),
+    "1: full recompute": (1, ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                              "--recompute-num-layers", "1"]),
+    "2: dp2": (2, []),
+    "2: tp2 sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "2: pp2": (2, ["--pipeline-model-parallel-size", "2"]),
+    "2: dp2 dist-opt": (2, ["--use-distributed-optimizer"]),
+    "2: cp2": (2, ["--context-parallel-size", "2", "--attention-dropout", "0"]),
+    "4: dp4": (4, []),
+    "4: tp2 dp2": (4, ["--tensor-model-parallel-size", "2"]),
+    "4: pp2 dp2": (4, ["--pipeline-model-parallel-size", "2"]),
+    "4: tp2 pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
+}
+
+
+def _measure(rank, world, flags, iters):
+    from megatronish.arguments import configs_from_args, parse_args
+    from megatronish.parallel import groups
+    from megatronish.training import pretrain as training
+
+    groups.destroy_model_parallel()
+    cfg = configs_from_args(parse_args(CPU_BASE + flags), world)
+    with redirect_stdout(io.StringIO()):
+        run, state = training.setup(cfg)
+        for _ in range(2):
+            training.train_step(run, state)
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            training.train_step(run, state)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _cpu_hw(world: int):
+    """This machine as ``world`` one-thread ranks see it: the one-thread probe, shared out over the cores."""
+    import torch
+
+    from megatronish.planner.hardware import probe_cpu
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        hw = probe_cpu()
+    finally:
+        torch.set_num_threads(threads)
+    share = min(1.0, (os.cpu_count() or 1) / world)
+    return dataclasses.replace(hw, peak_tflops={k: v * share for k, v in hw.peak_tflops.items()},
+                               hbm_tbps=hw.hbm_tbps * min(1.0, (os.cpu_count() or 1) / world))
+
+
+def cpu(args) -> None:
+    from megatronish.arguments import configs_from_args, parse_args
+    from megatronish.planner.plan import make_plan
+    from megatronish.testing import run_distributed
+
+    measured = {name: [] for name in CPU_LAYOUTS}
+    predicted = {}
+    for rnd in range(args.rounds):
+        order = list(CPU_LAYOUTS) if rnd % 2 == 0 else list(reversed(CPU_LAYOUTS))
+        for name in order:
+            world, flags = CPU_LAYOUTS[name]
+            out = run_distributed(_measure, world, flags, args.iters, timeout=900)
+            measured[name].append(max(out))
+    for name, (world, flags) in CPU_LAYOUTS.items():
+        cfg = configs_from_args(parse_args(CPU_BASE + flags), world)
+        predicted[name] = make_plan(cfg, _cpu_hw(world))["time"]["step_s"]
+    print(f"{os.cpu_count()} cores; base: {' '.join(CPU_BASE)}")
+    print(f"{'layout':22s} {'predicted ms':>12s} {'measured ms (median of rounds)':>31s} {'spread':>14s} "
+          f"{'pred/meas':>9s}")
+    for name in CPU_LAYOUTS:
+        m = statistics.median(measured[name])
+        spread = f"{min(measured[name]) * 1e3:.0f}-{max(measured[name]) * 1e3:.0f}"
+        print(f"{name:22s} {predicted[name] * 1e3:12.0f} {m * 1e3:31.0f} {spread:>14s} "
+              f"{predicted[name] / m:9.2f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="what", required=True)
+    p = sub.add_parser("published")
+    p.add_argument("--fit", action="store_true")
+    p.add_argument("--search", action="store_true")
+    p.add_argument("--verbose", action="store_true")
+    c = sub.add_parser("cpu")
+    c.add_argument("--rounds", type=int, default=2)
+    c.add_argument("--iters", type=int, default=4)
+    args = ap.parse_args()
+    published(args) if args.what == "published" else cpu(args)
+
+
+if __name__ == "__main__":
+    main()
