@@ -6,8 +6,8 @@
    (tokenize_batch_flat) of the same texts already parsed and held by the same number of forked workers (the
    limit); limit and tool runs alternate, best of --repeat each (with the best tool run's CPU time: its main
    process and its workers); the same documents from a Parquet file (row groups of 1024 rows) in the same
-   alternation, with the throughput ratio parquet / jsonl; then the 2-worker tool against the 1-worker limit, and
-   one worker's stages;
+   alternation, with the throughput ratio parquet / jsonl (and the best runs' CPU time); then the 2-worker tool
+   against the 1-worker limit, and one worker's stages;
    ``--only preprocess-memory``: peak memory (RSS) of the tool over a Parquet file of ``--parquet-mb`` MB of text
    (the corpus repeated with a different prefix per copy, row groups of 256 rows) next to the same over a
    16 MB one: bounded memory does not grow with the file;
@@ -116,7 +116,10 @@ def bench_preprocess(workers_list, out_dir, repeat=3, corpus_repeat=64):
                 if t < ours:
                     ours, cpu = t, (time.process_time() - main0, _children_cpu() - kids0)
                 if parquet:
-                    t_parquet = min(t_parquet, best_of(lambda: preprocess_data.main(argv_parquet), 1))
+                    main0, kids0 = time.process_time(), _children_cpu()
+                    t = best_of(lambda: preprocess_data.main(argv_parquet), 1)
+                    if t < t_parquet:
+                        t_parquet, cpu_parquet = t, (time.process_time() - main0, _children_cpu() - kids0)
         results[w] = (nbytes / ours / 1e6, nbytes / limit / 1e6)
         print(f"preprocess  workers={w}: tool {nbytes / ours / 1e6:6.2f} MB/s, raw batched encode "
               f"{nbytes / limit / 1e6:6.2f} MB/s  ->  ratio {limit / ours:.2f}  (tool CPU: main process "
@@ -127,7 +130,9 @@ def bench_preprocess(workers_list, out_dir, repeat=3, corpus_repeat=64):
             same = same[0] == same[1]
             print(f"preprocess  workers={w}: parquet input {nbytes / t_parquet / 1e6:6.2f} MB/s, jsonl input "
                   f"{nbytes / ours / 1e6:6.2f} MB/s (same documents; MB of the JSON lines)  ->  ratio parquet/jsonl "
-                  f"{ours / t_parquet:.2f}  (wall {t_parquet:.2f} s vs {ours:.2f} s; same .bin: {same})", flush=True)
+                  f"{ours / t_parquet:.2f}  (wall {t_parquet:.2f} s vs {ours:.2f} s; CPU: main process "
+                  f"{cpu_parquet[0]:.2f} vs {cpu[0]:.2f} s, workers {cpu_parquet[1]:.2f} vs {cpu[1]:.2f} s; same .bin: "
+                  f"{same})", flush=True)
     preprocess_breakdown(corpus, vocab, merges)
     if 1 in results:
         for w in sorted(results):

@@ -11,8 +11,9 @@ has a core of its own and feeds few workers (``--workers 1`` on two cores), it r
 and the workers only encode. The output is therefore the same for every worker and partition count. ``--partitions N``
 splits the input bytes into N contiguous ranges (at line starts) processed side by side, each with
 ``--workers / N`` workers, and merges them in order. Compressed (.gz, .zst) inputs cannot be seeked: the main
-process reads their lines and hands the workers chunks of them, and partitions over them are line ranges; Parquet
-and Arrow rows (read a batch at a time, never a whole file) and whole text files go the same way
+process reads their lines and hands the workers chunks of them, and partitions over them are line ranges; Arrow
+rows (read a batch at a time, never a whole file) and whole text files go the same way. Parquet files are cut into
+row ranges within row groups from their metadata, and each worker reads its own ranges' columns
 (``megatronish/data/preprocess/formats.py``). Every format gives the bytes of JSON lines of the same documents.
 
 A line that is not JSON, not an object, or lacks a ``--json-keys`` key stops the run with its file

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from megatronish.data.preprocess import formats, inputs
+from megatronish.data.preprocess import formats, inputs, pipeline
 from megatronish.tools import preprocess_data
 from support import tokenizer_files as tf
 
@@ -50,10 +50,14 @@ def run_tool(tmp_path_factory):
     """The tool with a small tiktoken vocabulary (built in 10 ms: a run is mostly its input)."""
     ranks = tf.make_tiktoken_json(str(tmp_path_factory.mktemp("tok")))
 
-    def run(src, prefix, *flags, workers=1, partitions=1):
-        return preprocess_data.main([str(a) for a in (
+    def run(src, prefix, *flags, workers=1, partitions=1, on_read=None):
+        argv = [str(a) for a in (
             "--input", src, "--output-prefix", prefix, "--tokenizer-type", "TikTokenizer", "--tokenizer-model", ranks,
-            "--append-eod", "--workers", workers, "--partitions", partitions, *flags)])
+            "--append-eod", "--workers", workers, "--partitions", partitions, *flags)]
+        if on_read is None:
+            return preprocess_data.main(argv)
+        pipeline.run(preprocess_data.get_parser().parse_args(argv), on_read)  # with the test hook
+        return 0
 
     return run
 
@@ -138,6 +142,39 @@ def test_every_format_gives_the_json_lines_bytes(tmp_path, run_tool, docs, refer
         prefix = tmp_path / f"{kind}-w{w}p{p}"
         assert run_tool(src, prefix, *flags, workers=w, partitions=p) == 0
         assert outputs(prefix) == want, (kind, w, p)
+
+
+@pytest.mark.parametrize("chunk_bytes, rows_per_group, partitions", [(1 << 20, 20, 1), (1 << 14, 100, 1),
+                                                                    (1 << 14, 100, 2)])
+def test_workers_read_their_own_row_groups(tmp_path, run_tool, monkeypatch, docs, reference, chunk_bytes,
+                                           rows_per_group, partitions):
+    """With 2 workers the workers, not the main process, decode the Parquet rows: a row group that is one task is
+    decoded by one worker alone, once; one cut into several tasks is decoded at most once by each worker (the
+    rows between a worker's tasks are skipped in its batch iterator, not read again). The files are the JSON lines'."""
+    monkeypatch.setattr(inputs, "CHUNK_BYTES", chunk_bytes)  # 1 MiB: a row group of 20 rows is one task
+    monkeypatch.setattr(pipeline, "_main_parses", lambda *a, **k: False)  # the workers read, whatever the cores
+    write_parquet(tmp_path / "in.parquet", docs, row_group_size=rows_per_group)
+    log = tmp_path / "reads.log"
+
+    def on_read(path, group, start, stop):  # runs in the process that decodes the batch
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()} {group} {start} {stop}\n")
+
+    assert run_tool(tmp_path / "in.parquet", tmp_path / "out", workers=2, partitions=partitions, on_read=on_read) == 0
+    assert outputs(tmp_path / "out") == reference["docs"]
+    reads = [tuple(map(int, line.split())) for line in log.read_text().splitlines()]
+    pids = {pid for pid, *_ in reads}
+    assert os.getpid() not in pids and len(pids) == 2, pids
+    groups = {}  # (pid, group) -> rows decoded, in order
+    for pid, group, start, stop in reads:
+        groups.setdefault((pid, group), []).extend(range(start, stop))
+    n_groups = -(-len(docs) // rows_per_group)
+    for (pid, group), rows in groups.items():
+        assert rows == list(range(len(rows))), (pid, group)  # from the group's start, each row once
+    assert {g for _, g in groups} == set(range(n_groups))
+    if chunk_bytes == 1 << 20:  # a group per task: each group read by one worker, whole
+        assert sorted(g for _, g in groups) == list(range(n_groups))
+        assert sum(len(rows) for rows in groups.values()) == len(docs)
 
 
 def test_datasets_save_to_disk_directory(tmp_path, run_tool, docs, reference):

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import numpy
 
 from ..indexed_dataset import DType
 from ..tokenizers import build_tokenizer
-from .formats import TEXT, Records, input_format
+from .formats import TEXT, ParquetRows, Records, RowRange, input_format
 from .inputs import PreprocessError, Task, read_error
 
 try:  # several times faster than json at parsing the lines; optional (see Encoder._parse)
@@ -46,8 +46,10 @@ class Encoder:
 
     tokenizer = None
 
-    def __init__(self, args) -> None:
+    def __init__(self, args, on_read: Optional[Callable[[str, int, int, int], None]] = None) -> None:
+        """``on_read``: passed to the process's :class:`formats.ParquetRows` (a test hook)."""
         self.args = args
+        self.rows = ParquetRows(on_read)  # each forked worker reads its own Parquet ranges with its copy
 
     def initializer(self) -> None:
         # forked workers inherit the tokenizer built by the parent; build it only where missing
@@ -89,6 +91,8 @@ class Encoder:
 
     def parse_task(self, task: Task) -> Tuple[dict, List[Dict[str, List[str]]]]:
         """The first half of :meth:`encode_task`: its dict without "keys", and the parsed documents."""
+        if isinstance(task.data, RowRange):
+            return self._parse_records(self.rows.read(task.path, task.data, self.args.json_keys))
         if isinstance(task.data, Records):
             return self._parse_records(task.data)
         if input_format(task.path) == TEXT:

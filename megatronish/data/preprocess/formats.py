@@ -1,14 +1,15 @@
 """The ``--input`` formats of ``megatronish-preprocess-data`` besides plain JSON lines: compressed streams
 (``.gz``, ``.zst``), plain text (``.txt``: a document per line or per file), Parquet files and the Arrow files of a
 ``datasets.save_to_disk`` directory. Parquet and Arrow are read with pyarrow, ``.zst`` with zstandard (both optional:
-the ``data`` extra); each is read a piece at a time (record batches of about a task's size), never a whole file."""
+the ``data`` extra); each is read a piece at a time (record batches of about a task's size), never a whole file:
+Arrow files by the main process, Parquet row ranges (planned from the file's metadata) by the worker they go to."""
 from __future__ import annotations
 
 import gzip
 import io
 import json
 import os
-from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy
 
@@ -45,9 +46,9 @@ def input_format(path: str) -> str:
 
 
 def by_units(path: str, text_per: str) -> bool:
-    """Whether the file is read by the main process as a stream of units (lines, rows, or the whole file as one
-    document) rather than cut into byte ranges that the workers read: compressed, Parquet, Arrow, and text files
-    with a document per file."""
+    """Whether the file is cut into units (lines, rows, or the whole file as one document) rather than byte ranges:
+    compressed, Arrow, and text files with a document per file (the main process reads them and hands the workers
+    their units), and Parquet (row ranges from its metadata, each read by the worker it goes to)."""
     fmt = input_format(path)
     return compression(path) is not None or fmt in (PARQUET, ARROW) or (fmt == TEXT and text_per == "file")
 
@@ -172,19 +173,87 @@ def count_rows(path: str) -> int:
     return sum(b.num_rows for b in _arrow_batches(path))
 
 
-def _parquet_batches(path: str, keys: Sequence[str], chunk_bytes: int) -> Iterator:
-    """The ``keys`` columns of a Parquet file, one row group at a time, in batches of about ``chunk_bytes`` of
-    uncompressed column data (the row group's own sizes say how many rows that is)."""
-    pf = require("pyarrow.parquet", "pyarrow", path).ParquetFile(path)
-    md = pf.metadata
+class RowRange(NamedTuple):
+    """Rows [start, stop) (0-based, within the row group) of row group ``group`` of a Parquet file: a task that
+    the worker reads itself (:class:`ParquetRows`); ``batch``: the rows of the group's ranges (the last may have
+    fewer), the batch size its rows are decoded in."""
+
+    group: int
+    start: int
+    stop: int
+    batch: int
+
+
+def parquet_ranges(path: str, start: int, stop: Optional[int], keys: Sequence[str],
+                   chunk_bytes: int) -> Iterator[Tuple[int, RowRange]]:
+    """(0-based index in the file of the first row, :class:`RowRange`) for rows [start, stop) of a Parquet file,
+    planned from its metadata alone: each row group cut into ranges of about ``chunk_bytes`` of uncompressed
+    ``keys`` column data (the row group's own sizes say how many rows that is; a range never crosses a row group)."""
+    md = require("pyarrow.parquet", "pyarrow", path).ParquetFile(path).metadata
+    first = 0  # rows of the file before the current row group
     for rg in range(md.num_row_groups):
         group = md.row_group(rg)
-        if group.num_rows == 0:
-            continue
-        size = sum(group.column(c).total_uncompressed_size for c in range(group.num_columns)
-                   if group.column(c).path_in_schema.split(".")[0] in keys)
-        rows = max(1, min(group.num_rows, chunk_bytes * group.num_rows // max(size, 1)))
-        yield from pf.iter_batches(batch_size=rows, row_groups=[rg], columns=list(keys), use_threads=False)
+        lo, hi = max(start - first, 0), group.num_rows if stop is None else min(stop - first, group.num_rows)
+        if lo < hi:
+            size = sum(group.column(c).total_uncompressed_size for c in range(group.num_columns)
+                       if group.column(c).path_in_schema.split(".")[0] in keys)
+            rows = max(1, min(group.num_rows, chunk_bytes * group.num_rows // max(size, 1)))
+            while lo < hi:  # ranges at multiples of ``rows`` in the group: one decoded batch each
+                end = min((lo // rows + 1) * rows, hi)
+                yield first + lo, RowRange(rg, lo, end, rows)
+                lo = end
+        first += group.num_rows
+        if stop is not None and first >= stop:
+            return
+
+
+class ParquetRows:
+    """Reads the row ranges of Parquet files that a process is handed, in bounded memory: the file stays open
+    between ranges, and a range further on in the row group of the previous one continues that row group's batch
+    iterator (the rows in between, another process's, are decoded and dropped, never turned into Python objects),
+    so a process decodes each row group it reads from at most once when its ranges come in order. Only the
+    ``keys`` columns are read, a range's worth of rows at a time, pages streamed through a 1 MiB buffer.
+
+    ``on_read(path, group, start, stop)``, if given, is called for every batch decoded (rows [start, stop) of the
+    row group): a test hook."""
+
+    BUFFER_BYTES = 1 << 20
+
+    def __init__(self, on_read: Optional[Callable[[str, int, int, int], None]] = None) -> None:
+        self.on_read = on_read
+        self.path: Optional[str] = None
+        self.file = None
+        self.group = -1
+        self.batches: Optional[Iterator] = None
+        self.batch = None  # the last batch decoded, not yet used up, and the row (in the group) it starts at
+        self.at = 0
+
+    def read(self, path: str, rows: RowRange, keys: Sequence[str]) -> Records:
+        """The ``keys`` columns of rows ``rows`` of the Parquet file ``path``."""
+        if path != self.path:
+            self.file = require("pyarrow.parquet", "pyarrow", path).ParquetFile(
+                path, buffer_size=self.BUFFER_BYTES)
+            self.path, self.group = path, -1
+        if rows.group != self.group or rows.start < self.at:
+            self.batches = self.file.iter_batches(batch_size=rows.batch, row_groups=[rows.group],
+                                                  columns=list(keys), use_threads=False)
+            self.group, self.batch, self.at = rows.group, None, 0
+        parts = []
+        while True:
+            if self.batch is None:
+                self.batch = next(self.batches, None)
+                if self.batch is None:
+                    raise PreprocessError(f"--input file '{path}' changed while it was read")
+                if self.on_read is not None:
+                    self.on_read(path, rows.group, self.at, self.at + self.batch.num_rows)
+            end = self.at + self.batch.num_rows
+            lo, hi = max(rows.start, self.at), min(rows.stop, end)
+            if lo < hi:
+                parts.append(self.batch.slice(lo - self.at, hi - lo))
+            if end <= rows.stop:
+                self.batch, self.at = None, end  # used up
+            if end >= rows.stop:
+                return _records(parts, keys, sum(int(_row_bytes(p, keys).sum()) for p in parts))
 
 
 def _row_bytes(batch, keys: Sequence[str]):
@@ -208,10 +277,9 @@ def _row_bytes(batch, keys: Sequence[str]):
 
 def record_chunks(path: str, start: int, stop: Optional[int], keys: Sequence[str],
                   chunk_bytes: int) -> Iterator[Tuple[int, Records]]:
-    """(0-based index of the first row, :class:`Records`) for rows [start, stop) of a Parquet or Arrow file, each
-    about ``chunk_bytes`` of text (a row is never split; every row counts at least a byte)."""
-    batches = (_parquet_batches(path, keys, chunk_bytes) if input_format(path) == PARQUET
-               else (b.select(list(keys)) for b in _arrow_batches(path)))
+    """(0-based index of the first row, :class:`Records`) for rows [start, stop) of an Arrow file, each about
+    ``chunk_bytes`` of text (a row is never split; every row counts at least a byte)."""
+    batches = (b.select(list(keys)) for b in _arrow_batches(path))
     parts: List = []
     nbytes = text = 0
     row = first = start

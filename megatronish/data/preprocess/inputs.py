@@ -13,11 +13,13 @@ from .formats import (
     TEXT,
     PreprocessError,
     Records,
+    RowRange,
     by_units,
     count_rows,
     dataset_files,
     input_format,
     open_binary,
+    parquet_ranges,
     record_chunks,
 )
 
@@ -172,13 +174,14 @@ def plan_segments(files: Sequence[str], partitions: int, text_per: str = "line")
 class Task(NamedTuple):
     """One worker's input: bytes [start, stop) of the plain file ``path`` (``data`` None: the worker reads
     them), or ``data``: whole lines of ``path`` whose first is line ``start`` (1-based), the rows [start, stop)
-    (1-based) of a Parquet or Arrow file (:class:`formats.Records`), or the whole text of a text file that is one
-    document (``start`` 1)."""
+    (1-based, in the file) of a Parquet file that the worker reads (:class:`formats.RowRange`: where they are in
+    their row group) or of an Arrow file (:class:`formats.Records`: read by the main process), or the whole text of
+    a text file that is one document (``start`` 1)."""
 
     path: str
     start: int
     stop: int
-    data: Optional[Union[bytes, Records]]
+    data: Optional[Union[bytes, Records, RowRange]]
 
 
 def iter_tasks(segments: Sequence[Segment], keys: Sequence[str] = ("text",), text_per: str = "line") -> Iterator[Task]:
@@ -189,7 +192,10 @@ def iter_tasks(segments: Sequence[Segment], keys: Sequence[str] = ("text",), tex
             fmt = input_format(seg.path)
             if fmt == TEXT and text_per == "file":
                 yield _whole_file_task(seg.path)
-            elif fmt in (PARQUET, ARROW):
+            elif fmt == PARQUET:
+                for first, rows in parquet_ranges(seg.path, seg.start, seg.stop, keys, CHUNK_BYTES):
+                    yield Task(seg.path, first + 1, first + 1 + rows.stop - rows.start, rows)
+            elif fmt == ARROW:
                 for first, records in record_chunks(seg.path, seg.start, seg.stop, keys, CHUNK_BYTES):
                     yield Task(seg.path, first + 1, first + 1 + len(records.columns[keys[0]]), records)
             else:

@@ -9,7 +9,7 @@ import os
 import queue
 import sys
 import time
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 from ...errors import TokenizerError
 from ..indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
@@ -106,10 +106,10 @@ def _main_parses(workers: int, partitions: int = 1) -> bool:
 
 
 def process_segments(args, segments: Sequence[Segment], prefix: str, workers: int, label: str = "",
-                     position: Optional[int] = None) -> int:
+                     position: Optional[int] = None, on_read: Optional[Callable] = None) -> int:
     """Tokenize ``segments`` into ``{prefix}_{key}_{level}`` with ``workers`` worker processes while this process
-    appends their results in order; returns the documents written."""
-    encoder = Encoder(args)
+    appends their results in order; returns the documents written. ``on_read``: :class:`Encoder`'s test hook."""
+    encoder = Encoder(args, on_read)
     encoder.initializer()
     level = "sentence" if args.split_sentences else "document"
     builders: Dict[str, IndexedDatasetBuilder] = {}
@@ -176,9 +176,10 @@ def process_segments(args, segments: Sequence[Segment], prefix: str, workers: in
             pool.close(finished)
 
 
-def _partition_main(args, segments, prefix, workers, index, errors) -> None:
+def _partition_main(args, segments, prefix, workers, index, errors, on_read) -> None:
     try:
-        process_segments(args, segments, prefix, workers, label=f"[partition {index}] ", position=index)
+        process_segments(args, segments, prefix, workers, label=f"[partition {index}] ", position=index,
+                         on_read=on_read)
         return
     except KeyboardInterrupt:
         os._exit(130)
@@ -192,7 +193,9 @@ def _partition_main(args, segments, prefix, workers, index, errors) -> None:
     os._exit(1)
 
 
-def run(args) -> None:
+def run(args, on_read: Optional[Callable[[str, int, int, int], None]] = None) -> None:
+    """The tool's run after its flags are checked. ``on_read(path, row_group, start, stop)`` is called in the
+    process that decodes each batch of Parquet rows (a test hook: who reads what)."""
     files = expand_inputs(args.input)
     check_inputs(files, args.json_keys)
     try:
@@ -204,7 +207,7 @@ def run(args) -> None:
         raise PreprocessError(f"--output-prefix directory '{out_dir}' does not exist")
     parts = plan_segments(files, args.partitions, args.text_document_per)
     if args.partitions == 1:
-        process_segments(args, parts[0], args.output_prefix, args.workers)
+        process_segments(args, parts[0], args.output_prefix, args.workers, on_read=on_read)
         return
     ctx = multiprocessing.get_context("fork")
     errors = ctx.Queue()
@@ -212,7 +215,7 @@ def run(args) -> None:
     part_prefixes = [f"{args.output_prefix}_{i}" for i in range(args.partitions)]
     for i in range(args.partitions):
         p = ctx.Process(target=_partition_main, args=(args, parts[i], part_prefixes[i],
-                                                      args.workers // args.partitions, i, errors))
+                                                      args.workers // args.partitions, i, errors, on_read))
         p.start()
         procs.append(p)
     level = "sentence" if args.split_sentences else "document"
