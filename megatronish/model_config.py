@@ -290,6 +290,10 @@ class ModelConfig:
     hidden_dropout: float = 0.1
     init_method_std: float = 0.02
     make_vocab_size_divisible_by: int = 128
+    # Multi-token prediction (DeepSeek-V3; model/mtp.py, docs/deepseek.md): depths after the decoder, on the last
+    # pipeline stage, and the weight of their mean loss. Megatron's flags and defaults.
+    mtp_num_layers: int | None = None
+    mtp_loss_scaling_factor: float = 0.1
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
@@ -396,6 +400,12 @@ class ModelConfig:
         out += self.recompute.problems()
         out += self.kernels.problems()
         out += self.moe.problems(self.num_layers, self.add_bias_linear)
+        if self.mtp_num_layers is not None and self.mtp_num_layers < 1:
+            out.append(f"--mtp-num-layers must be >= 1, got {self.mtp_num_layers}")
+        if self.mtp_num_layers and self.attention.position_embedding_type == "learned_absolute" \
+                and not self.attention.multi_latent_attention:
+            out.append("--mtp-num-layers needs rotary positions (--position-embedding-type rope or yarn, or "
+                       "--multi-latent-attention); learned absolute positions are not supported with it")
         return out
 
     @property

@@ -72,6 +72,10 @@ def add_mla_flags(p) -> None:
          help="round YaRN's ramp ends to whole pairs (the default)")
     flag(g, "--no-yarn-correction-range-round-to-int", action="store_false",
          dest="yarn_correction_range_round_to_int")
+    flag(g, "--mtp-num-layers", type=int, default=None,
+         help="multi-token prediction: depths predicting 2, 3, ... tokens ahead (default none)")
+    flag(g, "--mtp-loss-scaling-factor", type=float, default=0.1,
+         help="the weight of the multi-token-prediction loss (the mean over its depths)")
     # Megatron MLA flags of features not built here: rejected by NOT_YET_SUPPORTED
     flag(g, "--cache-mla-latents", **on)
     flag(g, "--mla-down-proj-fusion", **on)

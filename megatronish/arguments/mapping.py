@@ -121,7 +121,10 @@ def _parallel_dims(args, world_size: int, errors: list[str]) -> ParallelDims | N
         return parallel_dims(world_size=world_size, tp=args.tensor_model_parallel_size,
                             pp=args.pipeline_model_parallel_size, vp=vp, cp=args.context_parallel_size,
                             ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size,
-                            tie_embeddings=not args.untie_embeddings_and_output_weights, cp_inner=_cp_inner(args))
+                            # the last stage holds the word embedding when the output layer is tied to it or
+                            # multi-token prediction looks tokens up there
+                            tie_embeddings=not args.untie_embeddings_and_output_weights or bool(args.mtp_num_layers),
+                            cp_inner=_cp_inner(args))
     except ConfigError as e:
         errors.append(str(e))
         return None

@@ -26,6 +26,7 @@ from ..parallel.init import TensorDesc, initialize_slice, set_desc, split_ranks
 from ..parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from ..parallel.mappings import scatter_to_sequence_parallel_region
 from ..parallel.random import RNGStatesTracker, tracker_or_current
+from .mtp import MultiTokenPrediction, shift_left
 from .norms import LayerNorm, RMSNorm
 from .rope import RotaryEmbedding, rotary_embedding
 from .transformer import TransformerBlock
@@ -126,6 +127,17 @@ class GPTModel(nn.Module):
                 d = self.output_layer.weight.desc
                 set_desc(self.output_layer.weight, TensorDesc(d.global_shape, 0, 1, "normal", d.std,
                                                               valid_rows=c.vocab_size))
+        self.mtp = None  # --mtp-num-layers: the depths, on the last stage (model/mtp.py)
+        if post_process and c.mtp_num_layers:
+            if not pre_process:  # their token look-ups: a copy of the word embedding, kept equal like a tied one
+                self.embedding = Embedding(c, self.padded_vocab_size, self.sequence_parallel, params_dtype, device,
+                                           tp_group, rng_tracker)
+                if self.tied:  # the output layer's weight is that copy already
+                    self.embedding.word_embeddings.weight = self.output_layer.weight
+                else:
+                    w = self.embedding.word_embeddings.weight
+                    w.shared_embedding = w.embedding_copy = w.is_embedding_or_output_parameter = True
+            self.mtp = MultiTokenPrediction(c, self.sequence_parallel, params_dtype, device, parallel, rng_tracker)
         # The input embedding and output layer weights (Megatron's attribute; --decoupled-lr gives them their
         # own LR schedule).
         if pre_process:
@@ -134,9 +146,9 @@ class GPTModel(nn.Module):
             self.output_layer.weight.is_embedding_or_output_parameter = True
         # Copies of the tied word embedding on the first and last stage: their grads are summed over the
         # embedding group so they stay equal.
+        if pre_process and (self.tied or c.mtp_num_layers):  # (MTP: the last stage's look-ups use a copy)
+            self.embedding.word_embeddings.weight.shared_embedding = True
         if self.tied:
-            if pre_process:
-                self.embedding.word_embeddings.weight.shared_embedding = True
             if post_process and not pre_process:
                 self.output_layer.weight.shared_embedding = True
 
@@ -170,7 +182,8 @@ class GPTModel(nn.Module):
         """``input_ids``/``labels``: ``[b, s]`` (under context parallelism this rank's tokens, chunks ``r`` and
         ``2N-1-r``; positions default to theirs in the whole sequence). ``document_ids``: ``[b, s]`` of the *whole*
         sequence (``--reset-attention-mask``): attention stays within a document. Returns the per-token loss
-        ``[b, s]`` (fp32) if ``labels`` are given on the last stage, else logits ``[b, s, V_padded/t]``; earlier
+        ``[b, s]`` (fp32; with ``--mtp-num-layers`` ``[1 + D, b, s]``, then each depth's, depth ``k``'s at ``i``
+        for token ``i + k + 1``) if ``labels`` are given on the last stage, else logits ``[b, s, V_padded/t]``; earlier
         stages return hidden states ``[s, b, h]``.
 
         ``inference_params`` (generation; ``megatronish.inference.kv_cache.InferenceParams``): the tokens are
@@ -198,6 +211,9 @@ class GPTModel(nn.Module):
         x = self.decoder(x, rotary, document_ids, inference_params)
         if not self.post_process:
             return x
+        depths = []
+        if self.mtp is not None and labels is not None and inference_params is None:
+            depths = self.mtp(x, input_ids, position_ids, self.embedding, rotary, document_ids)
         if inference_params is not None and inference_params.last_logits_only:
             x = x[-1:]  # [1, b, h]
         weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
@@ -208,4 +224,11 @@ class GPTModel(nn.Module):
         if loss_fn is vocab_parallel_cross_entropy:  # the logits are this call's own: the loss may overwrite them
             loss_fn = functools.partial(loss_fn, logits_owned=True)
         loss = loss_fn(logits, labels.t(), self.label_smoothing, self.config.vocab_size, self.parallel.tp_group)
-        return loss.t().contiguous()  # [b, s]
+        if not depths:
+            return loss.t().contiguous()  # [b, s]
+        losses = [loss]
+        for k, h in enumerate(depths, start=1):  # the shared output layer on each depth's hidden states
+            logits, _ = self.output_layer(h, weight)
+            losses.append(loss_fn(logits, shift_left(labels, k).t(), self.label_smoothing, self.config.vocab_size,
+                                  self.parallel.tp_group))
+        return torch.stack(losses).transpose(1, 2).contiguous()  # [1 + D, b, s]

@@ -146,7 +146,8 @@ def setup(cfg, watch: Watch | None = None) -> tuple[TrainContext, TrainState]:
     scheduler = OptimizerParamScheduler(optimizer, **scheduler_steps_from_config(cfg))
     train_ds, valid_ds, test_ds = build_datasets(cfg)
     timers = Timers(cfg.logging.timing_log_level, always=("forward-backward",) if cfg.logging.log_straggler else ())
-    forward_step = make_forward_step(cfg.data.reset_position_ids, parallel, t.calculate_per_token_loss)
+    forward_step = make_forward_step(cfg.data.reset_position_ids, parallel, t.calculate_per_token_loss,
+                                     cfg.model.mtp_loss_scaling_factor)
     run = TrainContext(models, chunks, optimizer, scheduler, fp8, parallel=parallel, cfg=cfg, schedule=schedule,
                        forward_step=forward_step,
                        train_ds=train_ds, valid_ds=valid_ds, test_ds=test_ds, timers=timers, device=dev,

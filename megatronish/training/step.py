@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from .. import device
 from ..model.moe import stats as moe_stats
+from ..model.mtp import mtp_loss
 from ..parallel import comm_log as comm
 from ..parallel.context_parallel import split_for_context_parallel
 from ..parallel.ddp import finalize_model_grads
@@ -50,11 +51,14 @@ def _reported_loss(stats: list[dict], parallel: ParallelContext) -> float:
 
 
 
-def make_forward_step(reset_position_ids: bool, parallel: ParallelContext, per_token_loss: bool = False):
+def make_forward_step(reset_position_ids: bool, parallel: ParallelContext, per_token_loss: bool = False,
+                      mtp_scaling_factor: float = 0.1):
     """Megatron's ``forward_step``/``loss_func``. Each microbatch reports ``[token-loss sum, loss tokens]`` of
     this rank's tokens. The loss back-propagated is the microbatch's token mean (the schedule divides it by the
     number of microbatches), or under ``per_token_loss`` the token sum (the gradients are divided by the global
-    batch's token count after the backward)."""
+    batch's token count after the backward). With ``--mtp-num-layers`` the multi-token-prediction term
+    (:func:`~megatronish.model.mtp.mtp_loss`, weighted by ``mtp_scaling_factor``) is added, and each depth's
+    ``[loss sum, tokens]`` reported as ``mtp_<k> loss``."""
     cp, cp_rank, cp_group = parallel.cp_size, parallel.cp_rank, parallel.cp_group
 
     def forward_step(data_iterator, model):
@@ -68,12 +72,17 @@ def make_forward_step(reset_position_ids: bool, parallel: ParallelContext, per_t
         mask = batch["loss_mask"].float()
 
         def loss_func(losses):  # per-token losses [b, s] -> masked token mean (or sum)
+            extra = 0.0
+            report = {}
+            if losses.dim() == 3:  # --mtp-num-layers: [1 + D, b, s], the decoder's then each depth's
+                extra, report = mtp_loss(losses, mask, mtp_scaling_factor, per_token_loss)
+                losses = losses[0]
             total = (losses.float() * mask).sum()
-            report = {"lm loss": torch.stack([total.detach(), mask.sum()])}
+            report = {"lm loss": torch.stack([total.detach(), mask.sum()]), **report}
             if per_token_loss:
-                return total, report
+                return total + extra, report
             if cp == 1:
-                return total / mask.sum().clamp(min=1), report
+                return total / mask.sum().clamp(min=1) + extra, report
             # The token count of the whole sequence: summed over CP. Gradients flow through this rank's sum only
             # and are averaged over DP x CP, hence the factor CP.
             num_tokens = mask.sum()

@@ -85,6 +85,8 @@ def step_metrics(chunks, parallel, config, num_microbatches: int) -> dict:
     counts = torch.zeros(nl, 2, dtype=torch.float32, device=dev)  # routed, kept
     for layer in layers:
         st, i = layer.router.stats, layer.layer_number
+        if i >= nl:  # a multi-token-prediction depth's layer: not among the decoder's per-layer metrics
+            continue
         for j, name in enumerate(names):
             losses[j, i] = st[name]
         tokens[i] = st["tokens_per_expert"]

@@ -1,0 +1,77 @@
+"""Multi-token prediction trains in TP 2 (with sequence parallelism, and with --calculate-per-token-loss) and PP 2
+(the depths and a copy of the word embedding on the last stage; tied and untied output layer) exactly as one
+process: the losses and every parameter's reduced gradient of 3 iterations (fp32,
+rtol 1e-5; same seed, no weight copying). SGD with an active gradient clip, so a wrong reduction shows again in
+the next iteration."""
+import pytest
+
+from megatronish.arguments import configs_from_args, parse_args
+from megatronish.parallel import groups
+from megatronish.testing import assert_parity, global_tensors, run_distributed
+from megatronish.training import pretrain as training
+
+ITERS = 3
+BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--vocab-size", "96", "--make-vocab-size-divisible-by", "64", "--tokenizer-type", "NullTokenizer",
+        "--mock-data", "--global-batch-size", "8", "--micro-batch-size", "2", "--train-iters", str(ITERS),
+        "--optimizer", "sgd", "--lr", "0.3", "--lr-decay-style", "constant", "--clip-grad", "0.5",
+        "--attention-dropout", "0", "--hidden-dropout", "0", "--eval-iters", "0", "--log-interval", "100",
+        "--seed", "7", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm",
+        "--position-embedding-type", "rope", "--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"]
+UNTIED, PER_TOKEN = ["--untie-embeddings-and-output-weights"], ["--calculate-per-token-loss"]
+MODELS = {"untied": UNTIED, "tied": [], "untied-per-token": UNTIED + PER_TOKEN}
+TP2, PP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"], ["--pipeline-model-parallel-size", "2"]
+CASES = {"tp2-sp": (TP2, "untied"), "tp2-sp-per-token": (TP2, "untied-per-token"), "pp2": (PP2, "untied"),
+         "pp2-tied": (PP2, "tied")}
+
+
+class _GradientRecorder:
+    """Stands in for the optimizer's step: records every parameter's reduced gradient (global, numpy: it travels
+    through a pipe) before clipping and the update, then steps."""
+
+    def __init__(self, run):
+        self.run, self.step, self.grads = run, run.optimizer.step, []
+
+    def __call__(self):
+        tensors = global_tensors(self.run.models, self.run.parallel, grads=True, optimizer=self.run.optimizer)
+        self.grads.append({name: t.numpy() for name, t in tensors.items()})
+        return self.step()
+
+
+def _train(argv, world):
+    groups.destroy_model_parallel()
+    run, state = training.setup(configs_from_args(parse_args(BASE + argv), world))
+    run.optimizer.step = recorder = _GradientRecorder(run)
+    losses = [training.train_step(run, state).loss for _ in range(ITERS)]
+    return {"losses": losses, "grads": recorder.grads}
+
+
+def _worker(rank, world, cases):
+    out = {name: _train(argv, world) for name, argv in cases.items()}
+    return out if rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def results():
+    """The one-process runs by model, and each layout's run with its reference."""
+    refs = run_distributed(_worker, 1, MODELS)[0]
+    got = run_distributed(_worker, 2, {n: flags + MODELS[m] for n, (flags, m) in CASES.items()}, timeout=600)[0]
+    return refs, {name: (refs[model], got[name]) for name, (_, model) in CASES.items()}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_layout_equals_one_process(results, name):
+    ref, out = results[1][name]
+    assert_parity(out["losses"], ref["losses"], f"{name} losses")
+    assert [sorted(g) for g in out["grads"]] == [sorted(g) for g in ref["grads"]], f"{name}: parameter names differ"
+    for it, param in ((i, p) for i in range(ITERS) for p in ref["grads"][i]):
+        assert_parity(out["grads"][it][param], ref["grads"][it][param],
+                      f"{name} iteration {it + 1} gradient of {param}")
+
+
+def test_reference_learns_and_every_depth_gets_gradient(results):
+    for variant, ref in results[0].items():
+        assert ref["losses"][-1] < ref["losses"][0], (variant, ref["losses"])
+        g = ref["grads"][0]
+        depth = [n for n in g if n.startswith("mtp.layers.1.")]
+        assert depth and all(abs(g[n]).sum() > 0 for n in depth), variant
