@@ -97,3 +97,4 @@ class StepResult:
     grad_norm: float | None
     global_batch_size: int = 0  # samples of this iteration (ramping under --rampup-batch-size)
     moe: dict | None = None  # mixture of experts: moe_stats.step_metrics
+    mtp: dict | None = None  # multi-token prediction: each depth's loss, {"mtp_<k> loss": value}

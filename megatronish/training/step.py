@@ -32,15 +32,15 @@ __all__ = ["make_forward_step", "loss_sums", "print_rank0", "compute_gradients",
 
 def loss_sums(stats: list[dict], parallel: ParallelContext) -> torch.Tensor:
     """``[sum of token losses, loss tokens]`` of the whole global batch (Megatron's reporting: each microbatch
-    reports both, summed over microbatches and DP x CP), on every rank (sent from the last pipeline stage)."""
+    reports both, summed over microbatches and DP x CP), on every rank (sent from the pipeline stage holding the loss)."""
     sums = torch.zeros(2, dtype=torch.float32, device=device.current_device())
-    if parallel.is_last_stage:
+    if parallel.holds_loss:
         sums = torch.stack([s["lm loss"].float() for s in stats]).sum(0)
         group = parallel.dp_cp_group
         if group is not None and group.size() > 1:
             comm.all_reduce(sums, group=group)
     if parallel.pp_size > 1:
-        comm.broadcast(sums, src=parallel.ranks("pp")[-1], group=parallel.pp_group)
+        comm.broadcast(sums, src=parallel.loss_rank, group=parallel.pp_group)
     return sums
 
 

@@ -3,6 +3,8 @@
 process: the losses and every parameter's reduced gradient of 3 iterations (fp32,
 rtol 1e-5; same seed, no weight copying). SGD with an active gradient clip, so a wrong reduction shows again in
 the next iteration."""
+import json
+
 import pytest
 
 from megatronish.arguments import configs_from_args, parse_args
@@ -42,19 +44,26 @@ def _train(argv, world):
     groups.destroy_model_parallel()
     run, state = training.setup(configs_from_args(parse_args(BASE + argv), world))
     run.optimizer.step = recorder = _GradientRecorder(run)
-    losses = [training.train_step(run, state).loss for _ in range(ITERS)]
-    return {"losses": losses, "grads": recorder.grads}
+    steps = [training.train_step(run, state) for _ in range(ITERS)]
+    depths = [[s.mtp[f"mtp_{k} loss"] for k in (1, 2)] for s in steps]  # each depth's reported loss
+    return {"losses": [s.loss for s in steps], "depths": depths, "grads": recorder.grads}
 
 
-def _worker(rank, world, cases):
+def _worker(rank, world, cases, metrics=None):
     out = {name: _train(argv, world) for name, argv in cases.items()}
+    if metrics is not None:  # the log line and the metrics file carry each depth's loss
+        groups.destroy_model_parallel()
+        training.pretrain(configs_from_args(parse_args(BASE + ["--log-interval", "1", "--metrics-file", metrics]),
+                                            world))
     return out if rank == 0 else None
 
 
 @pytest.fixture(scope="module")
-def results():
+def results(tmp_path_factory):
     """The one-process runs by model, and each layout's run with its reference."""
-    refs = run_distributed(_worker, 1, MODELS)[0]
+    metrics = str(tmp_path_factory.mktemp("mtp") / "metrics.jsonl")
+    refs = run_distributed(_worker, 1, MODELS, metrics)[0]
+    refs["metrics"] = [json.loads(line) for line in open(metrics)]
     got = run_distributed(_worker, 2, {n: flags + MODELS[m] for n, (flags, m) in CASES.items()}, timeout=600)[0]
     return refs, {name: (refs[model], got[name]) for name, (_, model) in CASES.items()}
 
@@ -63,14 +72,20 @@ def results():
 def test_layout_equals_one_process(results, name):
     ref, out = results[1][name]
     assert_parity(out["losses"], ref["losses"], f"{name} losses")
+    assert_parity(out["depths"], ref["depths"], f"{name} MTP depths' losses")
     assert [sorted(g) for g in out["grads"]] == [sorted(g) for g in ref["grads"]], f"{name}: parameter names differ"
     for it, param in ((i, p) for i in range(ITERS) for p in ref["grads"][i]):
         assert_parity(out["grads"][it][param], ref["grads"][it][param],
                       f"{name} iteration {it + 1} gradient of {param}")
 
 
+def test_depth_losses_are_logged(results):
+    records = results[0]["metrics"]
+    assert len(records) == ITERS and all(r["mtp_1_loss"] > 0 and r["mtp_2_loss"] > 0 for r in records)
+
+
 def test_reference_learns_and_every_depth_gets_gradient(results):
-    for variant, ref in results[0].items():
+    for variant, ref in ((v, r) for v, r in results[0].items() if v in MODELS):
         assert ref["losses"][-1] < ref["losses"][0], (variant, ref["losses"])
         g = ref["grads"][0]
         depth = [n for n in g if n.startswith("mtp.layers.1.")]
