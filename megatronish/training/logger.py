@@ -26,7 +26,7 @@ __all__ = ["TrainLogger", "write_timeline"]
 
 
 def _is_logging_rank(parallel: ParallelContext) -> bool:
-    return parallel.holds_loss and parallel.tp_rank == 0 and parallel.dp_cp_rank == 0
+    return parallel.is_last_stage and parallel.tp_rank == 0 and parallel.dp_cp_rank == 0
 
 
 
@@ -55,6 +55,7 @@ class TrainLogger:
     def restart_window(self) -> None:
         self.window_losses, self.window_batches, self.window_start = [], [], time.perf_counter()
         self.window_moe: list[dict] = []
+        self.window_mtp: list[dict] = []
 
     def after_step(self, state: TrainState, step: StepResult) -> None:
         if not step.update_successful:
@@ -65,6 +66,8 @@ class TrainLogger:
         self.window_batches.append(step.global_batch_size or self.cfg.train.global_batch_size)
         if step.moe is not None:
             self.window_moe.append(step.moe)
+        if step.mtp is not None:
+            self.window_mtp.append(step.mtp)
         if state.iteration % self.cfg.logging.log_interval == 0 or state.iteration == self.train_iters:
             self._log(state, step.grad_norm)
 
@@ -88,6 +91,9 @@ class TrainLogger:
         if params_norm is not None:
             record["params_norm"] = params_norm
         moe_line = self._moe_record(record)
+        mtp_line = {name: sum(m[name] for m in self.window_mtp) / len(self.window_mtp)
+                    for name in (self.window_mtp[0] if self.window_mtp else ())}  # each depth's, over the window
+        record.update({name.replace(" ", "_"): value for name, value in mtp_line.items()})
         timing, straggler = self._gather_timers(len(self.window_losses))
         if straggler is not None:
             record["straggler"] = straggler[1]
@@ -99,7 +105,7 @@ class TrainLogger:
             tokens_per_sec=r["tokens_per_sec"], lr=r["lr"],
             global_batch_size=self.window_batches[-1], loss=r["lm_loss"], grad_norm=r["grad_norm"],
             loss_scale=r["loss_scale"], skipped=r["skipped_iterations"], nan=r["nan_iterations"],
-            params_norm=params_norm, mfu=(tflops / self.peak) if self.peak else None, extra=moe_line))
+            params_norm=params_norm, mfu=(tflops / self.peak) if self.peak else None, extra={**mtp_line, **moe_line}))
         # Megatron prints the timers from the last rank; the straggler line with the log line
         if straggler is not None:
             print_rank_last(self.logging_rank, straggler[0])

@@ -30,23 +30,24 @@ if TYPE_CHECKING:
 __all__ = ["make_forward_step", "loss_sums", "print_rank0", "compute_gradients", "apply_update", "train_step"]
 
 
-def loss_sums(stats: list[dict], parallel: ParallelContext) -> torch.Tensor:
+def loss_sums(stats: list[dict], parallel: ParallelContext, key: str = "lm loss") -> torch.Tensor:
     """``[sum of token losses, loss tokens]`` of the whole global batch (Megatron's reporting: each microbatch
-    reports both, summed over microbatches and DP x CP), on every rank (sent from the pipeline stage holding the loss)."""
+    reports both, summed over microbatches and DP x CP), on every rank (sent from the last pipeline stage).
+    ``key``: which report (``mtp_<k> loss``: a multi-token-prediction depth's)."""
     sums = torch.zeros(2, dtype=torch.float32, device=device.current_device())
-    if parallel.holds_loss:
-        sums = torch.stack([s["lm loss"].float() for s in stats]).sum(0)
+    if parallel.is_last_stage:
+        sums = torch.stack([s[key].float() for s in stats]).sum(0)
         group = parallel.dp_cp_group
         if group is not None and group.size() > 1:
             comm.all_reduce(sums, group=group)
     if parallel.pp_size > 1:
-        comm.broadcast(sums, src=parallel.loss_rank, group=parallel.pp_group)
+        comm.broadcast(sums, src=parallel.ranks("pp")[-1], group=parallel.pp_group)
     return sums
 
 
-def _reported_loss(stats: list[dict], parallel: ParallelContext) -> float:
+def _reported_loss(stats: list[dict], parallel: ParallelContext, key: str = "lm loss") -> float:
     """The iteration's loss: the token-weighted mean over the global batch (Megatron's), on every rank."""
-    total, tokens = loss_sums(stats, parallel).tolist()
+    total, tokens = loss_sums(stats, parallel, key).tolist()
     return total / max(tokens, 1.0)
 
 
@@ -100,10 +101,11 @@ def print_rank0():
 
 
 def compute_gradients(run: TrainContext, state: TrainState, timeline: PipelineTimeline | None = None,
-                      batches: list[dict] | None = None) -> float:
+                      batches: list[dict] | None = None, details: dict | None = None) -> float:
     """Forward and backward of the global batch at ``state.consumed_samples`` (its size from the ramp under
     ``--rampup-batch-size``; ``batches``: its micro-batches read ahead by the loader, None: read here), the NaN
-    check and the gradient finalization; returns the iteration's loss. The gradients are then in the DDP buffers
+    check and the gradient finalization; returns the iteration's loss (``details["mtp"]``, when ``details`` is
+    given, each multi-token-prediction depth's, ``{"mtp_<k> loss": value}``). The gradients are then in the DDP buffers
     (``param.main_grad``). Under ``--rerun-mode`` (``run.rerun``, :mod:`megatronish.training.rerun`) a suspicious
     iteration runs again before anything below changes the state."""
     cfg = run.cfg
@@ -128,6 +130,9 @@ def compute_gradients(run: TrainContext, state: TrainState, timeline: PipelineTi
         moe_stats.update_expert_biases(run.models, run.parallel)
     if cfg.train.empty_unused_memory_level >= 1:
         device.empty_cache()
+    if details is not None and cfg.model.mtp_num_layers:  # collective: every rank
+        details["mtp"] = {f"mtp_{k} loss": _reported_loss(stats, run.parallel, f"mtp_{k} loss")
+                          for k in range(1, cfg.model.mtp_num_layers + 1)}
     return _reported_loss(stats, run.parallel)
 
 
@@ -196,13 +201,14 @@ def train_step(run: TrainContext, state: TrainState, timeline: PipelineTimeline 
                batches: list[dict] | None = None) -> StepResult:
     """One iteration on the global batch at ``state.consumed_samples`` (``batches``: its micro-batches, read ahead
     by the loader; None: read here); advances ``state``."""
-    loss = compute_gradients(run, state, timeline, batches)
+    details: dict = {}
+    loss = compute_gradients(run, state, timeline, batches, details)
     cfg = run.cfg
     moe = None
     if cfg.model.moe.num_experts is not None:  # collective: every rank, before the update advances the state
         moe = moe_stats.step_metrics(run.models, run.parallel, cfg.model,
                                      cfg.num_microbatches_at(state.consumed_samples))
     result = apply_update(run, state, loss)
-    result.moe = moe
+    result.moe, result.mtp = moe, details.get("mtp")
     return result
 
