@@ -5,7 +5,7 @@ count from ``--num-layers-per-virtual-pipeline-stage``."""
 from __future__ import annotations
 
 from .errors import ConfigError
-from .parallel.dims import DegreeError, ParallelDims, layer_split_error
+from .parallel.dims import PIPELINE_SCHEDULES, DegreeError, ParallelDims, layer_split_error
 from .parallel.pipeline import schedules
 
 __all__ = ["parallel_dims", "check_layer_split", "check_interleaving", "validate_model",
@@ -45,6 +45,8 @@ def _degree_line(e: DegreeError) -> str:
     if e.kind == "cp_inner":
         return (f"--hierarchical-context-parallel-sizes {v['cp_inner']} ...: the all-to-all size {v['cp_inner']} "
                 f"does not divide {_CP} {v['cp']}; INNER x OUTER must equal {_CP}")
+    if e.kind in ("schedule", "schedule_pp", "schedule_vp"):
+        return _schedule_line(e.kind, v)
     if e.kind == "interleaving":
         return _interleaving_line(v["pp"], v["vp"], v["num_microbatches"])
     if e.kind == "layer_split":
@@ -59,6 +61,21 @@ def _degree_line(e: DegreeError) -> str:
                 f"stage must hold the same number of layers: choose --num-layers a multiple of {pp} or another "
                 f"pipeline size")
     return str(e)
+
+
+def _schedule_line(kind: str, v: dict) -> str:
+    s = v["schedule"]
+    if kind == "schedule":
+        return f"--pipeline-schedule {s!r} is unknown; choose one of {', '.join(PIPELINE_SCHEDULES)}"
+    if kind == "schedule_pp":
+        return f"--pipeline-schedule {s} needs pipeline parallelism, but {_PP} is 1; raise {_PP} or drop the flag"
+    if s == "zbv":
+        return (f"--pipeline-schedule zbv places exactly 2 chunks on every pipeline rank (a V), but {_VP} gives "
+                f"{v['vp']}; drop the virtual-stage flag (zbv implies 2) or set it to 2")
+    if s == "interleaved-1f1b":
+        return f"--pipeline-schedule interleaved-1f1b needs more than one virtual stage per rank; set {_VP}"
+    return (f"--pipeline-schedule {s} runs one chunk per pipeline rank, but {_VP} gives {v['vp']}; drop the "
+            f"virtual-stage flag, or use --pipeline-schedule interleaved-1f1b (or zbv for 2 chunks in a V)")
 
 
 def _interleaving_line(p: int, v: int, num_microbatches: int, micro_batch_size: int | None = None,

@@ -61,13 +61,13 @@ def _check_batch(t: configs.TrainingConfig, run: configs.RunConfig | None, error
     if gbs % per_step:
         errors.append(f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x data-parallel "
                       f"size {dims.dp} = {per_step}")
-    elif dims.vp > 1:
+    elif dims.vp > 1 and not dims.v_shape:
         _collect(errors, lambda: check_interleaving(dims.pp, dims.vp, run.num_microbatches, micro_batch_size=mbs,
                                                     global_batch_size=gbs, data_parallel_size=dims.dp))
     if t.rampup_batch_size is not None and not gbs % per_step:
         problems = rampup_problems(t.rampup_batch_size, gbs, per_step)
         errors += problems
-        if not problems and dims.vp > 1:  # every ramp size must suit the interleaved schedule too
+        if not problems and dims.vp > 1 and not dims.v_shape:  # every ramp size must suit the interleaved schedule
             for b in sorted({b for _, b in rampup_steps(t.rampup_batch_size, gbs)}):
                 if not _collect(errors, lambda b=b: check_interleaving(
                         dims.pp, dims.vp, b // per_step, micro_batch_size=mbs, global_batch_size=b,
@@ -261,6 +261,26 @@ def _check_moe(m: configs.ModelConfig | None, dims: ParallelDims | None, sequenc
     if dims.cp > 1:
         errors.append(f"--num-experts with --context-parallel-size {dims.cp} is not available yet in this version; "
                       "use --context-parallel-size 1")
+
+
+def _check_pipeline_schedule(m: configs.ModelConfig | None, dims: ParallelDims | None, o: configs.OptimizerConfig,
+                             t: configs.TrainingConfig, errors: list[str]) -> None:
+    """``--pipeline-schedule`` zb-h1 / zbv (the split backward) against what it does not run with; the degrees'
+    rules (PP, virtual stages) are ``ParallelDims``' (``parallel_config``'s lines)."""
+    if dims is None or dims.pipeline_schedule not in ("zb-h1", "zbv"):
+        return
+    flag = f"--pipeline-schedule {dims.pipeline_schedule}"
+    if o.use_torch_fsdp2:
+        errors.append(f"{flag} with --use-torch-fsdp2 is not supported: FSDP2 reduce-scatters the gradients as the "
+                      "backward ends, before the deferred weight gradients exist; drop one of them")
+    if t.torch_compile:
+        errors.append(f"{flag} with --torch-compile is not supported: the compiled layers' backward cannot be split "
+                      "into input and weight gradients; drop one of them")
+    if dims.cp > 1:
+        errors.append(f"{flag} with --context-parallel-size {dims.cp} is not available yet; use 1f1b or "
+                      "--context-parallel-size 1")
+    if m is not None and m.moe.num_experts is not None:
+        errors.append(f"{flag} with --num-experts is not available yet (mixture-of-experts layers); use 1f1b")
 
 
 def _check_logging(lg: configs.LoggingConfig, errors: list[str]) -> None:

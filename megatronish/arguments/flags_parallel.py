@@ -1,6 +1,7 @@
 """Flag group of the parallel layout and the data-parallel wrappers."""
 from __future__ import annotations
 
+from ..parallel.dims import PIPELINE_SCHEDULES
 from ._group import flag, on
 
 
@@ -11,6 +12,9 @@ def add_parallel_flags(p) -> None:
     flag(g, "--pipeline-model-parallel-size", type=int, default=1)
     flag(g, "--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     flag(g, "--num-virtual-stages-per-pipeline-rank", type=int, default=None)
+    flag(g, "--pipeline-schedule", default=None, choices=list(PIPELINE_SCHEDULES),
+         help="ours: the pipeline schedule (default: 1f1b, interleaved-1f1b with virtual stages); zb-h1 and zbv "
+         "split the backward (docs/pipeline.md); zbv implies 2 virtual stages per rank, placed in a V")
     flag(g, "--sequence-parallel", **on, help="sequence parallelism in TP regions (no-op at TP 1)")
     flag(g, "--context-parallel-size", type=int, default=1,
          help="split every sequence over this many ranks (docs/context_parallel.md)")

@@ -98,7 +98,7 @@ def _virtual_stages(args) -> int:
         return per_rank
     if per_stage is not None:
         return virtual_stages_from_layers(args.num_layers, args.pipeline_model_parallel_size, per_stage)
-    return 1
+    return 2 if args.pipeline_schedule == "zbv" else 1  # zbv: two chunks per rank, in a V
 
 
 def _cp_inner(args) -> int | None:
@@ -124,7 +124,8 @@ def _parallel_dims(args, world_size: int, errors: list[str]) -> ParallelDims | N
                             # the last stage holds the word embedding when the output layer is tied to it or
                             # multi-token prediction looks tokens up there
                             tie_embeddings=not args.untie_embeddings_and_output_weights or bool(args.mtp_num_layers),
-                            cp_inner=_cp_inner(args))
+                            cp_inner=_cp_inner(args),
+                            pipeline_schedule=args.pipeline_schedule)
     except ConfigError as e:
         errors.append(str(e))
         return None

@@ -20,6 +20,7 @@ from .checks import (
     _check_logging,
     _check_model,
     _check_moe,
+    _check_pipeline_schedule,
     _check_precision,
     _check_rerun,
     _check_schedule,
@@ -50,6 +51,7 @@ def _problems(d: _Draft, errors: list[str], for_training: bool = True) -> list[s
     _check_context_parallel(m, dims, d.hierarchical_cp_sizes, errors)
     _check_moe(m, dims, d.run is not None and d.run.sequence_parallel, errors)
     _check_fsdp(d.optim, m, errors, d.train)
+    _check_pipeline_schedule(m, dims, d.optim, d.train, errors)
     _check_checkpoint(d.checkpoint, errors)
     _check_logging(d.logging, errors)
     if fits and not errors:

@@ -54,7 +54,10 @@ def _log(msg: str) -> None:
 
 def _layout(cfg) -> dict:
     d = cfg.parallel
-    return {"world_size": d.world_size, "tp": d.tp, "pp": d.pp, "vp": d.vp, "cp": d.cp, "ep": d.ep, "dp": d.dp}
+    layout = {"world_size": d.world_size, "tp": d.tp, "pp": d.pp, "vp": d.vp, "cp": d.cp, "ep": d.ep, "dp": d.dp}
+    if d.v_shape:  # zbv's chunks hold other layers than interleaving's at the same degrees
+        layout["chunks"] = "v"
+    return layout
 
 
 class _Fp8States:

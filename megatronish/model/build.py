@@ -3,9 +3,12 @@
 With ``p`` pipeline ranks and ``v`` virtual stages per rank the ``L`` layers form ``p*v`` stages of ``L/(p*v)``
 layers. Virtual stage ``c`` on pipeline rank ``r`` is global stage ``c*p + r`` and holds layers
 ``c*L/v + r*L/(p*v)`` onward (Megatron's assignment, :meth:`ParallelDims.layer_range`), so a microbatch
-visits ranks ``0..p-1`` ``v`` times. The embedding lives on global stage 0 (rank 0, chunk 0); the final
-norm, output layer and loss on global stage ``p*v-1`` (rank ``p-1``, chunk ``v-1``). Parameters take
-global names, so ``init_parameters(seed)`` gives every chunk its piece of the one-process model.
+visits ranks ``0..p-1`` ``v`` times. Under ``--pipeline-schedule zbv`` the two chunks form a V: chunk 1 on
+rank ``r`` is stage ``2p-1-r`` (:meth:`ParallelDims.stage_of`), so a microbatch goes ``0..p-1`` and back. The
+embedding lives on global stage 0 (rank 0, chunk 0); the final norm, output layer and loss on global stage
+``p*v-1`` (rank ``p-1``, chunk ``v-1``; in a V rank 0, chunk 1). Parameters take global names, so
+``init_parameters(seed)`` gives every chunk its piece of the one-process model and a checkpoint of one layout
+loads into any other.
 """
 from __future__ import annotations
 
@@ -29,9 +32,9 @@ def build_model_chunks(config: ModelConfig, parallel: ParallelContext, *, sequen
     chunks = []
     for c in range(dims.vp):
         layers = dims.layer_range(config.num_layers, pp_rank, c)
+        stage = dims.stage_of(pp_rank, c)
         chunks.append(GPTModel(config, sequence_parallel=sequence_parallel,
-                               pre_process=pp_rank == 0 and c == 0,
-                               post_process=pp_rank == dims.pp - 1 and c == dims.vp - 1,
+                               pre_process=stage == 0, post_process=stage == dims.pp * dims.vp - 1,
                                first_layer=layers.start, num_local_layers=len(layers), device=device,
                                parallel=parallel, **kw))
     return chunks

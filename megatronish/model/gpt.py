@@ -151,6 +151,7 @@ class GPTModel(nn.Module):
         if self.tied:
             if post_process and not pre_process:
                 self.output_layer.weight.shared_embedding = True
+                self.output_layer.weight.embedding_copy = True  # the gradient norm counts the embedding once
 
     # ---- global description -------------------------------------------------------------------
     def global_name(self, local_name: str) -> str:

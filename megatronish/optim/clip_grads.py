@@ -23,12 +23,13 @@ def is_expert(p) -> bool:
 
 
 def counts_once(p, parallel: ParallelContext) -> bool:
-    """False for copies: a TP-replicated parameter off TP rank 0, and the tied word embedding's copy on
-    the last pipeline stage (its first-stage original is counted). Expert weights always count: no two ranks of
-    an expert model-parallel group hold the same piece."""
+    """False for copies: a TP-replicated parameter off TP rank 0, and the tied word embedding's copy in the
+    output layer of a later stage (``embedding_copy``; the embedding itself is counted). Expert weights always
+    count: no two ranks of an expert model-parallel group hold the same piece."""
     if is_expert(p):
         return True
-    if getattr(p, "shared_embedding", False) and not parallel.is_first_stage:
+    if getattr(p, "shared_embedding", False) and (getattr(p, "embedding_copy", False)
+                                                  or not parallel.is_first_stage):
         return False
     tp_rank = parallel.tp_rank
     return bool(getattr(p, "tensor_model_parallel", False)) or tp_rank == 0

@@ -192,6 +192,17 @@ class ParallelContext:
         return self.pp_rank == self.pp_size - 1
 
     @property
+    def holds_loss(self) -> bool:
+        """This rank holds the last pipeline stage (output layer and loss): the last rank, or in a V (``zbv``)
+        the first."""
+        return self.pp_rank == self.dims.loss_pp_rank
+
+    @property
+    def loss_rank(self) -> int:
+        """Global rank of this pipeline group's loss stage (see :attr:`holds_loss`)."""
+        return self.ranks("pp")[self.dims.loss_pp_rank]
+
+    @property
     def next_pp_rank(self) -> int:
         """Global rank of the next pipeline stage (ring: the last stage's next is the first)."""
         ranks = self.ranks("pp")

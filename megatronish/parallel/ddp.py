@@ -271,14 +271,18 @@ def finalize_model_grads(chunks: list[DistributedDataParallel], parallel: Parall
     for chunk in chunks:
         allreduce_sequence_parallel_grads(chunk.module, parallel.tp_group, grad_attr="main_grad")
     emb_group = parallel.embedding_group
-    if emb_group is not None and len(parallel.embedding_ranks) > 1:
-        shared = [p for c in chunks for p in c.module.parameters() if getattr(p, "shared_embedding", False)]
+    shared = [p for c in chunks for p in c.module.parameters() if getattr(p, "shared_embedding", False)]
+    if len(shared) == 2:  # both copies on this rank (the ends of a V, zbv): the group's sum is local
+        total = shared[0].main_grad + shared[1].main_grad
+        for p in shared:
+            p.main_grad.copy_(total)
+    elif emb_group is not None and len(parallel.embedding_ranks) > 1:
         for p in shared:
             comm.all_reduce(p.main_grad, group=emb_group)
     if num_tokens is None:
         return None
     if parallel.pp_size > 1:
-        comm.broadcast(num_tokens, src=parallel.ranks("pp")[-1], group=parallel.pp_group)
+        comm.broadcast(num_tokens, src=parallel.loss_rank, group=parallel.pp_group)
     if parallel.dp_cp_size > 1:
         comm.all_reduce(num_tokens, group=parallel.dp_cp_group)
     if num_tokens.item() > 0:

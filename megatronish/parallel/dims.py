@@ -35,7 +35,10 @@ from typing import ClassVar, Sequence
 
 from ..errors import ConfigError  # noqa: F401 - re-exported: older imports take it from here
 
-__all__ = ["DegreeError", "ParallelDims", "masked_rank_groups", "layer_split_error"]
+__all__ = ["DegreeError", "ParallelDims", "masked_rank_groups", "layer_split_error", "PIPELINE_SCHEDULES"]
+
+# --pipeline-schedule's values: 1F1B, Megatron's interleaved 1F1B, and the split-backward zero-bubble schedules
+PIPELINE_SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "zbv")
 
 
 class DegreeError(ValueError):
@@ -104,6 +107,8 @@ class ParallelDims:
     tie_embeddings: bool = True
     etp: int | None = None  # --expert-tensor-parallel-size; None: the tensor-parallel size
     cp_inner: int | None = None  # the all-to-all level of two-level CP; None: one level
+    # the pipeline schedule (None: 1F1B, interleaved with vp > 1); "zbv" places chunk 1 of rank r on stage 2p-1-r
+    pipeline_schedule: str | None = None
 
     order: ClassVar[str] = "tp-cp-ep-dp-pp"
     # Axes of the dense grid.
@@ -140,9 +145,43 @@ class ParallelDims:
                               cp=self.cp, dp=self.dp, pp=self.pp, world_size=self.world_size)
         if self.vp > 1 and self.pp == 1:
             raise DegreeError("vp_without_pp", f"vp {self.vp} needs pp > 1", vp=self.vp)
+        self._check_schedule()
         if self.cp_inner is not None and self.cp % self.cp_inner:
             raise DegreeError("cp_inner", f"cp_inner {self.cp_inner} does not divide cp {self.cp}",
                               cp_inner=self.cp_inner, cp=self.cp)
+
+    def _check_schedule(self) -> None:
+        """The schedule against the pipeline degrees: every named schedule but ``1f1b`` needs ``pp > 1``;
+        ``1f1b`` and ``zb-h1`` one chunk per rank, ``interleaved-1f1b`` more, ``zbv`` exactly two."""
+        s = self.pipeline_schedule
+        if s is None:
+            return
+        if s not in PIPELINE_SCHEDULES:
+            raise DegreeError("schedule", f"unknown pipeline schedule {s!r}", schedule=s)
+        if self.pp == 1 and s != "1f1b":
+            raise DegreeError("schedule_pp", f"pipeline schedule {s} needs pp > 1", schedule=s, pp=self.pp)
+        need = {"1f1b": "1", "zb-h1": "1", "zbv": "2", "interleaved-1f1b": "> 1"}[s]
+        if (need == "> 1" and self.vp == 1) or (need != "> 1" and self.vp != int(need)):
+            raise DegreeError("schedule_vp", f"pipeline schedule {s} needs vp {need}, got {self.vp}", schedule=s,
+                              vp=self.vp, need=need)
+
+    @property
+    def v_shape(self) -> bool:
+        """Chunks placed in a V (``zbv``): rank ``r`` holds stages ``r`` and ``2p-1-r``, so the first and the last
+        stage are both on pipeline rank 0."""
+        return self.pipeline_schedule == "zbv"
+
+    def stage_of(self, pp_rank: int, vp_stage: int = 0) -> int:
+        """Global stage of chunk ``vp_stage`` on pipeline rank ``pp_rank``: ``c*p + r`` (Megatron's interleaving),
+        or in a V (``zbv``) ``r`` and ``2p-1-r``."""
+        if self.v_shape and vp_stage == 1:
+            return 2 * self.pp - 1 - pp_rank
+        return vp_stage * self.pp + pp_rank
+
+    @property
+    def loss_pp_rank(self) -> int:
+        """The pipeline rank holding the last stage (output layer and loss): ``p-1``, or 0 in a V."""
+        return 0 if self.v_shape else self.pp - 1
 
     # ------------------------------------------------------------------ degrees and coordinates
     @property
@@ -284,7 +323,7 @@ class ParallelDims:
 
     def embedding_groups(self) -> list[list[int]]:
         """Per pipeline group: ``[first, last]`` when embeddings are tied and PP > 1, else ``[first]``."""
-        if self.tie_embeddings and self.pp > 1:
+        if self.tie_embeddings and self.pp > 1 and not self.v_shape:  # in a V both ends are on the first rank
             return [[g[0], g[-1]] for g in self.pp_groups()]
         return [[g[0]] for g in self.pp_groups()]
 
@@ -323,12 +362,13 @@ class ParallelDims:
     def layer_range(self, num_layers: int, pp_rank: int, vp_stage: int = 0) -> range:
         """Global layer indices of virtual stage ``vp_stage`` on pipeline rank ``pp_rank``.
 
-        Chunk ``c`` on rank ``r`` holds layers ``c*L/v + r*L/(p*v)`` onward, ``L/(p*v)`` of them.
+        Chunk ``c`` on rank ``r`` is global stage :meth:`stage_of` and holds that stage's ``L/(p*v)`` layers
+        (interleaved: layers ``c*L/v + r*L/(p*v)`` onward). Layer numbers are global in every layout.
         """
         per = self.layers_per_stage(num_layers)
         if not (0 <= pp_rank < self.pp and 0 <= vp_stage < self.vp):
             raise ValueError(f"pp_rank {pp_rank} / vp_stage {vp_stage} out of range ({self.pp}, {self.vp})")
-        start = vp_stage * num_layers // self.vp + pp_rank * per
+        start = self.stage_of(pp_rank, vp_stage) * per
         return range(start, start + per)
 
     def describe(self) -> str:
@@ -337,4 +377,5 @@ class ParallelDims:
         if self.cp_inner is not None:
             experts = f"cp_inner {self.cp_inner} x cp_outer {self.cp_outer}, " + experts
         return (f"world {self.world_size} = tp {self.tp} x cp {self.cp} x dp {self.dp} x pp {self.pp} "
-                f"({experts}vp {self.vp}, tied embeddings {self.tie_embeddings})")
+                f"({experts}vp {self.vp}, tied embeddings {self.tie_embeddings})"
+                + (f", schedule {self.pipeline_schedule}" if self.pipeline_schedule else ""))

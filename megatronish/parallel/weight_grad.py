@@ -91,7 +91,7 @@ class _DeferrableLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, store):
         ctx.save_for_backward(x, weight)
         ctx.store, ctx.has_bias = store, bias is not None
-        ctx.bias = bias
+        ctx.params = (weight, bias) if bias is not None else (weight,)  # the parameters themselves, for W
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -101,8 +101,9 @@ class _DeferrableLinear(torch.autograd.Function):
         if not ctx.needs_input_grad[1]:
             return dx, None, None, None
         if ctx.store.deferring:
-            params = (weight, ctx.bias) if ctx.has_bias else (weight,)
-            ctx.store.put(params, lambda: _weight_grads(x, dy, ctx.has_bias))
+            # W accumulates into the parameters (not the unpacked saved weight, which a saved-tensor hook may
+            # have replaced by another tensor of the same values)
+            ctx.store.put(ctx.params, lambda: _weight_grads(x, dy, ctx.has_bias))
             return dx, None, None, None
         grads = _weight_grads(x, dy, ctx.has_bias)
         return dx, grads[0], (grads[1] if ctx.has_bias else None), None

@@ -22,7 +22,8 @@ from ..optim.grad_scaler import build_grad_scaler
 from ..optim.lr_schedule import OptimizerParamScheduler, scheduler_steps_from_config
 from ..optim.optimizer import get_megatron_optimizer
 from ..parallel import groups
-from ..parallel.pipeline.schedules import get_forward_backward_func, pipeline_tensor_shape
+from ..parallel.pipeline.choose import forward_backward_func
+from ..parallel.pipeline.schedules import pipeline_tensor_shape
 from ..parallel.random import RNGStatesTracker, set_random_seed
 from ..precision.fp8 import Fp8Manager, Fp8Recipe, check_transformer_impl, enable_fp8
 from .attempt import attempt_store, uses_agent_store
@@ -139,7 +140,8 @@ def setup(cfg, watch: Watch | None = None) -> tuple[TrainContext, TrainState]:
                                     o.loss_scale_window, o.hysteresis)
     optimizer = get_megatron_optimizer(chunks, o, grad_scaler=grad_scaler,
                                        use_distributed_optimizer=o.use_distributed_optimizer, parallel=parallel)
-    schedule = functools.partial(get_forward_backward_func(cfg.parallel.pp, cfg.parallel.vp),
+    schedule = functools.partial(forward_backward_func(cfg.parallel.pp, cfg.parallel.vp,
+                                                       cfg.parallel.pipeline_schedule),
                                  dtype=o.params_dtype, grad_scale_func=optimizer.scale_loss if grad_scaler else None,
                                  tensor_shape=_tensor_shape(cfg), parallel=parallel,
                                  per_token_loss=t.calculate_per_token_loss)

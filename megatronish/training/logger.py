@@ -26,7 +26,7 @@ __all__ = ["TrainLogger", "write_timeline"]
 
 
 def _is_logging_rank(parallel: ParallelContext) -> bool:
-    return parallel.is_last_stage and parallel.tp_rank == 0 and parallel.dp_cp_rank == 0
+    return parallel.holds_loss and parallel.tp_rank == 0 and parallel.dp_cp_rank == 0
 
 
 

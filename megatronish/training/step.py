@@ -35,13 +35,13 @@ def loss_sums(stats: list[dict], parallel: ParallelContext, key: str = "lm loss"
     reports both, summed over microbatches and DP x CP), on every rank (sent from the last pipeline stage).
     ``key``: which report (``mtp_<k> loss``: a multi-token-prediction depth's)."""
     sums = torch.zeros(2, dtype=torch.float32, device=device.current_device())
-    if parallel.is_last_stage:
+    if parallel.holds_loss:
         sums = torch.stack([s[key].float() for s in stats]).sum(0)
         group = parallel.dp_cp_group
         if group is not None and group.size() > 1:
             comm.all_reduce(sums, group=group)
     if parallel.pp_size > 1:
-        comm.broadcast(sums, src=parallel.ranks("pp")[-1], group=parallel.pp_group)
+        comm.broadcast(sums, src=parallel.loss_rank, group=parallel.pp_group)
     return sums
 
 

@@ -1,5 +1,6 @@
 """Zero-bubble schedules with the split backward give the single-process model: under ZB-H1 at PP 2 and PP 4,
-combined with TP 2 + sequence parallelism, full recompute, data parallelism with overlapped (hook-launched)
+and ZBV (two chunks per rank in a V: the hand-over on the last rank and both tied-embedding copies on rank 0) at
+PP 2, combined with TP 2 + sequence parallelism, full recompute, data parallelism with overlapped (hook-launched)
 gradient reduction, the distributed optimizer's reduce-scatter and ``--calculate-per-token-loss``, the loss and
 every gradient equal one process running the same microbatches (fp32, rtol 1e-5), and so do the parameters
 after a few SGD (momentum) steps. Each rank executes exactly its action list's F/B/W order. One group of 4 ranks runs
@@ -72,48 +73,57 @@ def references():
     return refs
 
 
-def _check_case(flavor, tp, pp, sp, recompute, dist_opt, per_token, refs):
-    what = f"{flavor} zb-h1 TP{tp} PP{pp} DP{WORLD // (tp * pp)} SP={sp} recompute={recompute} " \
+def _check_case(flavor, schedule, tp, pp, sp, recompute, dist_opt, per_token, refs):
+    what = f"{flavor} {schedule} TP{tp} PP{pp} DP{WORLD // (tp * pp)} SP={sp} recompute={recompute} " \
            f"dist-opt={dist_opt} per-token={per_token}"
     cfg = FLAVORS[flavor]()
     if recompute:
         cfg = cfg.replace(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    dims = ParallelDims(world_size=WORLD, tp=tp, pp=pp, tie_embeddings=not cfg.untie_embeddings_and_output_weights)
+    dims = ParallelDims(world_size=WORLD, tp=tp, pp=pp, vp=2 if schedule == "zbv" else 1,
+                        tie_embeddings=not cfg.untie_embeddings_and_output_weights, pipeline_schedule=schedule)
     groups.destroy_model_parallel()
     ctx = groups.initialize_model_parallel(dims)
     set_random_seed(SEED, pp_rank=ctx.pp_rank, tp_rank=ctx.tp_rank)
-    (chunk,) = build_model_chunks(cfg, ctx, sequence_parallel=sp)
-    chunk.init_parameters(SEED)
-    ddp = DistributedDataParallel(chunk, dp_group=ctx.dp_cp_group, overlap_grad_reduce=True,
-                                  use_distributed_optimizer=dist_opt, average=not per_token, bucket_size=2000)
+    chunks = build_model_chunks(cfg, ctx, sequence_parallel=sp)
+    ddps = []
+    for chunk in chunks:
+        chunk.init_parameters(SEED)
+        ddps.append(DistributedDataParallel(chunk, dp_group=ctx.dp_cp_group, overlap_grad_reduce=True,
+                                            use_distributed_optimizer=dist_opt, average=not per_token,
+                                            bucket_size=2000))
     dp, dp_rank = ctx.dp_size, ctx.dp_rank
     mine = _data()[dp_rank::dp]
     shape = pipeline_tensor_shape(S, MBS, H, tp=tp, sequence_parallel=sp)
     ref_losses, ref_grads, ref_params = refs[(flavor, per_token)]
-    optimizer = build_optimizer(list(chunk.named_parameters()), "sgd", lr=_lr(per_token), weight_decay=0.1)
+    named = [(c, ddp, n, p) for c, ddp in zip(chunks, ddps) for n, p in c.named_global_parameters()]
+    optimizer = build_optimizer([(n, p) for c in chunks for n, p in c.named_parameters()], "sgd",
+                                lr=_lr(per_token), weight_decay=0.1)
 
     for step in range(STEPS):
-        ddp.zero_grad_buffer()
+        for ddp in ddps:
+            ddp.zero_grad_buffer()
         timeline = PipelineTimeline(dist.get_rank())
-        stats = forward_backward_zero_bubble(_forward_step(per_token), iter(mine), ddp, len(mine),
-                                             schedule="zb-h1", tensor_shape=shape, parallel=ctx,
+        model = ddps if len(ddps) > 1 else ddps[0]
+        data = [iter(mine) for _ in ddps] if len(ddps) > 1 else iter(mine)
+        stats = forward_backward_zero_bubble(_forward_step(per_token), data, model, len(mine),
+                                             schedule=schedule, tensor_shape=shape, parallel=ctx,
                                              timeline=timeline, per_token_loss=per_token)
-        finalize_model_grads([ddp], ctx)
+        finalize_model_grads(ddps, ctx)
         if step > 0:
             use_main_grads(optimizer)
             optimizer.step()
             continue
         executed = [(e["name"], e["microbatch"], e["chunk"]) for e in timeline.events if e["cat"] == "compute"]
-        planned = [(a.op, a.microbatch, a.chunk) for a in schedule_actions("zb-h1", pp, len(mine))[ctx.pp_rank]
+        planned = [(a.op, a.microbatch, a.chunk) for a in schedule_actions(schedule, pp, len(mine))[ctx.pp_rank]
                    if a.op in "FBW"]
         assert executed == planned, f"{what}: executed order differs from the action list"
-        if ctx.pp_rank == pp - 1:
+        if ctx.holds_loss:
             losses = torch.stack([s["lm loss"] for s in stats])
             every = [torch.empty_like(losses) for _ in range(dp)]
             dist.all_gather(every, losses, group=ctx.dp_group)
             got = torch.stack(every, 1).reshape(-1)  # microbatch i came from DP rank i % dp
             torch.testing.assert_close(got, ref_losses, rtol=1e-5, atol=0, msg=lambda m: f"{what} loss: {m}")
-        for name, p in chunk.named_global_parameters():
+        for _, ddp, name, p in named:
             if dist_opt:  # only this rank's shard of each bucket holds the reduced gradient
                 bucket = ddp.bucket_of(p)
                 lo, hi = bucket.shard()
@@ -133,7 +143,7 @@ def _check_case(flavor, tp, pp, sp, recompute, dist_opt, per_token, refs):
             use_main_grads(optimizer)
             optimizer.step()
     if not dist_opt:  # parameters after the steps
-        for name, p in chunk.named_global_parameters():
+        for _, _, name, p in named:
             w = gather_to_global(p.detach(), p.desc, ctx.tp_group)[: ref_params[name].shape[0]]
             torch.testing.assert_close(w, ref_params[name], rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"{what} parameter {name} after {STEPS} steps: {m}")
@@ -146,12 +156,15 @@ def _worker(rank, world, cases, refs):
     return True
 
 
-# (flavor, tp, pp, sequence_parallel, full recompute, distributed optimizer, per-token loss)
+# (flavor, schedule, tp, pp, sequence_parallel, full recompute, distributed optimizer, per-token loss)
 CASES = [
-    ("llama", 1, 4, False, False, False, False),  # PP 4
-    ("gpt2", 2, 2, True, True, False, False),  # TP 2 + SP x PP 2, full recompute, tied embeddings
-    ("llama", 1, 2, False, True, True, False),  # PP 2 x DP 2, distributed optimizer, recompute
-    ("llama", 2, 2, True, False, False, True),  # TP 2 + SP x PP 2, per-token loss
+    ("llama", "zb-h1", 1, 4, False, False, False, False),  # PP 4
+    ("gpt2", "zb-h1", 2, 2, True, True, False, False),  # TP 2 + SP x PP 2, full recompute, tied embeddings
+    ("llama", "zb-h1", 1, 2, False, True, True, False),  # PP 2 x DP 2, distributed optimizer, recompute
+    ("llama", "zb-h1", 2, 2, True, False, False, True),  # TP 2 + SP x PP 2, per-token loss
+    ("gpt2", "zbv", 1, 2, False, False, False, False),  # V at PP 2 x DP 2, tied embeddings both on rank 0
+    ("gpt2", "zbv", 2, 2, True, False, False, False),  # V at TP 2 + SP x PP 2, tied embeddings
+    ("llama", "zbv", 1, 2, False, False, True, True),  # V at PP 2 x DP 2, distributed optimizer, per-token loss
 ]
 
 

@@ -1,0 +1,61 @@
+"""``--pipeline-schedule`` through pretrain_gpt's path (``configs_from_args`` -> ``setup`` -> ``train_step``) at
+PP 2: ZB-H1's losses and gradient norms equal 1F1B's (rtol 1e-6; the same computation, the weight gradients
+later), ZBV's (two chunks per rank in a V, the tied embedding's copies both on rank 0) equal them to fp32 rtol
+1e-5; a checkpoint saved under ZBV loads under 1F1B (global layer numbers) and the next iteration's loss equals
+ZBV's own."""
+import os
+import tempfile
+
+import torch
+
+from megatronish.arguments import configs_from_args, parse_args
+from megatronish.parallel import groups
+from megatronish.testing import run_distributed
+from megatronish.training import pretrain as training
+
+ITERS = 3
+BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--max-position-embeddings", "16", "--vocab-size", "96", "--tokenizer-type", "NullTokenizer", "--mock-data",
+        "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(ITERS), "--lr", "3e-3",
+        "--weight-decay", "0.1", "--clip-grad", "1.0", "--attention-dropout", "0", "--hidden-dropout", "0",
+        "--eval-iters", "0", "--log-interval", "100", "--seed", "11", "--pipeline-model-parallel-size", "2"]
+
+
+def _run(argv, world, until=ITERS):
+    groups.destroy_model_parallel()
+    cfg = configs_from_args(parse_args(BASE + argv), world)
+    run, state = training.setup(cfg)
+    out = [training.train_step(run, state) for _ in range(until - state.iteration)]
+    if cfg.checkpoint.save:
+        run.checkpointer.save(state)
+        run.checkpointer.wait()
+    return [r.loss for r in out], [float(r.grad_norm) for r in out], run.parallel.pp_rank
+
+
+def _worker(rank, world, cases, save_dir):
+    out = {name: _run(argv, world) for name, argv in cases.items()}
+    # ZBV saves after two iterations; 1F1B loads that and runs the third
+    zbv2 = _run(["--pipeline-schedule", "zbv", "--save", save_dir], world, until=2)
+    out["zbv-then-1f1b"] = _run(["--load", save_dir], world)
+    out["zbv-saved"] = zbv2
+    groups.destroy_model_parallel()
+    return out
+
+
+def test_zero_bubble_schedules_through_the_training_loop():
+    cases = {"1f1b": ["--pipeline-schedule", "1f1b"], "zb-h1": ["--pipeline-schedule", "zb-h1"],
+             "zbv": ["--pipeline-schedule", "zbv", "--num-virtual-stages-per-pipeline-rank", "2"]}
+    with tempfile.TemporaryDirectory() as d:
+        results = run_distributed(_worker, 2, cases, os.path.join(d, "ckpt"), timeout=300)
+    for out in results:  # every rank reports the loss and the norm
+        ref_losses, ref_norms, _ = out["1f1b"]
+        for name, rtol in (("zb-h1", 1e-6), ("zbv", 1e-5)):
+            losses, norms, _ = out[name]
+            torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64), torch.tensor(ref_losses,
+                                       dtype=torch.float64), rtol=rtol, atol=0, msg=lambda m: f"{name} loss: {m}")
+            torch.testing.assert_close(torch.tensor(norms, dtype=torch.float64), torch.tensor(ref_norms,
+                                       dtype=torch.float64), rtol=rtol, atol=0, msg=lambda m: f"{name} norm: {m}")
+        assert out["zbv-saved"][0] == out["zbv"][0][:2]
+        (loaded,), _, _ = out["zbv-then-1f1b"]
+        assert abs(loaded - out["zbv"][0][2]) <= 1e-5 * abs(loaded), \
+            f"1f1b from the zbv checkpoint: {loaded} vs zbv's third iteration {out['zbv'][0][2]}"

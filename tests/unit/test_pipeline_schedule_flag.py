@@ -1,0 +1,91 @@
+"""``--pipeline-schedule``: the flag, its config field (``ParallelDims.pipeline_schedule``), one error line per
+rule, the schedule ``setup`` picks, and the V placement of ``zbv`` (layers, pre/post-processing chunks, the
+embedding group, the loss rank) checked without processes."""
+import functools
+
+import pytest
+
+from megatronish.config import gpt2
+from megatronish.model.build import build_model_chunks
+from megatronish.parallel.context import ParallelContext
+from megatronish.parallel.dims import ParallelDims
+from megatronish.parallel.pipeline import schedules
+from megatronish.parallel.pipeline.choose import forward_backward_func
+from megatronish.parallel.pipeline.zb_runner import forward_backward_zero_bubble
+from megatronish.parallel.pipeline.zero_bubble import place, stage_of
+from tests.unit.test_arguments import cfg_of, errors_of
+
+PP2 = ["--pipeline-model-parallel-size", "2"]
+
+
+def test_default_keeps_megatrons_choice():
+    assert cfg_of(world=2, extra=PP2).parallel.pipeline_schedule is None
+    assert forward_backward_func(2, 1, None) is schedules.forward_backward_pipelining_without_interleaving
+    assert forward_backward_func(2, 2, None) is schedules.forward_backward_pipelining_with_interleaving
+    assert forward_backward_func(2, 1, "1f1b") is schedules.forward_backward_pipelining_without_interleaving
+    assert forward_backward_func(2, 2, "interleaved-1f1b") is schedules.forward_backward_pipelining_with_interleaving
+    assert forward_backward_func(1, 1, None) is schedules.forward_backward_no_pipelining
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])
+def test_zero_bubble_selected(schedule):
+    f = forward_backward_func(2, 2 if schedule == "zbv" else 1, schedule)
+    assert isinstance(f, functools.partial) and f.func is forward_backward_zero_bubble
+    assert f.keywords == {"schedule": schedule}
+
+
+def test_zbv_implies_two_chunks_in_a_v():
+    dims = cfg_of(["--pipeline-schedule", "zbv"] + PP2, world=2).parallel
+    assert (dims.vp, dims.pipeline_schedule, dims.v_shape) == (2, "zbv", True)
+    assert cfg_of(["--pipeline-schedule", "zbv", "--num-virtual-stages-per-pipeline-rank", "2"] + PP2,
+                  world=2).parallel == dims
+    # 16 / 2 = 8 microbatches on PP 4 x DP 1 is fine; 6 would break interleaving's rule but not the V's
+    cfg_of(["--pipeline-schedule", "zbv", "--pipeline-model-parallel-size", "4", "--num-layers", "8",
+            "--global-batch-size", "12"], world=4)
+
+
+@pytest.mark.parametrize("extra, world, line", [
+    (["--pipeline-schedule", "zb-h1"], 1, "--pipeline-schedule zb-h1 needs pipeline parallelism, but "
+                                          "--pipeline-model-parallel-size is 1"),
+    (["--pipeline-schedule", "zb-h1", "--num-virtual-stages-per-pipeline-rank", "2"] + PP2, 2,
+     "--pipeline-schedule zb-h1 runs one chunk per pipeline rank"),
+    (["--pipeline-schedule", "1f1b", "--num-virtual-stages-per-pipeline-rank", "2"] + PP2, 2,
+     "--pipeline-schedule 1f1b runs one chunk per pipeline rank"),
+    (["--pipeline-schedule", "interleaved-1f1b"] + PP2, 2,
+     "--pipeline-schedule interleaved-1f1b needs more than one virtual stage per rank"),
+    (["--pipeline-schedule", "zbv", "--num-virtual-stages-per-pipeline-rank", "4", "--num-layers", "8"] + PP2, 2,
+     "--pipeline-schedule zbv places exactly 2 chunks on every pipeline rank (a V)"),
+    (["--pipeline-schedule", "zbv", "--num-layers", "6"] + PP2, 2, "--num-layers 6 is not divisible by"),
+    (["--pipeline-schedule", "zb-h1", "--use-torch-fsdp2"] + PP2, 4,
+     "--pipeline-schedule zb-h1 with --use-torch-fsdp2 is not supported"),
+    (["--pipeline-schedule", "zbv", "--torch-compile"] + PP2, 2,
+     "--pipeline-schedule zbv with --torch-compile is not supported"),
+    (["--pipeline-schedule", "zb-h1", "--context-parallel-size", "2", "--attention-dropout", "0"] + PP2, 4,
+     "--pipeline-schedule zb-h1 with --context-parallel-size 2 is not available yet"),
+    (["--pipeline-schedule", "zbv", "--num-experts", "4", "--disable-bias-linear"] + PP2, 2,
+     "--pipeline-schedule zbv with --num-experts is not available yet"),
+])
+def test_one_line_per_rule(extra, world, line):
+    errors = errors_of(extra, world=world)
+    assert any(e.startswith(line) for e in errors), errors
+
+
+def test_v_placement_without_processes():
+    """PP 2, 8 layers: rank 0 holds stages 0 and 3 (embedding, and the loss), rank 1 stages 1 and 2 (the
+    hand-over); layer numbers stay global; the tied embedding's two copies are on rank 0, so its group is
+    rank 0 alone."""
+    dims = ParallelDims(world_size=2, pp=2, vp=2, pipeline_schedule="zbv")
+    cfg = gpt2(num_layers=8, hidden_size=32, num_attention_heads=4, vocab_size=100, seq_length=16)
+    want = {0: [(0, 2, True, False), (6, 8, False, True)], 1: [(2, 4, False, False), (4, 6, False, False)]}
+    for r in range(2):
+        for c in range(2):
+            assert dims.stage_of(r, c) == stage_of("zbv", 2, r, c)
+            assert place("zbv", 2, dims.stage_of(r, c)) == (r, c)
+        chunks = build_model_chunks(cfg, ParallelContext.fake(dims, r))
+        got = [(m.first_layer, m.first_layer + len(m.decoder.layers), m.pre_process, m.post_process) for m in chunks]
+        assert got == want[r]
+    assert dims.embedding_groups() == [[0]] and dims.loss_pp_rank == 0
+    assert ParallelContext.fake(dims, 0).holds_loss and ParallelContext.fake(dims, 0).loss_rank == 0
+    interleaved = ParallelDims(world_size=2, pp=2, vp=2)
+    assert [interleaved.layer_range(8, 0, c) for c in range(2)] == [range(0, 2), range(4, 6)]
+    assert interleaved.embedding_groups() == [[0, 1]] and interleaved.loss_pp_rank == 1
