@@ -32,8 +32,9 @@ def build_plan_parser() -> argparse.ArgumentParser:
     return p
 
 
-def plan_from_argv(argv=None) -> tuple[dict, argparse.Namespace]:
-    """Parse, validate (raises the run's :class:`~megatronish.errors.ConfigError` listing every problem) and plan."""
+def plan_from_argv(argv=None) -> tuple[dict, dict]:
+    """Parse, validate (raises the run's :class:`~megatronish.errors.ConfigError` listing every problem) and plan;
+    returns the plan and the planner's own options (:data:`PLANNER_FLAGS`)."""
     ns = build_plan_parser().parse_args(argv)
     mine = {k: getattr(ns, k) for k in PLANNER_FLAGS}
     for k in PLANNER_FLAGS:
@@ -41,22 +42,22 @@ def plan_from_argv(argv=None) -> tuple[dict, argparse.Namespace]:
     cfg = configs_from_args(ns, mine["world_size"])
     hw = load_hardware(mine["gpu"], mine["gpus_per_node"], mine["hardware_file"])
     if mine["search"]:
-        return {"search": search(cfg, hw, mine["search_top_k"]), "hw": hw}, argparse.Namespace(**mine)
-    return make_plan(cfg, hw), argparse.Namespace(**mine)
+        return {"search": search(cfg, hw, mine["search_top_k"]), "hw": hw}, mine
+    return make_plan(cfg, hw), mine
 
 
 def main(argv=None) -> None:
     plan, opts = exit_on_config_error(lambda: plan_from_argv(argv))
-    if opts.search:
+    if opts["search"]:
         print(format_search(plan["search"], plan["hw"]))
         return
-    if opts.json:
+    if opts["json"]:
         json.dump(plan, sys.stdout, indent=1, default=str)
         sys.stdout.write("\n")
     else:
         print(format_plan(plan))
-    if opts.plot and not plot_plan(plan, opts.plot):
-        print(f"note: --plot {opts.plot}: matplotlib is not installed; no picture", file=sys.stderr)
+    if opts["plot"] and not plot_plan(plan, opts["plot"]):
+        print(f"note: --plot {opts['plot']}: matplotlib is not installed; no picture", file=sys.stderr)
 
 
 __all__ = ["main", "build_plan_parser", "plan_from_argv"]

@@ -275,7 +275,7 @@ def _ddp(cfg, ctx, chunks, add, first: bool, last: bool) -> None:
     dist_opt = cfg.optim.use_distributed_optimizer
     for chunk in chunks:
         module = chunk.module
-        if cfg.sequence_parallel and cfg.parallel.tp > 1:
+        if cfg.sequence_parallel:
             n_sp = sum(q.numel() for q in module.parameters() if getattr(q, "sequence_parallel", False))
             if n_sp:
                 add("tp", "all_reduce", n_sp * chunk.grad_buffer.element_size())

@@ -16,6 +16,7 @@ import math
 
 from ..errors import ConfigError
 from ..model.moe.layer import is_moe_layer
+from ..parallel.dims import layer_split_error
 from .activations import stage_activations
 from .perf import collectives, step_time
 from .state import StateBytes, build_meta_chunks
@@ -128,7 +129,7 @@ def candidates(cfg, hw):
                         if experts and (dp * cp * tp) % (ep * (etp or tp)):
                             continue
                         for vp in (1, 2, 4) if pp > 2 else (1,):
-                            if m.num_layers % (pp * vp):
+                            if layer_split_error(m.num_layers, pp, vp) is not None:
                                 continue
                             for mbs in (1, 2, 4, 8):
                                 if gbs % (mbs * dp) or (vp > 1 and (gbs // (mbs * dp)) % pp):

@@ -134,7 +134,7 @@ def test_max_position_embeddings_default():
     assert cfg_of(["--max-position-embeddings", "64"]).model.max_position_embeddings == 64
     assert gpt2(num_layers=1, hidden_size=8, num_attention_heads=2, vocab_size=8, seq_length=12) \
         .max_position_embeddings == 12
-    assert modules_matching(r"max_position_embeddings or ") == set()
+    assert modules_matching(r"\bmax_position_embeddings or ") == set()
     assert modules_matching(r"max_position_embeddings\"?\]? = self\.seq_length") == {"model_config.py"}
 
 
