@@ -8,7 +8,11 @@ package registry) it skips with that reason (tests/support/slurm_support.py).
 * preprocess.sbatch tokenizes a corpus;
 * an impossible request fails at submission (EnforcePartLimits);
 * preemption: SIGTERM to the batch shell of a running job with --exit-signal-handler saves a checkpoint at the
-  iteration it reached, the script requeues the job, and the requeued job resumes from that iteration.
+  iteration it reached, the script requeues the job, and the requeued job resumes from that iteration;
+* a lost rank: kill -9 of one worker of a TP 2 x DP 2 job (2 nodes x 2 processes) with --save/--load one
+  directory; torchrun restarts the job's workers (TORCHRUN_ARGS="--max-restarts 2"), or, with torchrun's
+  restarts spent, the script requeues the job (REQUEUE_ON_FAILURE=1); either way the job finishes by itself with
+  the losses and final weights of an uninterrupted run.
 """
 import json
 import os
@@ -16,7 +20,14 @@ import subprocess
 import time
 
 import pytest
+import torch
 
+from megatronish.arguments import configs_from_args, parse_args
+from megatronish.checkpoint import layout
+from megatronish.checkpoint.offline import iter_model_tensors
+from megatronish.testing import run_distributed
+from megatronish.training.pretrain import pretrain
+from support.launch import metrics_losses
 from support.slurm_support import up_outcome
 
 pytestmark = pytest.mark.slurm
@@ -210,8 +221,9 @@ def test_preempt_saves_requeues_and_resumes(cluster, tmp_path):
     assert "received SIGTERM" in batch_log and "requeueing job" in batch_log and "(restart 1)" in batch_log
 
 
-def _task_pids(job, procid):
-    """Training processes of ``job`` with Slurm task id ``procid`` (both simulated nodes run on this host)."""
+def _task_pids(job, procid, var="SLURM_PROCID"):
+    """Training processes of ``job`` whose ``var`` (Slurm's task id; torchrun's ``RANK``) is ``procid`` (both
+    simulated nodes run on this host)."""
     out = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -222,7 +234,7 @@ def _task_pids(job, procid):
         except OSError:
             continue
         if b"pretrain_gpt.py" in cmd and environ.get(b"SLURM_JOB_ID") == job.encode() \
-                and environ.get(b"SLURM_PROCID") == str(procid).encode():
+                and environ.get(var.encode()) == str(procid).encode():
             out.append(int(pid))
 
     def parent(pid):
@@ -253,3 +265,69 @@ def test_per_task_launch_lost_rank_ends_the_job(cluster, tmp_path):
     text = _logs(tmp_path)
     assert "error: rank 1 " in text or "task 1: Killed" in text, text
     assert not _task_pids(job, 0)
+
+
+RESTART_ITERS = 32
+_GBS = FLAGS.index("--global-batch-size") + 1
+RESTART_FLAGS = [*FLAGS[:_GBS], "8", *FLAGS[_GBS + 1:], "--lr-warmup-iters", "2", "--train-iters", str(RESTART_ITERS),
+                 "--save-interval", "4"]
+
+
+def _reference(rank, world, argv):
+    pretrain(configs_from_args(parse_args(argv), world))
+
+
+def test_lost_worker_restarts_or_requeues_and_finishes_like_an_uninterrupted_run(cluster, tmp_path):
+    """kill -9 of rank 3 once the checkpoint of iteration 4 is complete, in two jobs at once: "restart" restarts
+    in place (torchrun --max-restarts 2: same rendezvous inside the job), "requeue" has no torchrun restarts, so
+    torchrun gives up and the script requeues the job (REQUEUE_ON_FAILURE=1), which resumes from --load."""
+    env = cluster
+    paths = {"restart": "--max-restarts 2", "requeue": "--max-restarts 0"}
+    jobs = {}
+    for name, torchrun_args in paths.items():
+        d = tmp_path / name
+        d.mkdir()
+        flags = [*RESTART_FLAGS, "--save", str(d / "ckpt"), "--load", str(d / "ckpt"),
+                 "--metrics-file", str(d / "metrics.jsonl")]
+        job_env = dict(env, NPROC_PER_NODE="2", TORCHRUN_ARGS=torchrun_args, REQUEUE_ON_FAILURE="1")
+        jobs[name] = _run(["sbatch", "--parsable", "-N", "2", SBATCH, *flags], job_env, str(d)).stdout.strip()
+    ref = tmp_path / "ref"
+    run_distributed(_reference, 4, [*RESTART_FLAGS, "--save", str(ref), "--metrics-file", str(ref / "m.jsonl")])
+
+    t0, killed = time.time(), set()
+    while len(killed) < len(jobs):
+        for name, job in jobs.items():
+            metrics = tmp_path / name / "metrics.jsonl"
+            if name in killed or not (metrics.exists() and len(_metrics(metrics)) >= 5):
+                continue  # the checkpoint of iteration 4 is complete once iteration 5 is recorded
+            victims = _task_pids(job, 3, var="RANK")
+            assert len(victims) == 1 and not _done(_job(env, job)), f"{name}: {victims}\n{_logs(tmp_path / name)}"
+            os.kill(victims[0], 9)
+            killed.add(name)
+        assert time.time() - t0 < 180, _logs(tmp_path)
+        time.sleep(0.1)
+
+    want = metrics_losses(ref / "m.jsonl")
+    assert sorted(want) == list(range(1, RESTART_ITERS + 1))
+    theirs = dict(iter_model_tensors(str(ref)))
+    for name, job in jobs.items():
+        d = tmp_path / name
+        info = _wait(env, job, lambda i: _done(i) and (name == "restart" or i["Restarts"] != "0"), timeout=240)
+        assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{name}: {info}\n{_logs(d)}"
+        assert info["Restarts"] == ("0" if name == "restart" else "1"), info
+        records = metrics_losses(d / "metrics.jsonl", every=True)
+        assert {i for i, _ in records} == set(want), name
+        assert [loss for i, loss in records] == [want[i] for i, _ in records], name  # every record, exact
+        assert layout.read_tracker(str(d / "ckpt")) == RESTART_ITERS
+        ours = dict(iter_model_tensors(str(d / "ckpt")))
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs), name
+        logdir = d / "logs" / f"megatronish-gpt-{job}"
+        node_logs = "".join((logdir / f).read_text() for f in sorted(os.listdir(logdir)))
+        loaded = [line for line in node_logs.splitlines() if line.startswith("loaded checkpoint ")]
+        assert len(loaded) == 1 and 4 <= int(loaded[0].rsplit("iteration ", 1)[1].rstrip(")")) < RESTART_ITERS
+        batch_log = (d / f"slurm-megatronish-gpt-{job}.out").read_text()
+        if name == "restart":
+            assert "attempt 1 of this job" in node_logs and "requeueing" not in batch_log, batch_log
+        else:
+            assert "requeueing job" in batch_log and "after a failure" in batch_log, batch_log
+            assert "(restart 1)" in batch_log
