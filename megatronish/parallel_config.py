@@ -17,8 +17,10 @@ _EP = "--expert-model-parallel-size"
 _ETP = "--expert-tensor-parallel-size"
 _VP = "--num-virtual-stages-per-pipeline-rank (or --num-layers-per-virtual-pipeline-stage)"
 _WORLD = "the world size {n} (torchrun --nproc-per-node x --nnodes)"
+_FIRST, _LAST = "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"
 _DEGREE_FLAGS = {"world_size": "the world size (torchrun --nproc-per-node x --nnodes)", "tp": _TP, "pp": _PP,
-                 "vp": _VP, "cp": _CP, "ep": _EP, "etp": _ETP,
+                 "vp": _VP, "cp": _CP, "ep": _EP, "etp": _ETP, "decoder_first_pipeline_num_layers": _FIRST,
+                 "decoder_last_pipeline_num_layers": _LAST,
                  "cp_inner": "--hierarchical-context-parallel-sizes (its first, all-to-all size)"}
 
 
@@ -45,6 +47,8 @@ def _degree_line(e: DegreeError) -> str:
     if e.kind == "cp_inner":
         return (f"--hierarchical-context-parallel-sizes {v['cp_inner']} ...: the all-to-all size {v['cp_inner']} "
                 f"does not divide {_CP} {v['cp']}; INNER x OUTER must equal {_CP}")
+    if e.kind in ("uneven_split", "uneven_without_pp"):
+        return _uneven_line(e.kind, v)
     if e.kind in ("schedule", "schedule_pp", "schedule_vp"):
         return _schedule_line(e.kind, v)
     if e.kind == "interleaving":
@@ -61,6 +65,20 @@ def _degree_line(e: DegreeError) -> str:
                 f"stage must hold the same number of layers: choose --num-layers a multiple of {pp} or another "
                 f"pipeline size")
     return str(e)
+
+
+def _uneven_line(kind: str, v: dict) -> str:
+    if kind == "uneven_without_pp":
+        return f"{_FIRST} / {_LAST} split the layers over pipeline ranks, but {_PP} is 1; drop them or raise {_PP}"
+    given = " ".join(f"{flag} {n}" for flag, n in ((_FIRST, v["first"]), (_LAST, v["last"])) if n is not None)
+    head = f"--num-layers {v['num_layers']} with {given} over {_PP} {v['pp']}"
+    if v["reason"] == "vp":
+        return (f"{head}: every pipeline rank's layers must divide by its {v['vp']} virtual stages ({_VP}), but "
+                f"the first / middle / last ranks get {v['first']} / {v['per']} / {v['last']}; change the layer "
+                f"numbers or the virtual stages")
+    return (f"{head}: the {v['middle_layers']} remaining layers must split evenly over the {v['middle_ranks']} "
+            f"ranks between the first and the last (none left when there are none); change --num-layers or these "
+            f"numbers")
 
 
 def _schedule_line(kind: str, v: dict) -> str:
@@ -111,11 +129,12 @@ def parallel_dims(**degrees) -> ParallelDims:
         raise ConfigError(_degree_line(e)) from None
 
 
-def check_layer_split(num_layers: int, pp: int, vp: int = 1) -> None:
-    """Raise :class:`ConfigError` unless ``num_layers`` splits evenly into ``pp * vp`` (virtual) stages (the rule
-    is ``parallel.dims.layer_split_error``; argument validation, :func:`validate_model` and
-    ``build_model_chunks`` call this)."""
-    error = layer_split_error(num_layers, pp, vp)
+def check_layer_split(num_layers: int, pp: int, vp: int = 1, first: int | None = None,
+                      last: int | None = None) -> None:
+    """Raise :class:`ConfigError` unless ``num_layers`` splits into ``pp * vp`` (virtual) stages, evenly or with
+    ``first``/``last`` layers on the first/last rank (the rule is ``parallel.dims.layer_split_error``; argument
+    validation, :func:`validate_model` and ``build_model_chunks`` call this)."""
+    error = layer_split_error(num_layers, pp, vp, first, last)
     if error is not None:
         raise ConfigError(_degree_line(error))
 
@@ -176,4 +195,5 @@ def validate_model(dims: ParallelDims, *, num_layers: int, num_attention_heads: 
             raise ConfigError(
                 f"--seq-length {seq_length} is not divisible by {_TP} {tp}{per_cp} under --sequence-parallel; "
                 f"change --seq-length or {_TP}, or drop --sequence-parallel")
-    check_layer_split(num_layers, dims.pp, dims.vp)
+    check_layer_split(num_layers, dims.pp, dims.vp, dims.decoder_first_pipeline_num_layers,
+                      dims.decoder_last_pipeline_num_layers)

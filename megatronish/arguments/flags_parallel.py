@@ -15,6 +15,10 @@ def add_parallel_flags(p) -> None:
     flag(g, "--pipeline-schedule", default=None, choices=list(PIPELINE_SCHEDULES),
          help="ours: the pipeline schedule (default: 1f1b, interleaved-1f1b with virtual stages); zb-h1 and zbv "
          "split the backward (docs/pipeline.md); zbv implies 2 virtual stages per rank, placed in a V")
+    flag(g, "--decoder-first-pipeline-num-layers", type=int, default=None,
+         help="layers on the first pipeline rank (the ranks between the first and last share the rest evenly)")
+    flag(g, "--decoder-last-pipeline-num-layers", type=int, default=None,
+         help="layers on the last pipeline rank")
     flag(g, "--sequence-parallel", **on, help="sequence parallelism in TP regions (no-op at TP 1)")
     flag(g, "--context-parallel-size", type=int, default=1,
          help="split every sequence over this many ranks (docs/context_parallel.md)")

@@ -96,6 +96,10 @@ def _virtual_stages(args) -> int:
                           "mutually exclusive; pass one")
     if per_rank is not None:
         return per_rank
+    if per_stage is not None and (args.decoder_first_pipeline_num_layers is not None
+                                  or args.decoder_last_pipeline_num_layers is not None):
+        raise ConfigError("--num-layers-per-virtual-pipeline-stage assumes an even layer split; with "
+                          "--decoder-first/last-pipeline-num-layers give --num-virtual-stages-per-pipeline-rank")
     if per_stage is not None:
         return virtual_stages_from_layers(args.num_layers, args.pipeline_model_parallel_size, per_stage)
     return 2 if args.pipeline_schedule == "zbv" else 1  # zbv: two chunks per rank, in a V
@@ -125,7 +129,9 @@ def _parallel_dims(args, world_size: int, errors: list[str]) -> ParallelDims | N
                             # multi-token prediction looks tokens up there
                             tie_embeddings=not args.untie_embeddings_and_output_weights or bool(args.mtp_num_layers),
                             cp_inner=_cp_inner(args),
-                            pipeline_schedule=args.pipeline_schedule)
+                            pipeline_schedule=args.pipeline_schedule,
+                            decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
+                            decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers)
     except ConfigError as e:
         errors.append(str(e))
         return None

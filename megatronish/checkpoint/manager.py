@@ -57,6 +57,8 @@ def _layout(cfg) -> dict:
     layout = {"world_size": d.world_size, "tp": d.tp, "pp": d.pp, "vp": d.vp, "cp": d.cp, "ep": d.ep, "dp": d.dp}
     if d.v_shape:  # zbv's chunks hold other layers than interleaving's at the same degrees
         layout["chunks"] = "v"
+    if d.uneven:  # so do an uneven split's ranks
+        layout["first_last_layers"] = [d.decoder_first_pipeline_num_layers, d.decoder_last_pipeline_num_layers]
     return layout
 
 

@@ -28,7 +28,8 @@ def build_model_chunks(config: ModelConfig, parallel: ParallelContext, *, sequen
     :class:`GPTModel`.
     """
     dims, pp_rank = parallel.dims, parallel.pp_rank
-    check_layer_split(config.num_layers, dims.pp, dims.vp)
+    check_layer_split(config.num_layers, dims.pp, dims.vp, dims.decoder_first_pipeline_num_layers,
+                      dims.decoder_last_pipeline_num_layers)
     chunks = []
     for c in range(dims.vp):
         layers = dims.layer_range(config.num_layers, pp_rank, c)

@@ -51,13 +51,32 @@ class DegreeError(ValueError):
         self.kind, self.values = kind, values
 
 
-def layer_split_error(num_layers: int, pp: int, vp: int = 1) -> DegreeError | None:
-    """The one "layers divide evenly by PP x VP" rule: None when ``num_layers`` splits evenly into ``pp * vp``
-    (virtual) stages, else the :class:`DegreeError` saying so."""
-    if num_layers % (pp * vp) == 0:
-        return None
-    return DegreeError("layer_split", f"{num_layers} layers do not split evenly into pp {pp} x vp {vp} stages",
-                       num_layers=num_layers, pp=pp, vp=vp)
+def layer_split_error(num_layers: int, pp: int, vp: int = 1, first: int | None = None,
+                      last: int | None = None) -> DegreeError | None:
+    """The one layer-split rule: None when ``num_layers`` splits into ``pp * vp`` (virtual) stages, else the
+    :class:`DegreeError` saying why. Evenly without ``first``/``last``; with them (an uneven split, Megatron's
+    ``--decoder-first/last-pipeline-num-layers``) the first (last) pipeline rank holds ``first`` (``last``) layers,
+    the ranks between share the rest evenly, and every rank's layers divide by ``vp``."""
+    if first is None and last is None:
+        if num_layers % (pp * vp) == 0:
+            return None
+        return DegreeError("layer_split", f"{num_layers} layers do not split evenly into pp {pp} x vp {vp} stages",
+                           num_layers=num_layers, pp=pp, vp=vp)
+    middle_ranks = pp - (first is not None) - (last is not None)
+    middle_layers = num_layers - (first or 0) - (last or 0)
+    values = dict(num_layers=num_layers, pp=pp, vp=vp, first=first, last=last, middle_layers=middle_layers,
+                  middle_ranks=middle_ranks)
+    if middle_layers < 0 or (middle_ranks == 0) != (middle_layers == 0):
+        return DegreeError("uneven_split", f"{num_layers} layers leave {middle_layers} for the {middle_ranks} "
+                           f"middle stages", reason="middle", **values)
+    if middle_ranks and middle_layers % middle_ranks:
+        return DegreeError("uneven_split", f"{middle_layers} middle layers do not split evenly into "
+                           f"{middle_ranks} stages", reason="middle", **values)
+    per = middle_layers // middle_ranks if middle_ranks else 0
+    if any(n % vp for n in (first or 0, last or 0, per)):
+        return DegreeError("uneven_split", f"a rank's layers ({first}, {per}, {last}) do not divide by vp {vp}",
+                           reason="vp", per=per, **values)
+    return None
 
 
 @functools.lru_cache(maxsize=256)
@@ -109,6 +128,9 @@ class ParallelDims:
     cp_inner: int | None = None  # the all-to-all level of two-level CP; None: one level
     # the pipeline schedule (None: 1F1B, interleaved with vp > 1); "zbv" places chunk 1 of rank r on stage 2p-1-r
     pipeline_schedule: str | None = None
+    # an uneven split: layers on the first / last pipeline rank (the ranks between share the rest evenly)
+    decoder_first_pipeline_num_layers: int | None = None
+    decoder_last_pipeline_num_layers: int | None = None
 
     order: ClassVar[str] = "tp-cp-ep-dp-pp"
     # Axes of the dense grid.
@@ -123,9 +145,10 @@ class ParallelDims:
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
-        for name in ("world_size", "tp", "pp", "vp", "cp", "ep", "etp", "cp_inner"):
+        uneven = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+        for name in ("world_size", "tp", "pp", "vp", "cp", "ep", "etp", "cp_inner") + uneven:
             value = getattr(self, name)
-            if name in ("etp", "cp_inner") and value is None:
+            if name in ("etp", "cp_inner") + uneven and value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise DegreeError("not_positive", f"{name} must be an integer >= 1, got {value!r}", name=name,
@@ -145,6 +168,8 @@ class ParallelDims:
                               cp=self.cp, dp=self.dp, pp=self.pp, world_size=self.world_size)
         if self.vp > 1 and self.pp == 1:
             raise DegreeError("vp_without_pp", f"vp {self.vp} needs pp > 1", vp=self.vp)
+        if self.uneven and self.pp == 1:
+            raise DegreeError("uneven_without_pp", "an uneven layer split needs pp > 1")
         self._check_schedule()
         if self.cp_inner is not None and self.cp % self.cp_inner:
             raise DegreeError("cp_inner", f"cp_inner {self.cp_inner} does not divide cp {self.cp}",
@@ -177,6 +202,36 @@ class ParallelDims:
         if self.v_shape and vp_stage == 1:
             return 2 * self.pp - 1 - pp_rank
         return vp_stage * self.pp + pp_rank
+
+    @property
+    def uneven(self) -> bool:
+        """The first or the last pipeline rank holds its own number of layers."""
+        return self.decoder_first_pipeline_num_layers is not None or self.decoder_last_pipeline_num_layers is not None
+
+    def place_stage(self, stage: int) -> tuple[int, int]:
+        """``(pipeline rank, chunk)`` holding global ``stage`` (inverse of :meth:`stage_of`)."""
+        if self.v_shape and stage >= self.pp:
+            return 2 * self.pp - 1 - stage, 1
+        return stage % self.pp, stage // self.pp
+
+    def layer_split_error(self, num_layers: int) -> DegreeError | None:
+        """:func:`layer_split_error` for this layout."""
+        return layer_split_error(num_layers, self.pp, self.vp, self.decoder_first_pipeline_num_layers,
+                                 self.decoder_last_pipeline_num_layers)
+
+    def rank_num_layers(self, num_layers: int, pp_rank: int) -> int:
+        """Layers on pipeline rank ``pp_rank`` (all its chunks): ``L / p``, or under an uneven split the first /
+        last rank's own number and the rest shared evenly by the ranks between."""
+        error = self.layer_split_error(num_layers)
+        if error is not None:
+            raise error
+        first, last = self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers
+        if pp_rank == 0 and first is not None:
+            return first
+        if pp_rank == self.pp - 1 and last is not None:
+            return last
+        middle_ranks = self.pp - (first is not None) - (last is not None)
+        return (num_layers - (first or 0) - (last or 0)) // middle_ranks
 
     @property
     def loss_pp_rank(self) -> int:
@@ -353,7 +408,10 @@ class ParallelDims:
         return []
 
     def layers_per_stage(self, num_layers: int) -> int:
-        """Layers of one model chunk (one virtual stage of one pipeline rank): ``L / (p * v)``."""
+        """Layers of one model chunk (one virtual stage of one pipeline rank): ``L / (p * v)`` (an even split;
+        under an uneven one each rank's is :meth:`rank_num_layers` / ``v``)."""
+        if self.uneven:
+            raise ValueError("the layer split is uneven: each rank's chunks hold rank_num_layers(L, rank) / vp layers")
         error = layer_split_error(num_layers, self.pp, self.vp)
         if error is not None:
             raise error
@@ -362,14 +420,16 @@ class ParallelDims:
     def layer_range(self, num_layers: int, pp_rank: int, vp_stage: int = 0) -> range:
         """Global layer indices of virtual stage ``vp_stage`` on pipeline rank ``pp_rank``.
 
-        Chunk ``c`` on rank ``r`` is global stage :meth:`stage_of` and holds that stage's ``L/(p*v)`` layers
-        (interleaved: layers ``c*L/v + r*L/(p*v)`` onward). Layer numbers are global in every layout.
+        Chunk ``c`` on rank ``r`` is global stage :meth:`stage_of` and holds ``rank_num_layers(L, r) / v`` layers
+        (evenly ``L/(p*v)``; interleaved: layers ``c*L/v + r*L/(p*v)`` onward), after those of the earlier stages.
+        Layer numbers are global in every layout.
         """
-        per = self.layers_per_stage(num_layers)
         if not (0 <= pp_rank < self.pp and 0 <= vp_stage < self.vp):
             raise ValueError(f"pp_rank {pp_rank} / vp_stage {vp_stage} out of range ({self.pp}, {self.vp})")
-        start = self.stage_of(pp_rank, vp_stage) * per
-        return range(start, start + per)
+        stage = self.stage_of(pp_rank, vp_stage)
+        sizes = [self.rank_num_layers(num_layers, self.place_stage(s)[0]) // self.vp for s in range(stage + 1)]
+        start = sum(sizes[:stage])
+        return range(start, start + sizes[stage])
 
     def describe(self) -> str:
         """One line for the log, e.g. ``world 16 = tp 2 x cp 1 x dp 2 x pp 4 (ep 1, vp 1)``."""

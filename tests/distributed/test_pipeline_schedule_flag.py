@@ -2,7 +2,8 @@
 PP 2: ZB-H1's losses and gradient norms equal 1F1B's (rtol 1e-6; the same computation, the weight gradients
 later), ZBV's (two chunks per rank in a V, the tied embedding's copies both on rank 0) equal them to fp32 rtol
 1e-5; a checkpoint saved under ZBV loads under 1F1B (global layer numbers) and the next iteration's loss equals
-ZBV's own."""
+ZBV's own; an uneven split (``--decoder-first-pipeline-num-layers 1``: 1 + 3 layers) trains as the even one and
+its checkpoint continues under the even split (2 + 2)."""
 import os
 import tempfile
 
@@ -34,10 +35,11 @@ def _run(argv, world, until=ITERS):
 
 def _worker(rank, world, cases, save_dir):
     out = {name: _run(argv, world) for name, argv in cases.items()}
-    # ZBV saves after two iterations; 1F1B loads that and runs the third
-    zbv2 = _run(["--pipeline-schedule", "zbv", "--save", save_dir], world, until=2)
-    out["zbv-then-1f1b"] = _run(["--load", save_dir], world)
-    out["zbv-saved"] = zbv2
+    # ZBV (and the uneven split) save after two iterations; 1F1B with the even split loads that and runs the third
+    for name, argv in (("zbv", ["--pipeline-schedule", "zbv"]),
+                       ("uneven", ["--decoder-first-pipeline-num-layers", "1"])):
+        out[f"{name}-saved"] = _run(argv + ["--save", f"{save_dir}-{name}"], world, until=2)
+        out[f"{name}-then-1f1b"] = _run(["--load", f"{save_dir}-{name}"], world)
     groups.destroy_model_parallel()
     return out
 
@@ -56,6 +58,9 @@ def test_zero_bubble_schedules_through_the_training_loop():
             torch.testing.assert_close(torch.tensor(norms, dtype=torch.float64), torch.tensor(ref_norms,
                                        dtype=torch.float64), rtol=rtol, atol=0, msg=lambda m: f"{name} norm: {m}")
         assert out["zbv-saved"][0] == out["zbv"][0][:2]
+        uneven = out["uneven-saved"][0] + out["uneven-then-1f1b"][0]
+        torch.testing.assert_close(torch.tensor(uneven, dtype=torch.float64), torch.tensor(
+            ref_losses, dtype=torch.float64), rtol=1e-5, atol=0, msg=lambda m: f"uneven, then even: {m}")
         (loaded,), _, _ = out["zbv-then-1f1b"]
         assert abs(loaded - out["zbv"][0][2]) <= 1e-5 * abs(loaded), \
             f"1f1b from the zbv checkpoint: {loaded} vs zbv's third iteration {out['zbv'][0][2]}"

@@ -4,7 +4,9 @@ PP 2, combined with TP 2 + sequence parallelism, full recompute, data parallelis
 gradient reduction, the distributed optimizer's reduce-scatter and ``--calculate-per-token-loss``, the loss and
 every gradient equal one process running the same microbatches (fp32, rtol 1e-5), and so do the parameters
 after a few SGD (momentum) steps. Each rank executes exactly its action list's F/B/W order. One group of 4 ranks runs
-every case."""
+every case. The same checks cover uneven layer splits (``--decoder-first/last-pipeline-num-layers``: 7 layers
+over PP 2 as 3+4 and 4+3, 10 over PP 4 as 1+3+3+3, 10 over PP 2 with 2 chunks as 4+6) under 1F1B, interleaved
+1F1B, ZB-H1 and ZBV."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,9 +18,9 @@ from megatronish.parallel import groups
 from megatronish.parallel.ddp import DistributedDataParallel, finalize_model_grads
 from megatronish.parallel.dims import ParallelDims
 from megatronish.parallel.init import gather_to_global
+from megatronish.parallel.pipeline.choose import forward_backward_func
 from megatronish.parallel.pipeline.schedules import forward_backward_no_pipelining, pipeline_tensor_shape
 from megatronish.parallel.pipeline.timeline import PipelineTimeline
-from megatronish.parallel.pipeline.zb_runner import forward_backward_zero_bubble
 from megatronish.parallel.pipeline.zero_bubble import schedule_actions
 from megatronish.parallel.random import set_random_seed
 from megatronish.testing import run_distributed
@@ -26,7 +28,8 @@ from tests.distributed.test_pipeline_parity import FLAVORS as PARITY_FLAVORS
 from tests.distributed.test_pipeline_parity import _forward_step as mean_loss_forward_step
 
 SEED, MBS, S, V, H, NUM_MB, STEPS, WORLD = 1234, 2, 16, 100, 32, 4, 2, 4
-FLAVORS = {name: (lambda make=make: make().replace(num_layers=4)) for name, make in PARITY_FLAVORS.items()}
+FLAVORS = {name: (lambda layers=4, make=make: make().replace(num_layers=layers))
+           for name, make in PARITY_FLAVORS.items()}
 
 
 def _lr(per_token):  # per-token losses are sums: the same step size per token
@@ -52,35 +55,36 @@ def _forward_step(per_token):
 
 @pytest.fixture(scope="module")
 def references():
-    """{(flavor, per_token): (losses, {name: first step's grad}, {name: parameter after STEPS steps})}."""
+    """{(flavor, per_token, layers): (losses, {name: first step's grad}, {name: parameter after STEPS steps})}."""
     refs = {}
-    for flavor, make in FLAVORS.items():
-        for per_token in (False, True):
-            set_random_seed(SEED)
-            model = GPTModel(make())
-            model.init_parameters(SEED)
-            opt = build_optimizer(list(model.named_parameters()), "sgd", lr=_lr(per_token), weight_decay=0.1)
-            for step in range(STEPS):
-                model.zero_grad(set_to_none=True)
-                stats = forward_backward_no_pipelining(_forward_step(per_token), iter(_data()), model, NUM_MB,
-                                                       per_token_loss=per_token)
-                if step == 0:
-                    losses = torch.stack([s["lm loss"] for s in stats])
-                    grads = {n: p.grad.clone() for n, p in model.named_global_parameters()}
-                opt.step()
-            refs[(flavor, per_token)] = (losses, grads, {n: p.detach().clone()
-                                                         for n, p in model.named_global_parameters()})
+    for flavor, per_token, layers in sorted({(c[0], c[7], c[8][0]) for c in CASES}):
+        set_random_seed(SEED)
+        model = GPTModel(FLAVORS[flavor](layers))
+        model.init_parameters(SEED)
+        opt = build_optimizer(list(model.named_parameters()), "sgd", lr=_lr(per_token), weight_decay=0.1)
+        for step in range(STEPS):
+            model.zero_grad(set_to_none=True)
+            stats = forward_backward_no_pipelining(_forward_step(per_token), iter(_data()), model, NUM_MB,
+                                                   per_token_loss=per_token)
+            if step == 0:
+                losses = torch.stack([s["lm loss"] for s in stats])
+                grads = {n: p.grad.clone() for n, p in model.named_global_parameters()}
+            opt.step()
+        refs[(flavor, per_token, layers)] = (losses, grads, {n: p.detach().clone()
+                                                     for n, p in model.named_global_parameters()})
     return refs
 
 
-def _check_case(flavor, schedule, tp, pp, sp, recompute, dist_opt, per_token, refs):
+def _check_case(flavor, schedule, tp, pp, sp, recompute, dist_opt, per_token, split, refs):
+    layers, first, last = split
     what = f"{flavor} {schedule} TP{tp} PP{pp} DP{WORLD // (tp * pp)} SP={sp} recompute={recompute} " \
-           f"dist-opt={dist_opt} per-token={per_token}"
-    cfg = FLAVORS[flavor]()
+           f"dist-opt={dist_opt} per-token={per_token} layers {layers} first {first} last {last}"
+    cfg = FLAVORS[flavor](layers)
     if recompute:
         cfg = cfg.replace(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    dims = ParallelDims(world_size=WORLD, tp=tp, pp=pp, vp=2 if schedule == "zbv" else 1,
-                        tie_embeddings=not cfg.untie_embeddings_and_output_weights, pipeline_schedule=schedule)
+    dims = ParallelDims(world_size=WORLD, tp=tp, pp=pp, vp=2 if schedule in ("zbv", "interleaved-1f1b") else 1,
+                        tie_embeddings=not cfg.untie_embeddings_and_output_weights, pipeline_schedule=schedule,
+                        decoder_first_pipeline_num_layers=first, decoder_last_pipeline_num_layers=last)
     groups.destroy_model_parallel()
     ctx = groups.initialize_model_parallel(dims)
     set_random_seed(SEED, pp_rank=ctx.pp_rank, tp_rank=ctx.tp_rank)
@@ -94,7 +98,7 @@ def _check_case(flavor, schedule, tp, pp, sp, recompute, dist_opt, per_token, re
     dp, dp_rank = ctx.dp_size, ctx.dp_rank
     mine = _data()[dp_rank::dp]
     shape = pipeline_tensor_shape(S, MBS, H, tp=tp, sequence_parallel=sp)
-    ref_losses, ref_grads, ref_params = refs[(flavor, per_token)]
+    ref_losses, ref_grads, ref_params = refs[(flavor, per_token, layers)]
     named = [(c, ddp, n, p) for c, ddp in zip(chunks, ddps) for n, p in c.named_global_parameters()]
     optimizer = build_optimizer([(n, p) for c in chunks for n, p in c.named_parameters()], "sgd",
                                 lr=_lr(per_token), weight_decay=0.1)
@@ -105,18 +109,19 @@ def _check_case(flavor, schedule, tp, pp, sp, recompute, dist_opt, per_token, re
         timeline = PipelineTimeline(dist.get_rank())
         model = ddps if len(ddps) > 1 else ddps[0]
         data = [iter(mine) for _ in ddps] if len(ddps) > 1 else iter(mine)
-        stats = forward_backward_zero_bubble(_forward_step(per_token), data, model, len(mine),
-                                             schedule=schedule, tensor_shape=shape, parallel=ctx,
-                                             timeline=timeline, per_token_loss=per_token)
+        run = forward_backward_func(pp, dims.vp, schedule)
+        stats = run(_forward_step(per_token), data, model, len(mine), tensor_shape=shape, parallel=ctx,
+                    timeline=timeline, per_token_loss=per_token)
         finalize_model_grads(ddps, ctx)
         if step > 0:
             use_main_grads(optimizer)
             optimizer.step()
             continue
         executed = [(e["name"], e["microbatch"], e["chunk"]) for e in timeline.events if e["cat"] == "compute"]
-        planned = [(a.op, a.microbatch, a.chunk) for a in schedule_actions(schedule, pp, len(mine))[ctx.pp_rank]
-                   if a.op in "FBW"]
-        assert executed == planned, f"{what}: executed order differs from the action list"
+        if schedule in ("zb-h1", "zbv"):
+            planned = [(a.op, a.microbatch, a.chunk) for a in schedule_actions(schedule, pp, len(mine))[ctx.pp_rank]
+                       if a.op in "FBW"]
+            assert executed == planned, f"{what}: executed order differs from the action list"
         if ctx.holds_loss:
             losses = torch.stack([s["lm loss"] for s in stats])
             every = [torch.empty_like(losses) for _ in range(dp)]
@@ -156,15 +161,24 @@ def _worker(rank, world, cases, refs):
     return True
 
 
-# (flavor, schedule, tp, pp, sequence_parallel, full recompute, distributed optimizer, per-token loss)
+EVEN = (4, None, None)  # (layers, first rank's, last rank's)
+# (flavor, schedule, tp, pp, sequence_parallel, full recompute, distributed optimizer, per-token loss, split)
 CASES = [
-    ("llama", "zb-h1", 1, 4, False, False, False, False),  # PP 4
-    ("gpt2", "zb-h1", 2, 2, True, True, False, False),  # TP 2 + SP x PP 2, full recompute, tied embeddings
-    ("llama", "zb-h1", 1, 2, False, True, True, False),  # PP 2 x DP 2, distributed optimizer, recompute
-    ("llama", "zb-h1", 2, 2, True, False, False, True),  # TP 2 + SP x PP 2, per-token loss
-    ("gpt2", "zbv", 1, 2, False, False, False, False),  # V at PP 2 x DP 2, tied embeddings both on rank 0
-    ("gpt2", "zbv", 2, 2, True, False, False, False),  # V at TP 2 + SP x PP 2, tied embeddings
-    ("llama", "zbv", 1, 2, False, False, True, True),  # V at PP 2 x DP 2, distributed optimizer, per-token loss
+    ("llama", "zb-h1", 1, 4, False, False, False, False, EVEN),  # PP 4
+    ("gpt2", "zb-h1", 2, 2, True, True, False, False, EVEN),  # TP 2 + SP x PP 2, full recompute, tied embeddings
+    ("llama", "zb-h1", 1, 2, False, True, True, False, EVEN),  # PP 2 x DP 2, distributed optimizer, recompute
+    ("llama", "zb-h1", 2, 2, True, False, False, True, EVEN),  # TP 2 + SP x PP 2, per-token loss
+    ("gpt2", "zbv", 1, 2, False, False, False, False, EVEN),  # V at PP 2 x DP 2, tied embeddings both on rank 0
+    ("gpt2", "zbv", 2, 2, True, False, False, False, EVEN),  # V at TP 2 + SP x PP 2, tied embeddings
+    ("llama", "zbv", 1, 2, False, False, True, True, EVEN),  # V at PP 2 x DP 2, distributed optimizer, per-token loss
+    # uneven splits
+    ("llama", "1f1b", 1, 2, False, False, False, False, (7, 3, None)),  # 3 + 4
+    ("llama", "zb-h1", 1, 2, False, False, True, False, (7, 3, None)),  # 3 + 4, distributed optimizer
+    ("llama", "zb-h1", 2, 2, True, False, False, False, (7, None, 3)),  # 4 + 3, TP 2 + SP
+    ("gpt2", "1f1b", 1, 4, False, False, False, False, (10, 1, None)),  # 1 + 3 + 3 + 3, tied embeddings
+    ("gpt2", "zb-h1", 1, 4, False, False, False, False, (10, 1, None)),
+    ("gpt2", "interleaved-1f1b", 1, 2, False, False, False, False, (10, 4, None)),  # chunks 2, 3, 2, 3
+    ("llama", "zbv", 1, 2, False, False, False, False, (10, 4, None)),  # V: stages 2, 3, 3, 2
 ]
 
 

@@ -1,6 +1,7 @@
 """``--pipeline-schedule``: the flag, its config field (``ParallelDims.pipeline_schedule``), one error line per
 rule, the schedule ``setup`` picks, and the V placement of ``zbv`` (layers, pre/post-processing chunks, the
-embedding group, the loss rank) checked without processes."""
+embedding group, the loss rank) checked without processes; ``--decoder-first/last-pipeline-num-layers``: the
+uneven split's layer ranges under every schedule and its error lines."""
 import functools
 
 import pytest
@@ -89,3 +90,51 @@ def test_v_placement_without_processes():
     interleaved = ParallelDims(world_size=2, pp=2, vp=2)
     assert [interleaved.layer_range(8, 0, c) for c in range(2)] == [range(0, 2), range(4, 6)]
     assert interleaved.embedding_groups() == [[0, 1]] and interleaved.loss_pp_rank == 1
+
+
+# ------------------------------------------------------------------ uneven layer splits
+FIRST, LAST = "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"
+
+
+@pytest.mark.parametrize("layers, pp, vp, schedule, first, last, want", [
+    (7, 2, 1, None, 3, None, [[(0, 3)], [(3, 7)]]),
+    (7, 2, 1, "zb-h1", None, 3, [[(0, 4)], [(4, 7)]]),
+    (10, 4, 1, None, 1, None, [[(0, 1)], [(1, 4)], [(4, 7)], [(7, 10)]]),
+    (10, 4, 1, None, 1, 3, [[(0, 1)], [(1, 4)], [(4, 7)], [(7, 10)]]),
+    (10, 2, 2, None, 4, None, [[(0, 2), (5, 7)], [(2, 5), (7, 10)]]),  # interleaved: stages of 2, 3, 2, 3
+    (10, 2, 2, "zbv", 4, None, [[(0, 2), (8, 10)], [(2, 5), (5, 8)]]),  # V: stages of 2, 3, 3, 2
+])
+def test_uneven_layer_ranges(layers, pp, vp, schedule, first, last, want):
+    dims = ParallelDims(world_size=pp, pp=pp, vp=vp, pipeline_schedule=schedule,
+                        decoder_first_pipeline_num_layers=first, decoder_last_pipeline_num_layers=last)
+    got = [[(r_.start, r_.stop) for r_ in (dims.layer_range(layers, r, c) for c in range(vp))] for r in range(pp)]
+    assert got == want
+    every = sorted(i for r in range(pp) for c in range(vp) for i in dims.layer_range(layers, r, c))
+    assert every == list(range(layers))
+
+
+def test_uneven_flags_reach_the_layout():
+    argv = ["--num-layers", "7", FIRST, "3", "--pipeline-schedule", "zb-h1"] + PP2
+    dims = cfg_of(argv, world=2).parallel
+    assert (dims.decoder_first_pipeline_num_layers, dims.decoder_last_pipeline_num_layers) == (3, None)
+    assert [dims.rank_num_layers(7, r) for r in range(2)] == [3, 4]
+
+
+@pytest.mark.parametrize("extra, world, line", [
+    (["--num-layers", "8", FIRST, "1", "--pipeline-model-parallel-size", "4"], 4,
+     "--num-layers 8 with --decoder-first-pipeline-num-layers 1 over --pipeline-model-parallel-size 4: the 7 "
+     "remaining layers must split evenly over the 3 ranks"),
+    (["--num-layers", "7", FIRST, "3", LAST, "3"] + PP2, 2, "--num-layers 7 with --decoder-first-pipeline-num-layers "
+     "3 --decoder-last-pipeline-num-layers 3 over --pipeline-model-parallel-size 2: the 1 remaining layers"),
+    (["--num-layers", "7", FIRST, "3", "--num-virtual-stages-per-pipeline-rank", "2"] + PP2, 2,
+     "--num-layers 7 with --decoder-first-pipeline-num-layers 3 over --pipeline-model-parallel-size 2: every "
+     "pipeline rank's layers must divide by its 2 virtual stages"),
+    ([FIRST, "2"], 1, "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers split the layers "
+     "over pipeline ranks, but --pipeline-model-parallel-size is 1"),
+    ([LAST, "0"] + PP2, 2, "--decoder-last-pipeline-num-layers must be an integer >= 1, got 0"),
+    (["--num-layers", "8", FIRST, "2", "--num-layers-per-virtual-pipeline-stage", "1"] + PP2, 2,
+     "--num-layers-per-virtual-pipeline-stage assumes an even layer split"),
+])
+def test_uneven_one_line_per_rule(extra, world, line):
+    errors = errors_of(extra, world=world)
+    assert any(e.startswith(line) for e in errors), errors
