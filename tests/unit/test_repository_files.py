@@ -1,5 +1,5 @@
-"""The repository holds source, docs and small data: no built packages, shared objects or archives, and no file
-over 1 MB except the bundled example corpus."""
+"""The repository holds source, docs and small data: no built packages, shared objects or archives, no file
+over 1 MB except the bundled example corpus, and test modules a pytest run can all collect."""
 import os
 import subprocess
 
@@ -34,3 +34,14 @@ def test_no_large_files_are_tracked():
         if size > LIMIT:
             big.append(f"{p} ({size} bytes)")
     assert not big, f"tracked files over {LIMIT} bytes: {big}"
+
+
+def test_test_modules_have_unique_basenames():
+    """The test directories are not packages: pytest imports each test module by its basename, so two files of one
+    name in different directories stop the collection of the suite."""
+    seen = {}
+    for p in _tracked_files():
+        name = os.path.basename(p)
+        if p.startswith("tests/") and name.startswith("test_") and name.endswith(".py"):
+            seen.setdefault(name, []).append(p)
+    assert not {n: ps for n, ps in seen.items() if len(ps) > 1}, "rename one of each pair"
