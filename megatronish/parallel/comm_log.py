@@ -161,13 +161,19 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
                  group=group, async_op=async_op)
 
 
+def _gather_into_tensor():
+    """One all-gather into a flat tensor: torch's ``all_gather_single`` where it exists (newer torch warns that
+    ``all_gather_into_tensor``, the same collective, is deprecated), else ``all_gather_into_tensor``."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
-    return _call(_LOG.record("all_gather_into_tensor", group, (_t(input_tensor),)), dist.all_gather_into_tensor,
+    return _call(_LOG.record("all_gather_into_tensor", group, (_t(input_tensor),)), _gather_into_tensor(),
                  output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 def all_gather_single(output, input, group=None, async_op=False):
-    return _call(_LOG.record("all_gather_single", group, (_t(input),)), dist.all_gather_single, output, input,
+    return _call(_LOG.record("all_gather_single", group, (_t(input),)), _gather_into_tensor(), output, input,
                  group=group, async_op=async_op)
 
 
@@ -176,13 +182,19 @@ def reduce_scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_o
                  output, input_list, op=op, group=group, async_op=async_op)
 
 
+def _reduce_scatter_from_tensor():
+    """One reduce-scatter from a flat tensor: ``reduce_scatter_single`` where this torch has it (newer torch warns
+    that ``reduce_scatter_tensor``, the same collective, is deprecated), else ``reduce_scatter_tensor``."""
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-    return _call(_LOG.record("reduce_scatter_tensor", group, (_t(input),)), dist.reduce_scatter_tensor, output,
+    return _call(_LOG.record("reduce_scatter_tensor", group, (_t(input),)), _reduce_scatter_from_tensor(), output,
                  input, op=op, group=group, async_op=async_op)
 
 
 def reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-    return _call(_LOG.record("reduce_scatter_single", group, (_t(input),)), dist.reduce_scatter_single, output,
+    return _call(_LOG.record("reduce_scatter_single", group, (_t(input),)), _reduce_scatter_from_tensor(), output,
                  input, op=op, group=group, async_op=async_op)
 
 

@@ -15,11 +15,16 @@ class _Group:
     """Stands in for a process group (only its identity matters to the recorder)."""
 
 
+# torch's all-gather into one tensor: all_gather_single where this torch has it (comm_log calls it then)
+GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+
+
 @pytest.fixture
 def calls(monkeypatch):
     """torch.distributed's collectives replaced by recorders of their calls; a fresh ring."""
     seen = []
-    for name in ("all_reduce", "all_gather_into_tensor", "barrier", "reduce_scatter_tensor"):
+    for name in ("all_reduce", GATHER, "barrier", SCATTER):
         monkeypatch.setattr(dist, name, lambda *a, _name=name, **k: seen.append((_name, a, k)))
     monkeypatch.setattr(comm_log, "_LOG", comm_log.CommLog())
     return seen
@@ -39,7 +44,7 @@ def test_the_ring_records_kind_group_tensors_site_and_sequence_numbers(calls):
     comm_log.all_gather_into_tensor(torch.empty(4, 5, dtype=torch.bfloat16), y, group=dp)
     comm_log.all_reduce(x, group=tp, op=dist.ReduceOp.MAX)
     comm_log.barrier()  # site: world
-    assert [c[0] for c in calls] == ["all_reduce", "all_gather_into_tensor", "all_reduce", "barrier"]
+    assert [c[0] for c in calls] == ["all_reduce", GATHER, "all_reduce", "barrier"]
     assert calls[2][2]["op"] == dist.ReduceOp.MAX and calls[2][2]["group"] is tp  # passed on unchanged
 
     snap = json.loads(json.dumps(comm_log.snapshot()))
@@ -66,7 +71,7 @@ def test_the_call_that_raised_is_marked_and_the_ring_keeps_its_size(monkeypatch,
     def timeout(*a, **k):
         raise RuntimeError("Timed out waiting 3000ms for recv operation to complete")
 
-    monkeypatch.setattr(dist, "reduce_scatter_tensor", timeout)
+    monkeypatch.setattr(dist, SCATTER, timeout)
     with pytest.raises(RuntimeError, match="Timed out"):
         comm_log.reduce_scatter_tensor(torch.empty(1), torch.zeros(2), group=tp)
     snap = comm_log.snapshot("failed", "timed out")
