@@ -14,6 +14,9 @@ from megatronish.training import pretrain as training
 from megatronish.training.pretrain import pretrain
 
 ITERS = 8
+# Iterations run per world size: the 4-rank layouts run the first half of the reference's (the suite's time); every
+# step's loss, grad norm and parameters are compared either way
+ITERS_AT = {2: ITERS, 4: ITERS // 2}
 BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
         "--max-position-embeddings", "32", "--vocab-size", "96", "--tokenizer-type", "NullTokenizer", "--mock-data",
         "--global-batch-size", "8", "--micro-batch-size", "2", "--train-iters", str(ITERS), "--lr", "0.5",
@@ -42,12 +45,12 @@ CASES = {
 }
 
 
-def _run(argv, world):
+def _run(argv, world, iters=ITERS):
     """Each iteration's loss and gradient norm, and the global parameters after it (every replica agreeing)."""
     groups.destroy_model_parallel()
     run, state = training.setup(configs_from_args(parse_args(BASE + argv), world))
     losses, norms, params = [], [], []
-    for _ in range(ITERS):
+    for _ in range(iters):
         result = training.train_step(run, state)
         losses.append(result.loss)
         norms.append(result.grad_norm)
@@ -58,7 +61,7 @@ def _run(argv, world):
 def _worker(rank, world, cases):
     out = {}
     for name, argv in cases.items():
-        result = _run(argv, world)
+        result = _run(argv, world, ITERS_AT.get(world, ITERS))
         if rank == 0:
             out[name] = result
     return out
@@ -73,12 +76,16 @@ VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
 def _assert_same(got, ref, what):
+    """``got`` against the first iterations of the one-process reference (all ITERS of them, or fewer)."""
     (losses, norms, steps, vocab), (r_losses, r_norms, r_steps, r_vocab) = got, ref
+    n = len(steps)
+    assert n in (ITERS, ITERS // 2), what
+    r_losses, r_norms, r_steps = r_losses[:n], r_norms[:n], r_steps[:n]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(r_losses), rtol=1e-5, atol=0,
                                msg=lambda m: f"{what} losses: {m}")
     torch.testing.assert_close(torch.tensor(norms), torch.tensor(r_norms), rtol=1e-5, atol=0,
                                msg=lambda m: f"{what} grad norms: {m}")
-    assert len(steps) == len(r_steps) == ITERS and vocab == r_vocab, what
+    assert len(steps) == len(r_steps) and vocab == r_vocab, what
     for it, (params, r_params) in enumerate(zip(steps, r_steps)):
         assert params.keys() == r_params.keys(), what
         for n, p in params.items():
