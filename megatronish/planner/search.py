@@ -16,7 +16,8 @@ import math
 
 from ..errors import ConfigError
 from ..model.moe.layer import is_moe_layer
-from ..parallel.dims import layer_split_error
+from ..parallel.dims import DegreeError, layer_split_error
+from ..parallel.pipeline.schedules import check_interleaving
 from .activations import stage_activations
 from .perf import collectives, step_time
 from .state import StateBytes, build_meta_chunks
@@ -132,10 +133,19 @@ def candidates(cfg, hw):
                             if layer_split_error(m.num_layers, pp, vp) is not None:
                                 continue
                             for mbs in (1, 2, 4, 8):
-                                if gbs % (mbs * dp) or (vp > 1 and (gbs // (mbs * dp)) % pp):
+                                if gbs % (mbs * dp) or (vp > 1 and not _interleaves(pp, vp, gbs // (mbs * dp))):
                                     continue
                                 dims = dataclasses.replace(par, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, vp=vp)
                                 yield from _variants(cfg, dims, mbs, dp * cp)
+
+
+def _interleaves(pp: int, vp: int, num_microbatches: int) -> bool:
+    """Whether the interleaved schedule runs these microbatches (the schedule's own rule)."""
+    try:
+        check_interleaving(pp, vp, num_microbatches)
+    except DegreeError:
+        return False
+    return True
 
 
 def _variants(cfg, dims, mbs: int, dp_cp: int):
