@@ -264,12 +264,15 @@ def _check_moe(m: configs.ModelConfig | None, dims: ParallelDims | None, sequenc
 
 
 def _check_pipeline_schedule(m: configs.ModelConfig | None, dims: ParallelDims | None, o: configs.OptimizerConfig,
-                             t: configs.TrainingConfig, errors: list[str]) -> None:
+                             t: configs.TrainingConfig, errors: list[str], for_training: bool = True) -> None:
     """``--pipeline-schedule`` zb-h1 / zbv (the split backward) against what it does not run with; the degrees'
     rules (PP, virtual stages) are ``ParallelDims``' (``parallel_config``'s lines)."""
     if dims is None or dims.pipeline_schedule not in ("zb-h1", "zbv"):
         return
     flag = f"--pipeline-schedule {dims.pipeline_schedule}"
+    if not for_training and dims.pipeline_schedule == "zbv":
+        errors.append(f"{flag}: text generation runs the stages in rank order and zbv places them in a V; "
+                      "generate without --pipeline-schedule (any checkpoint loads into any layout)")
     if o.use_torch_fsdp2:
         errors.append(f"{flag} with --use-torch-fsdp2 is not supported: FSDP2 reduce-scatters the gradients as the "
                       "backward ends, before the deferred weight gradients exist; drop one of them")

@@ -138,3 +138,15 @@ def test_uneven_flags_reach_the_layout():
 def test_uneven_one_line_per_rule(extra, world, line):
     errors = errors_of(extra, world=world)
     assert any(e.startswith(line) for e in errors), errors
+
+
+def test_generation_refuses_the_v_and_takes_zb_h1():
+    """Text generation runs the stages in rank order: zbv's V is one error line; zb-h1 only changes training."""
+    from megatronish.arguments import parse_args, validate_args
+    from megatronish.errors import ConfigError
+    from tests.unit.test_arguments import BASE
+
+    with pytest.raises(ConfigError, match=r"^--pipeline-schedule zbv: text generation"):
+        validate_args(parse_args(BASE + ["--pipeline-schedule", "zbv"] + PP2), 2, for_training=False)
+    validate_args(parse_args(BASE + ["--pipeline-schedule", "zb-h1"] + PP2), 2, for_training=False)
+    validate_args(parse_args(BASE + ["--pipeline-schedule", "zbv"] + PP2), 2)
