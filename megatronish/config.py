@@ -214,6 +214,8 @@ class LoggingConfig:
     straggler_minmax_count: int = 1  # how many fastest/slowest ranks --log-straggler names
     metrics_file: str | None = None
     pipeline_timeline: str | None = None  # Chrome trace of the last training iteration's pipeline events
+    report_plan: bool = False  # the planner's prediction at start, the first log window's measurement beside it
+    report_plan_gpu: str | None = None  # the planner's hardware kind for it (None: this machine's)
 
 
 @dataclass(frozen=True)

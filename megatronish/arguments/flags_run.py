@@ -83,5 +83,11 @@ def add_logging_flags(p) -> None:
     flag(g, "--metrics-file", default=None, help="JSON lines: one object per logged iteration and per evaluation")
     flag(g, "--pipeline-timeline", default=None,
          help="write a Chrome trace (Perfetto) of the last training iteration's pipeline events to this path")
+    flag(g, "--report-plan", **on, help="(ours) rank 0 prints the layout planner's prediction for this run (memory "
+         "per stage, step time, MFU) and, after the first --log-interval window, the measured step time and peak "
+         "memory beside it (docs/planner.md)")
+    flag(g, "--report-plan-gpu", default=None, metavar="KIND",
+         help="(ours) with --report-plan: the planner's hardware (megatronish-plan --gpu's kinds; default the "
+              "detected GPU, or cpu-this-machine without CUDA)")
 
 

@@ -49,6 +49,7 @@ class TrainLogger:
                                     lg.wandb_entity or None, lg.wandb_exp_name or None, lg.wandb_save_dir or None,
                                     mlflow=mlflow)
         self.peak = device_peak_tflops(device.device_name())
+        self.last_record: dict | None = None
         self.skipped = self.nan_iters = 0
         self.restart_window()
 
@@ -98,7 +99,7 @@ class TrainLogger:
         if straggler is not None:
             record["straggler"] = straggler[1]
         self.writer.write(record, state.iteration)
-        r = record
+        self.last_record = r = record  # the window's record (--report-plan reads its elapsed time)
         print_rank_last(self.logging_rank, train_log_line(
             iteration=r["iteration"], train_iters=self.train_iters, consumed_samples=r["consumed_samples"],
             elapsed_ms=r["elapsed_ms"], tflops=r["tflops"] if lg.log_throughput else None,

@@ -35,11 +35,15 @@ __all__ = ["pretrain", "setup", "train_step", "compute_gradients", "apply_update
            "TrainContext", "TrainCounters", "TrainState", "TrainResult", "StepResult"]
 
 
-def pretrain(cfg, watch: Watch | None = None) -> TrainResult:
+def pretrain(cfg, watch: Watch | None = None, report=None) -> TrainResult:
     """Train (and evaluate) as configured by a :class:`megatronish.config.RunConfig`; returns the loop's state
     (``.state``: iteration, losses, exit reason) and the run's live objects (``.context``). ``watch``: the entry
-    point's rank watchdog (:class:`megatronish.training.watchdog.Watch`), started by ``setup``."""
+    point's rank watchdog (:class:`megatronish.training.watchdog.Watch`), started by ``setup``. ``report``: the
+    entry point's ``--report-plan`` (:class:`megatronish.planner.report.PlanReport`), told after set-up and after
+    each iteration."""
     run, state = setup(cfg, watch)
+    if report is not None:
+        report.predict(run)
     t = cfg.train
     train_iters = 0 if t.skip_train else t.train_iters
     logger = TrainLogger(run, train_iters, state)
@@ -63,6 +67,8 @@ def pretrain(cfg, watch: Watch | None = None) -> TrainResult:
             if timeline is not None:
                 write_timeline(run, timeline)
             logger.after_step(state, step)
+            if report is not None:
+                report.after_step(state, logger.last_record)
             if t.eval_interval and t.eval_iters and state.iteration % t.eval_interval == 0 \
                     and state.iteration < train_iters:
                 logger.evaluate(state)

@@ -31,6 +31,7 @@ SIDEWAYS = {
     ("megatronish.training", "megatronish.convert.hf_load"),
     ("megatronish.training", "megatronish.convert.hf_save"),
     ("megatronish.inference", "megatronish.convert.hf_load"),
+    ("megatronish.tools.pretrain_gpt", "megatronish.planner.report"),
 }
 
 
