@@ -208,9 +208,6 @@ def _check_context_parallel(m: configs.ModelConfig | None, dims: ParallelDims | 
     if dims is None or dims.cp == 1:
         return
     cp, tp, flag = dims.cp, dims.tp, f"--context-parallel-size {dims.cp}"
-    if m.mtp_num_layers:
-        errors.append(f"--mtp-num-layers with {flag} is not available yet (the token shift crosses the context-"
-                      "parallel chunks); use --context-parallel-size 1")
     if m.attention.attention_dropout:
         errors.append(f"{flag} needs --attention-dropout 0 (attention dropout inside context-parallel attention is "
                       f"not available yet; Megatron's default is 0.1)")

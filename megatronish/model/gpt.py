@@ -228,8 +228,9 @@ class GPTModel(nn.Module):
         if not depths:
             return loss.t().contiguous()  # [b, s]
         losses = [loss]
-        for k, h in enumerate(depths, start=1):  # the shared output layer on each depth's hidden states
+        for h in depths:  # the shared output layer on each depth's hidden states; labels one more to the left
             logits, _ = self.output_layer(h, weight)
-            losses.append(loss_fn(logits, shift_left(labels, k).t(), self.label_smoothing, self.config.vocab_size,
+            labels = shift_left(labels, self.parallel.cp_group)
+            losses.append(loss_fn(logits, labels.t(), self.label_smoothing, self.config.vocab_size,
                                   self.parallel.tp_group))
         return torch.stack(losses).transpose(1, 2).contiguous()  # [1 + D, b, s]

@@ -76,7 +76,7 @@ def make_forward_step(reset_position_ids: bool, parallel: ParallelContext, per_t
             extra = 0.0
             report = {}
             if losses.dim() == 3:  # --mtp-num-layers: [1 + D, b, s], the decoder's then each depth's
-                extra, report = mtp_loss(losses, mask, mtp_scaling_factor, per_token_loss)
+                extra, report = mtp_loss(losses, mask, mtp_scaling_factor, per_token_loss, cp_group)
                 losses = losses[0]
             total = (losses.float() * mask).sum()
             report = {"lm loss": torch.stack([total.detach(), mask.sum()]), **report}
@@ -88,7 +88,7 @@ def make_forward_step(reset_position_ids: bool, parallel: ParallelContext, per_t
             # and are averaged over DP x CP, hence the factor CP.
             num_tokens = mask.sum()
             comm.all_reduce(num_tokens, group=cp_group)
-            return total * cp / num_tokens.clamp(min=1), report
+            return total * cp / num_tokens.clamp(min=1) + extra, report
 
         return output, loss_func
 

@@ -1,6 +1,7 @@
-"""Multi-token prediction trains in TP 2 (with sequence parallelism, and with --calculate-per-token-loss) and PP 2
-(the depths and a copy of the word embedding on the last stage; tied and untied output layer) exactly as one
-process: the losses and every parameter's reduced gradient of 3 iterations (fp32,
+"""Multi-token prediction trains in TP 2 (with sequence parallelism, and with --calculate-per-token-loss), PP 2
+(the depths and a copy of the word embedding on the last stage; tied and untied output layer) and CP 2 (the token,
+label and loss-mask shifts cross the load-balanced chunks; every --cp-comm-type, alone and with TP 2 + SP or PP 2)
+exactly as one process: the losses and every parameter's reduced gradient of 3 iterations (fp32,
 rtol 1e-5; same seed, no weight copying). SGD with an active gradient clip, so a wrong reduction shows again in
 the next iteration."""
 import json
@@ -23,8 +24,14 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
 UNTIED, PER_TOKEN = ["--untie-embeddings-and-output-weights"], ["--calculate-per-token-loss"]
 MODELS = {"untied": UNTIED, "tied": [], "untied-per-token": UNTIED + PER_TOKEN}
 TP2, PP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"], ["--pipeline-model-parallel-size", "2"]
+CP2 = ["--context-parallel-size", "2"]  # chunks 0, 3 and 1, 2 of 4: every shift crosses a rank boundary
 CASES = {"tp2-sp": (TP2, "untied"), "tp2-sp-per-token": (TP2, "untied-per-token"), "pp2": (PP2, "untied"),
-         "pp2-tied": (PP2, "tied")}
+         "pp2-tied": (PP2, "tied"), "cp2": (CP2, "untied"),
+         # one type per layer: the depths take the first layers' (allgather, a2a)
+         "cp2-allgather-a2a-tied": (CP2 + ["--cp-comm-type", "allgather", "a2a"], "tied"),
+         "cp2-a2a+p2p-per-token": (CP2 + ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes",
+                                          "1", "2"], "untied-per-token")}
+CASES4 = {"cp2-tp2-sp": (CP2 + TP2, "untied"), "cp2-pp2-tied": (CP2 + PP2, "tied")}  # world 4
 
 
 class _GradientRecorder:
@@ -65,10 +72,12 @@ def results(tmp_path_factory):
     refs = run_distributed(_worker, 1, MODELS, metrics)[0]
     refs["metrics"] = [json.loads(line) for line in open(metrics)]
     got = run_distributed(_worker, 2, {n: flags + MODELS[m] for n, (flags, m) in CASES.items()}, timeout=600)[0]
-    return refs, {name: (refs[model], got[name]) for name, (_, model) in CASES.items()}
+    got.update(run_distributed(_worker, 4, {n: flags + MODELS[m] for n, (flags, m) in CASES4.items()},
+                               timeout=600)[0])
+    return refs, {name: (refs[model], got[name]) for name, (_, model) in {**CASES, **CASES4}.items()}
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", sorted({**CASES, **CASES4}))
 def test_layout_equals_one_process(results, name):
     ref, out = results[1][name]
     assert_parity(out["losses"], ref["losses"], f"{name} losses")

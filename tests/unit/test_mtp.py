@@ -97,13 +97,14 @@ def test_flags():
     cfg = _args("--position-embedding-type", "rope", "--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2",
                 "--untie-embeddings-and-output-weights", world=2)
     assert cfg.parallel.embedding_groups() == [[0, 1]]
+    # with context parallelism (tests/distributed/test_mtp_parity.py: CP 2 equals one process)
+    assert _args("--position-embedding-type", "rope", "--mtp-num-layers", "1", "--context-parallel-size", "2",
+                 world=2).parallel.cp == 2
 
 
 @pytest.mark.parametrize("flags,message", [
     (["--position-embedding-type", "rope", "--mtp-num-layers", "0"], "--mtp-num-layers must be >= 1"),
     (["--mtp-num-layers", "1"], "--mtp-num-layers needs rotary positions"),
-    (["--position-embedding-type", "rope", "--mtp-num-layers", "1", "--context-parallel-size", "2"],
-     "--mtp-num-layers with --context-parallel-size 2 is not available yet"),
 ])
 def test_flag_problems(flags, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
