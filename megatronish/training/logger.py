@@ -159,15 +159,20 @@ class TrainLogger:
 
     def evaluate(self, state: TrainState, test: bool = False) -> None:
         """Validation (or, ``test``, the test split's evaluation at the end, as Megatron's ``on test set``)."""
-        loss = evaluate(self.run, state, self.run.test_ds if test else None)
+        details: dict = {}
+        loss = evaluate(self.run, state, self.run.test_ds if test else None, details)
         ppl = math.exp(min(20.0, loss))
+        mtp = details.get("mtp", {})  # --mtp-num-layers: each depth's loss, as the training line has them
         (state.test_history if test else state.valid_history).append((state.iteration, loss))
         self.writer.write({"split": "test" if test else "valid", "iteration": state.iteration, "lm_loss": loss,
-                           "ppl": ppl}, state.iteration)
+                           "ppl": ppl, **{name.replace(" ", "_"): value for name, value in mtp.items()}},
+                          state.iteration)
         bar = "-" * 100
         where = " on test set" if test else ""
+        depths = "".join(f" {name} value: {value:.6E} | {name} PPL: {math.exp(min(20.0, value)):.6E} |"
+                         for name, value in mtp.items())
         print_rank_last(self.logging_rank, f"{bar}\n validation loss at iteration {state.iteration}{where} | lm "
-                                           f"loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |\n{bar}")
+                                           f"loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |{depths}\n{bar}")
 
     def close(self) -> None:
         self.writer.close()
