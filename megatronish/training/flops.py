@@ -17,8 +17,14 @@ def num_floating_point_operations(cfg, batch_size: int) -> float:
     With ``--multi-latent-attention`` the attention term per layer and token is Megatron-LM's MLA branch:
     ``6 [q + r_kv (h + a (d_nope + d_v) + 1) + h d_rope + a d_v h + a (d_nope + d_rope + d_v) s / 2]``, ``q`` being
     ``h a (d_nope + d_rope)`` (full-rank query) or ``r_q (h + a (d_nope + d_rope) + 1)`` (the ``+ 1`` terms are
-    the latents' norms), the core attention halved for the causal mask."""
+    the latents' norms), the core attention halved for the causal mask.
+
+    With ``--mtp-num-layers D`` (Megatron-LM's ``mtp_num_layers`` terms) each depth adds a transformer layer (MoE
+    when the decoder's last layer is, as the depth's is built), its ``eh_proj`` (``2h -> h``) and norms
+    (``enorm``, ``hnorm``, ``final_layernorm``: ``6 (2h^2 + 3h)`` per token) and its logits through the shared
+    output layer (``(1 + D) V / (2h)`` in the bracket)."""
     h, s, L = cfg.hidden_size, cfg.seq_length, cfg.num_layers
+    D = cfg.mtp_num_layers or 0
     a, g = cfg.num_attention_heads, cfg.num_query_groups
     q = a * cfg.kv_channels
     attention = 12.0 * h * h * (1 + g / a + s / h) * (q / h)  # per layer and token
@@ -27,11 +33,14 @@ def num_floating_point_operations(cfg, batch_size: int) -> float:
     gated = 1.5 if cfg.swiglu else 1.0
     V = cfg.padded_vocab_size(1)
     n_moe = sum(is_moe_layer(cfg, i) for i in range(L))
-    mlp = (L - n_moe) * cfg.ffn_hidden_size
+    if D and is_moe_layer(cfg, L - 1):  # the depths' layers are MoE layers
+        n_moe += D
+    mlp = (L + D - n_moe) * cfg.ffn_hidden_size
     if n_moe:
         moe = cfg.moe
         mlp += n_moe * (moe.moe_router_topk * moe.moe_ffn_hidden_size + (moe.moe_shared_expert_intermediate_size or 0))
-    return batch_size * s * (L * attention + 12.0 * h * h * (mlp / h * gated + V / (2.0 * h)))
+    mtp = 6.0 * D * (2 * h * h + 3 * h)  # the depths' eh_proj and norms, per token
+    return batch_size * s * ((L + D) * attention + 12.0 * h * h * (mlp / h * gated + (1 + D) * V / (2.0 * h)) + mtp)
 
 
 def _mla_flops_per_token(cfg) -> float:

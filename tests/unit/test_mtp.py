@@ -109,3 +109,40 @@ def test_flags():
 def test_flag_problems(flags, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         _args(*flags, world=2)
+
+
+def _gemm_flops(tokens, s, h, a, g, kv, V, ffn, swiglu, pattern, depths, k=0, moe_ffn=0):
+    """Megatron-LM's count GEMM by GEMM, per token: 3 (forward, two backward GEMMs) x 2 (multiply-add) x the
+    weights each token meets: per layer (the decoder's ``pattern``, then each depth's, MoE when the last decoder
+    layer is) QKV, projection, scores and values over ``s`` keys, the MLP; per depth ``eh_proj`` ``[h, 2h]`` and
+    three norms of ``h``; the output layer once per depth and once for the decoder."""
+    q = a * kv
+    mats = 3 if swiglu else 2
+    layers = list(pattern) + [pattern[-1]] * depths
+    per_token = sum(h * (q + 2 * kv * g) + q * h + 2 * s * q + mats * h * (moe_ffn * k if moe else ffn)
+                    for moe in layers)
+    per_token += depths * (2 * h * h + 3 * h) + (1 + depths) * h * V
+    return tokens * 3 * 2 * per_token
+
+
+def test_flops_count_the_depths():
+    from megatronish.config import gpt2
+    from megatronish.training.flops import num_floating_point_operations
+
+    # by hand: L = D = 1, h = 4, one head, s = 2, V = 8, GELU FFN 8, per token: each layer 4*12 (QKV) + 16
+    # (projection) + 2*2*4 (scores, values) + 2*4*8 (MLP) = 144, twice; eh_proj 32 + norms 12; logits 2*32;
+    # 396 x 6 = 2376 per token, 2 tokens
+    tiny = gpt2(num_layers=1, hidden_size=4, num_attention_heads=1, seq_length=2, vocab_size=8, ffn_hidden_size=8,
+                make_vocab_size_divisible_by=8, position_embedding_type="rope", mtp_num_layers=1)
+    assert num_floating_point_operations(tiny, 1) == 4752
+    assert _gemm_flops(2, 2, 4, 1, 1, 4, 8, 8, False, [0], 1) == 4752
+    dense = llama(num_layers=3, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
+                  vocab_size=1000, seq_length=128, mtp_num_layers=2)
+    assert num_floating_point_operations(dense, 3) == pytest.approx(
+        _gemm_flops(3 * 128, 128, 64, 4, 2, 16, dense.padded_vocab_size(1), 96, True, [0, 0, 0], 2), rel=1e-12)
+    for last in (0, 1):  # the depths' layers follow the decoder's last: dense, or MoE (top-2 of F = 24)
+        moe = llama(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, vocab_size=1000,
+                    seq_length=64, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24,
+                    moe_layer_freq=[1, last], mtp_num_layers=3)
+        assert num_floating_point_operations(moe, 2) == pytest.approx(_gemm_flops(
+            2 * 64, 64, 64, 4, 4, 16, moe.padded_vocab_size(1), 96, True, [1, last], 3, k=2, moe_ffn=24), rel=1e-12)
