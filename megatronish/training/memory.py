@@ -28,7 +28,12 @@ Table 2), per transformer layer and microbatch, with 16-bit activations and 1-by
 GQA, other FFN sizes and SwiGLU term by term). The first pipeline stage is the fullest: with 1F1B it holds
 ``min(M, p)`` microbatches of its ``L/p`` layers, i.e. the activations of ``L`` layers; the interleaved schedule
 multiplies this by ``1 + (p-1)/(p*v)``. Embedding input/dropout (``8sb + sbh`` per microbatch in flight) and, at
-``p = 1``, the output layer and loss (``4sbh(1 + V/h)``) are added as Megatron does.
+``p = 1``, the output layer and loss (``4sbh(1 + V/h)``) are added as Megatron does. Multi-token prediction
+(``--mtp-num-layers D``) puts ``D`` depths on the last stage, each a transformer layer, its inputs (the embedded
+tokens and the hidden state into ``enorm``/``hnorm``, the ``2h`` concatenation into ``eh_proj``, the input of
+``final_layernorm``: ``10sbh``, ``/t`` with SP) and its own logits and loss (``4sbh(1 + V/h)``); the report is then
+the fuller of the first stage and the last (which keeps one microbatch of its ``L/p`` layers in flight under 1F1B,
+``(v-1)p + 1`` of its chunks interleaved).
 
 Measured: on CUDA the allocator's peak (``torch.cuda.max_memory_allocated``); on CPU the peak bytes of tensors
 saved for backward (``torch.autograd.graph.saved_tensors_hooks``), distinct storages only and parameters
@@ -135,8 +140,9 @@ def interleave_factor(p: int, v: int) -> float:
 def activation_bytes(model_cfg, *, micro_batch_size: int, tp: int = 1, pp: int = 1, vp: int = 1, cp: int = 1,
                      sequence_parallel: bool = False, num_microbatches: int | None = None,
                      padded_vocab_size: int | None = None) -> float:
-    """Peak activation bytes of the fullest (first) pipeline stage's rank for one iteration. Under context
-    parallelism a rank holds ``s / cp`` tokens of every sequence."""
+    """Peak activation bytes of the fullest pipeline stage's rank for one iteration: the first, or with
+    ``--mtp-num-layers`` the last if its depths make it fuller. Under context parallelism a rank holds ``s / cp``
+    tokens of every sequence."""
     m = model_cfg
     s, b, h = m.seq_length // cp, micro_batch_size, m.hidden_size
     per_layer = activation_bytes_per_layer(s, b, h, m.num_attention_heads, t=tp,
@@ -152,10 +158,19 @@ def activation_bytes(model_cfg, *, micro_batch_size: int, tp: int = 1, pp: int =
         in_flight = min(num_microbatches or pp, pp)
     total = per_layer * (m.num_layers / pp) * in_flight
     total += (8 * s * b + s * b * h / (tp if sequence_parallel else 1)) * in_flight  # embedding input, dropout
+    v = padded_vocab_size or m.padded_vocab_size(tp)
+    output = 4 * s * b * h * (1 + v / h) / tp  # output layer input and the loss's logits
     if pp == 1:
-        v = padded_vocab_size or m.padded_vocab_size(tp)
-        total += 4 * s * b * h * (1 + v / h) / tp  # output layer input and the loss's logits
-    return total
+        total += output
+    depths = m.mtp_num_layers or 0
+    if not depths:
+        return total
+    mtp = depths * (per_layer + 10 * s * b * h / (tp if sequence_parallel else 1) + output)  # on the last stage
+    if pp == 1:
+        return total + mtp
+    chunks = min((vp - 1) * pp + 1, (num_microbatches or pp) * vp) if vp > 1 else 1  # in flight on the last stage
+    last = per_layer * m.num_layers / (pp * vp) * chunks + output + mtp
+    return max(total, last)
 
 
 def theoretical_memory(cfg, num_params: int, num_expert_params: int = 0) -> dict:
@@ -193,18 +208,22 @@ def report_theoretical_memory(cfg, optimizer, models, print_fn=print) -> dict:
     n = sum(p.numel() for p in params)
     n_expert = sum(p.numel() for p in params if is_expert(p))
     est = theoretical_memory(cfg, n, n_expert)
+    est["num_mtp_params"] = sum(p.numel() for m in models for name, p in m.named_parameters()
+                                if name.startswith("mtp.") or ".mtp." in name)  # the last stage's depths
     o = cfg.optim
     kind = ("distributed " if o.use_distributed_optimizer else "") + o.optimizer
     experts = ""
     if n_expert:
         experts = (f"; {n_expert} of them expert params x {est['bytes_per_expert_param']:.2f} B/param, "
                    f"optimizer state over expert-DP {cfg.parallel.expert_dp}")
+    if est["num_mtp_params"]:
+        experts += f"; {est['num_mtp_params']} of them in the multi-token-prediction depths"
     if cfg.fsdp_active:
         kind += f", FSDP2 over {cfg.parallel.dp * cfg.parallel.cp} ranks"
     print_fn(f"theoretical memory per rank: weights+grads+optimizer {_mb(est['weights_and_optimizer'])} "
              f"({n} params x {est['bytes_per_param']:.2f} B/param{experts}; "
              f"{str(o.params_dtype).replace('torch.', '')} "
-             f"params, {str(o.grad_dtype).replace('torch.', '')} grads, {kind}); activations (first stage, "
+             f"params, {str(o.grad_dtype).replace('torch.', '')} grads, {kind}); activations (fullest stage, "
              f"Korthikanti et al.) {_mb(est['activations'])}; "
              f"total {_mb(est['weights_and_optimizer'] + est['activations'])}")
     return est

@@ -146,3 +146,53 @@ def test_flops_count_the_depths():
                     moe_layer_freq=[1, last], mtp_num_layers=3)
         assert num_floating_point_operations(moe, 2) == pytest.approx(_gemm_flops(
             2 * 64, 64, 64, 4, 4, 16, moe.padded_vocab_size(1), 96, True, [1, last], 3, k=2, moe_ffn=24), rel=1e-12)
+
+
+def test_activation_estimate_counts_the_depths():
+    """Each depth on the last stage: its layer (Korthikanti's ``sbh(34 + 5as/h)``, multi-head attention and a 4h
+    GELU MLP), ``10sbh`` of its own inputs and its logits and loss ``4sbh(1 + V/h)``."""
+    from megatronish.config import gpt2
+    from megatronish.training.memory import activation_bytes
+
+    s, b, h, a, L = 256, 2, 64, 4, 8
+
+    def cfg(depths):
+        return gpt2(num_layers=L, hidden_size=h, num_attention_heads=a, vocab_size=1000, seq_length=s,
+                    position_embedding_type="rope", mtp_num_layers=depths)
+    V = cfg(None).padded_vocab_size(1)
+    sbh = s * b * h
+    layer, output = sbh * (34 + 5 * a * s / h), 4 * sbh * (1 + V / h)
+    depth = layer + 10 * sbh + output
+    base = activation_bytes(cfg(None), micro_batch_size=b)
+    assert base == pytest.approx(L * layer + 8 * s * b + sbh + output)
+    assert activation_bytes(cfg(3), micro_batch_size=b) == pytest.approx(base + 3 * depth)
+    # PP 4 (1F1B, 8 microbatches): the first stage holds 4 microbatches of 2 layers; the last one microbatch of
+    # its 2 layers, its output layer and the depths: fuller with 7 depths, not with 1
+    first = activation_bytes(cfg(None), micro_batch_size=b, pp=4, num_microbatches=8)
+    assert first == pytest.approx(4 * (2 * layer + 8 * s * b + sbh))
+    assert activation_bytes(cfg(1), micro_batch_size=b, pp=4, num_microbatches=8) == pytest.approx(first)
+    assert activation_bytes(cfg(7), micro_batch_size=b, pp=4, num_microbatches=8) == pytest.approx(
+        2 * layer + output + 7 * depth)
+    # interleaved (2 chunks of 1 layer): the last stage keeps (2 - 1) * 4 + 1 = 5 chunks in flight
+    assert activation_bytes(cfg(7), micro_batch_size=b, pp=4, vp=2, num_microbatches=8) == pytest.approx(
+        5 * layer + output + 7 * depth)
+
+
+def test_memory_report_counts_the_depths_on_the_last_stage():
+    """PP 2 x TP 2: the last stage's report counts its parameters as built, the depths among them matching their
+    count by hand per TP rank: three norms, ``eh_proj`` ``2h x h / t`` and a layer (two norms, QKV ``3h^2/t``,
+    projection ``h^2/t``, SwiGLU ``3hF/t``); the first stage holds none."""
+    from megatronish.model.build import build_model_chunks
+    from megatronish.training.memory import report_theoretical_memory
+
+    cfg = _args("--position-embedding-type", "rope", "--mtp-num-layers", "2", "--pipeline-model-parallel-size",
+                "2", "--tensor-model-parallel-size", "2", world=4)
+    h, f, t = 64, cfg.model.ffn_hidden_size, 2
+    depth = 3 * h + 2 * h * h // t + 2 * h + 3 * h * h // t + h * h // t + 3 * h * f // t
+    for rank, mtp in ((0, 0), (3, 2 * depth)):
+        chunks = build_model_chunks(cfg.model, ParallelContext.fake(cfg.parallel, rank), sequence_parallel=False)
+        lines = []
+        est = report_theoretical_memory(cfg, None, chunks, print_fn=lines.append)
+        assert est["num_params"] == sum(p.numel() for c in chunks for p in c.parameters())
+        assert est["num_mtp_params"] == mtp
+        assert (f"{mtp} of them in the multi-token-prediction depths" in lines[0]) == bool(mtp), lines[0]
