@@ -45,6 +45,9 @@ def _flag_problems(args, for_training: bool = True) -> list[str]:
                       "--start-weight-decay and --end-weight-decay")
     if not args.loss_scale_window >= 1 or not float(args.loss_scale_window).is_integer():
         errors.append(f"--loss-scale-window must be a whole number >= 1, got {args.loss_scale_window}")
+    if args.cache_mla_latents and not args.multi_latent_attention:
+        errors.append("--cache-mla-latents applies to --multi-latent-attention (its latent generation cache); "
+                      "drop it")
     _check_compat_flags(args, errors)
     _check_tokenizer_flags(args, errors)
     return errors

@@ -76,8 +76,10 @@ def add_mla_flags(p) -> None:
          help="multi-token prediction: depths predicting 2, 3, ... tokens ahead (default none)")
     flag(g, "--mtp-loss-scaling-factor", type=float, default=0.1,
          help="the weight of the multi-token-prediction loss (the mean over its depths)")
+    flag(g, "--cache-mla-latents", **on,
+         help="generation with MLA attends in the latent space (weight absorption); its cache holds the latents "
+              "either way (docs/deepseek.md)")
     # Megatron MLA flags of features not built here: rejected by NOT_YET_SUPPORTED
-    flag(g, "--cache-mla-latents", **on)
     flag(g, "--mla-down-proj-fusion", **on)
 
 

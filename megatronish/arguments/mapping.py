@@ -66,6 +66,9 @@ def _notes(args) -> list[str]:
     if args.tiktoken_pattern is not None and args.tokenizer_type != "TikTokenizer":
         notes.append(f"--tiktoken-pattern {args.tiktoken_pattern}: used by TikTokenizer only (this run's tokenizer "
                      f"is {args.tokenizer_type or 'the default'}), as in Megatron-LM")
+    if args.cache_mla_latents:
+        notes.append("--cache-mla-latents: chooses how text generation attends from multi-latent attention's "
+                     "latent cache; training does not use it (as in Megatron-LM)")
     if args.mock_data and args.split is not None:
         notes.append(f"--split {args.split}: --mock-data draws its own synthetic samples for training and "
                      "validation; there is no corpus to split")

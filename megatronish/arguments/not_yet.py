@@ -64,7 +64,6 @@ NOT_YET_SUPPORTED: dict[str, NotYet] = {
         (None, NotYet("--moe-latent-size", (None,), "MoE latent projections", _DROP)),
         (None, NotYet("--moe-extended-tp", (False,), "extended expert tensor parallelism",
                       "use --expert-tensor-parallel-size")),
-        (None, NotYet("--cache-mla-latents", (False,), "the latent (compressed) MLA generation cache", _DROP)),
         (None, NotYet("--mla-down-proj-fusion", (False,), "the fused MLA down-projection", _DROP)),
         # batch
         (None, NotYet("--step-batch-size-schedule", (None,), "the step batch-size schedule (Megatron-LM after "

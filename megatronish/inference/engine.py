@@ -47,11 +47,12 @@ class Generator:
 
     ``max_batch`` x ``max_sequence``: the KV cache, allocated on first use and reused (prompt + generated
     tokens of a sequence must fit in ``max_sequence``). ``vocab_size``: the true vocabulary (padding rows of
-    the output layer are never chosen).
+    the output layer are never chosen). ``cache_mla_latents`` (``--cache-mla-latents``): a multi-latent-attention
+    model attends in the latent space (its cache holds the latents either way).
     """
 
     def __init__(self, model, parallel: ParallelContext | None = None, *, max_batch: int = 8,
-                 max_sequence: int | None = None, vocab_size: int | None = None):
+                 max_sequence: int | None = None, vocab_size: int | None = None, cache_mla_latents: bool = False):
         if parallel is not None and parallel.vp_size > 1:
             raise ValueError("generation runs one model chunk per pipeline rank; load the checkpoint without "
                              "virtual pipeline stages (any layout loads it)")
@@ -62,6 +63,7 @@ class Generator:
         self.max_sequence = max_sequence or c.max_position_embeddings
         self.vocab_size = vocab_size or c.vocab_size
         self.hidden_size = c.hidden_size
+        self.cache_mla_latents = cache_mla_latents
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self._cache: InferenceParams | None = None
@@ -131,7 +133,8 @@ class Generator:
         if use_cache:
             if self._cache is None:
                 self._cache = InferenceParams.for_model(self.model, max_batch=self.max_batch,
-                                                        max_sequence=self.max_sequence)
+                                                        max_sequence=self.max_sequence,
+                                                        cache_mla_latents=self.cache_mla_latents)
             params = self._cache
             params.reset()
         start = min(lengths)

@@ -131,5 +131,6 @@ def load_generator(cfg, args) -> GenerationSession:
             argparse.Namespace(iteration=0, consumed_samples=0, valid_consumed_samples=0))
     model.eval()
     max_seq = args.inference_max_sequence_length or cfg.model.max_position_embeddings
-    gen = Generator(model, ctx, max_batch=args.inference_max_requests, max_sequence=max_seq)
+    gen = Generator(model, ctx, max_batch=args.inference_max_requests, max_sequence=max_seq,
+                    cache_mla_latents=args.cache_mla_latents)
     return GenerationSession(cfg, ctx, gen, cfg.data.tokenizer)  # the run's one tokenizer

@@ -29,9 +29,18 @@ input gradients are all-reduced, and so is the shared RoPE key's); with it, each
 sequence chunk, the up-projections all-gather the latents, the RoPE key is all-gathered, and the replicated
 weights' gradients are partial sums over TP, marked ``sequence_parallel`` like the norms' (summed after backward).
 
-Keys and values have different head sizes; context parallelism and the generation cache carry one size, so there
-the smaller of the two is zero-padded to the larger (zero key channels leave the scores unchanged, zero value
-channels are sliced off the output).
+Keys and values have different head sizes; context parallelism carries one size, so there the smaller of the two
+is zero-padded to the larger (zero key channels leave the scores unchanged, zero value channels are sliced off the
+output).
+
+Generation (``kv_cache``, ``megatronish.inference.kv_cache``) caches per token only the latent ``norm_kv(c)``
+``[r_kv]`` and the rotated RoPE key ``[d_rope]``, whole on every TP rank, and attends from them in one of two
+exact ways. Default: up-project the cached latents to this rank's heads' ``k_nope``/``v`` at each step. With
+``--cache-mla-latents`` (the cache's ``absorb``), DeepSeek's weight absorption: with ``W_UK_i``/``W_UV_i`` head
+``i``'s ``k_nope``/``v`` rows of ``W_kv_up``, ``q_nope_i . k_nope_i = (W_UK_i^T q_nope_i) . norm_kv(c)`` and
+``sum_j p_ij v_ij = W_UV_i (sum_j p_ij norm_kv(c_j))``, so every head attends over the one shared latent key
+``[norm_kv(c) ; rope(k_rope)]`` (``r_kv + d_rope`` wide) with the query ``[W_UK_i^T q_nope_i ; rope(q_rope_i)]``
+and the latent as its value, and ``W_UV_i`` maps the result to ``d_v``: no per-head key or value exists.
 """
 from __future__ import annotations
 
@@ -82,7 +91,7 @@ class MLASelfAttention(CoreAttention):
         self.qk_head_dim, self.rope_dim, self.v_head_dim = a.qk_head_dim, a.qk_pos_emb_head_dim, a.v_head_dim
         self.kv_lora_rank = a.kv_lora_rank
         q_head = self.qk_head_dim + self.rope_dim
-        self.kv_channels = max(q_head, self.v_head_dim)  # the generation cache's head size (both padded to it)
+        self.kv_channels = max(q_head, self.v_head_dim)  # context parallelism's head size (both padded to it)
         self.softmax_scale = yarn_softmax_mscale(a) / math.sqrt(q_head)
         std = c.init_method_std
 
@@ -131,6 +140,12 @@ class MLASelfAttention(CoreAttention):
         latent, k_rope = self.linear_kv_down_proj(x).split([self.kv_lora_rank, d_rope], dim=-1)  # [s(/t), b, .]
         if self.kv_layernorm is not None:
             latent = self.kv_layernorm(latent)
+        if kv_cache is not None:  # generation: the latent cache (no sequence parallelism there)
+            cos, sin = rotary[0], rotary[1]
+            q_nope, q_rope = q.split([d_nope, d_rope], dim=-1)
+            k_rope = apply_rotary_interleaved(k_rope.unsqueeze(2), cos, sin)[:, :, 0]  # [s, b, d_rope]
+            ctx = self._cached(q_nope, apply_rotary_interleaved(q_rope, cos, sin), latent, k_rope, kv_cache)
+            return self.linear_proj(ctx)
         kv = self.linear_kv_up_proj(latent)[0].view(s, b, heads, d_nope + d_v)  # [s, b, heads/t, d_nope + d_v]
         k_nope, v = kv.split([d_nope, d_v], dim=-1)
         # the shared RoPE key feeds every rank's heads: its gradient is summed over TP
@@ -146,11 +161,41 @@ class MLASelfAttention(CoreAttention):
         q = torch.cat((q_nope, q_rope), dim=-1)
         k = torch.cat((k_nope, k_rope.expand(s, b, heads, d_rope)), dim=-1)  # [s, b, heads/t, d_nope + d_rope]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads/t, s, d]
-        pad = kv_cache is not None or self.parallel.cp_size > 1  # one head size for keys and values: pad
+        pad = self.parallel.cp_size > 1  # one head size for keys and values: pad
         if pad:
             q, k, v = (F.pad(t, (0, self.kv_channels - t.size(-1))) for t in (q, k, v))
-        ctx = self._attention(q, k, v, document_ids, kv_cache)  # [b, heads/t, s, d_v (padded)]
+        ctx = self._attention(q, k, v, document_ids)  # [b, heads/t, s, d_v (padded)]
         if pad:
             ctx = ctx[..., :d_v]
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, heads * d_v)  # [s, b, heads/t * d_v]
         return self.linear_proj(ctx)  # (out, bias)
+
+    def _cached(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
+                cache) -> torch.Tensor:
+        """Generation: store the step's ``latent`` ``[s, b, r_kv]`` and rotated ``k_rope`` ``[s, b, d_rope]`` in
+        ``cache`` at its offset and attend from every cached position (the module docstring's two ways);
+        ``q_nope``/``q_rope`` ``[s, b, heads/t, .]`` (rotated). Returns ``[s, b, heads/t * d_v]``."""
+        d_nope, d_v, r_kv = self.qk_head_dim, self.v_head_dim, self.kv_lora_rank
+        s, b, heads = q_nope.shape[:3]
+        offset = cache.offset
+        c, k_r = cache.append(latent.transpose(0, 1), k_rope.transpose(0, 1))  # [b, T, r_kv], [b, T, d_rope]
+        q_nope, q_rope = (t.permute(1, 2, 0, 3) for t in (q_nope, q_rope))  # [b, heads/t, s, .]
+        if not cache.absorb:  # this rank's heads' keys and values from the cached latents
+            total = c.size(1)
+            kv = self.linear_kv_up_proj(c.transpose(0, 1))[0].view(total, b, heads, d_nope + d_v)  # [T, b, h/t, .]
+            k_nope, v = kv.permute(1, 2, 0, 3).split([d_nope, d_v], dim=-1)  # [b, heads/t, T, .]
+            k = torch.cat((k_nope, k_r.unsqueeze(1).expand(b, heads, total, k_r.size(-1))), dim=-1)
+            ctx = self._cached_attention(torch.cat((q_nope, q_rope), dim=-1), k, v, offset)  # [b, h/t, s, d_v]
+            return ctx.permute(2, 0, 1, 3).reshape(s, b, heads * d_v)
+        w = self.linear_kv_up_proj.weight.view(heads, d_nope + d_v, r_kv)
+        w_uk, w_uv = w.split([d_nope, d_v], dim=1)  # [heads/t, d_nope, r_kv], [heads/t, d_v, r_kv]
+        q = torch.cat((torch.einsum("bhsd,hdr->bhsr", q_nope, w_uk), q_rope), dim=-1)  # [b, h/t, s, r_kv + d_rope]
+        # one key/value head (the latent) for every query head: fold the heads into the query rows
+        q = q.reshape(b, 1, heads * s, q.size(-1))  # [b, 1, heads/t * s, r_kv + d_rope], head-major
+        k = torch.cat((c, k_r), dim=-1).unsqueeze(1)  # [b, 1, T, r_kv + d_rope]
+        mask = None
+        if s > 1:  # query i of every head sees keys up to offset + i
+            mask = torch.ones(s, c.size(1), dtype=torch.bool, device=q.device).tril(offset).repeat(heads, 1)
+        o = F.scaled_dot_product_attention(q, k, c.unsqueeze(1), attn_mask=mask, scale=self.softmax_scale)
+        ctx = torch.einsum("bhsr,hvr->sbhv", o.view(b, heads, s, r_kv), w_uv)  # [s, b, heads/t, d_v]
+        return ctx.reshape(s, b, heads * d_v)

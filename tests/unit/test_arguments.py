@@ -306,7 +306,6 @@ def test_run_config_fields():
 NOT_YET = [
     (["--moe-token-dispatcher-type", "flex"], "--moe-token-dispatcher-type flex"),
     (["--moe-permute-fusion"], "--moe-permute-fusion"),
-    (["--cache-mla-latents"], "--cache-mla-latents"),
     (["--mla-down-proj-fusion"], "--mla-down-proj-fusion"),
     (["--step-batch-size-schedule", "0:16 1B:32"], "--step-batch-size-schedule 0:16 1B:32"),
     (["--fp8-recipe", "mxfp8"], "--fp8-recipe mxfp8"),

@@ -231,7 +231,7 @@ def test_flags_reach_the_config():
     (["--multi-latent-attention", "--qk-pos-emb-head-dim", "5"], "--qk-pos-emb-head-dim 5 must be even"),
     (["--multi-latent-attention", "--kv-lora-rank", "0"], "--kv-lora-rank must be >= 1"),
     (["--rope-type", "yarn"], "--rope-type yarn applies to --multi-latent-attention"),
-    (["--multi-latent-attention", "--cache-mla-latents"], "--cache-mla-latents"),
+    (["--cache-mla-latents"], "--cache-mla-latents applies to --multi-latent-attention"),
 ])
 def test_flag_problems(flags, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -259,7 +259,8 @@ def test_flops_count_mla_terms():
 
 
 def test_generation_cache_equals_full_forward():
-    """The generation cache (keys and values padded to one head size) gives the full forward's logits."""
+    """The generation cache (the latents; tests/unit/test_mla_generation.py has more) gives the full forward's
+    logits."""
     from megatronish.inference.kv_cache import InferenceParams
     from megatronish.model import GPTModel
 
