@@ -2,7 +2,10 @@
 prompts of different lengths are token-identical to transformers' ``generate`` for a converted random GPT-2 and
 Llama (GQA), with and without the KV cache, and the log-probs equal transformers' within 1e-5. The TP 2 x PP 2
 run loads a converted (layout-free) checkpoint and saves it again from its four ranks; the TP 2 and PP 2 runs
-load that one, so a checkpoint saved at one layout generates at another."""
+load that one, so a checkpoint saved at one layout generates at another. A converted DeepSeek-V3-like model
+(multi-latent attention with the query latent, YaRN; dense) generates transformers' greedy tokens and log-probs
+at TP 2 from the latent cache, with and without ``--cache-mla-latents``' weight absorption; both TP ranks cache
+the same whole latents."""
 import argparse
 import os
 
@@ -19,6 +22,7 @@ from megatronish.testing import run_distributed
 
 V, NEW = 100, 8
 ARCHS = ("GPT2LMHeadModel", "LlamaForCausalLM")
+MLA = "DeepseekV3ForCausalLM"
 PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 14, 15, 16, 17, 18], [1, 2, 3, 4, 5]]
 
 
@@ -26,8 +30,8 @@ PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 14, 15, 16, 17, 18], [1, 2, 3, 4, 5]]
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("generation")
     refs = {}
-    for arch in ARCHS:
-        hf = tiny_hf_model(arch, vocab=V)
+    for arch in ARCHS + (MLA,):  # the DeepSeek model dense (generation with MoE at TP 2 needs expert parallelism)
+        hf = tiny_hf_model(arch, vocab=V, **(dict(first_k_dense_replace=4) if arch == MLA else {}))
         hf.generation_config.eos_token_id = None  # generate exactly NEW tokens
         cfg, a = model_config_from_hf(hf.config.to_dict())
         write_checkpoint(str(root / arch), None, hf_state_dict_to_ours(hf.state_dict(), cfg, a, tp=1),
@@ -44,9 +48,9 @@ def setup(tmp_path_factory):
     return str(root), refs
 
 
-def _session(load, tp, pp, save=None):
+def _session(load, tp, pp, save=None, extra=()):
     argv = ["--load", load, "--use-checkpoint-args", "--tensor-model-parallel-size", str(tp),
-            "--pipeline-model-parallel-size", str(pp), "--inference-max-requests", "4"]
+            "--pipeline-model-parallel-size", str(pp), "--inference-max-requests", "4", *extra]
     args = build_generation_parser("test", "test").parse_args(argv + (["--save", save] if save else []))
     world = int(os.environ["WORLD_SIZE"])
     cfg = configs_for_generation(args, world)
@@ -83,6 +87,17 @@ def _tp2_then_pp2(rank, world, root, refs):
         for arch in ARCHS:
             _, session = _session(os.path.join(root, "resaved", arch), tp, pp)
             sampled[(tp, pp, arch)] = _check(session, arch, refs)
+    seqs, lps = refs[MLA]
+    for absorb in (False, True):  # the latent cache at TP 2, up-projected per step or absorbed
+        _, session = _session(os.path.join(root, MLA), 2, 1, extra=["--cache-mla-latents"] if absorb else [])
+        out = session.generator.generate(PROMPTS, NEW, SamplingParams(top_k=1), return_logprobs=True, pad_id=V - 1)
+        assert out.tokens == seqs, (absorb, out.tokens, seqs)
+        for i in range(len(PROMPTS)):
+            torch.testing.assert_close(torch.tensor(out.logprobs[i]), lps[i], rtol=0, atol=1e-5)
+        cache, a = session.generator._cache, session.cfg.model.attention
+        assert cache.absorb == absorb and cache.nbytes() == 4 * 4 * session.generator.max_sequence * (
+            a.kv_lora_rank + a.qk_pos_emb_head_dim) * 4  # 4 layers x 4 sequences x positions, fp32
+        sampled[("latents", absorb)] = [t.tolist() for t in cache.layer_cache(0).entries]  # equal on both ranks
     return sampled
 
 
