@@ -19,6 +19,7 @@ import os
 
 from ..checkpoint.args import _FORCED, _IF_UNSET
 from ..convert.hf_config import ConvertError, model_config_from_hf
+from ..convert.hf_deepseek import DEEPSEEK_V3
 from ..errors import ConfigError
 
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json")
@@ -42,8 +43,13 @@ def read_hf_config(path: str) -> dict:
 
 
 def _options(parser) -> dict[str, tuple[str, object]]:
-    """dest -> (first option string, default) of every flag."""
-    return {a.dest: (a.option_strings[0], a.default) for a in parser._actions if a.option_strings}
+    """dest -> (first option string, default) of every flag; a dest two flags share (``--x`` / ``--no-x``)
+    keeps its first flag's, whose default argparse puts in the namespace."""
+    out: dict[str, tuple[str, object]] = {}
+    for a in parser._actions:
+        if a.option_strings:
+            out.setdefault(a.dest, (a.option_strings[0], a.default))
+    return out
 
 
 def hf_arg_values(args, path: str, parser) -> tuple[dict, int]:
@@ -77,6 +83,7 @@ def hf_arg_values(args, path: str, parser) -> tuple[dict, int]:
             errors.append(f"{option} {_show(given)} contradicts --load {where}, which gives {dest} {_show(value)}; "
                           f"drop {option} (the model's architecture is its config's)")
         values[dest] = value
+    errors += _mtp_errors(args, hf, where)
     if errors:
         raise ConfigError("\n".join(errors))
     if args.tokenizer_type is None and args.vocab_file is None and args.tokenizer_model is None \
@@ -86,6 +93,24 @@ def hf_arg_values(args, path: str, parser) -> tuple[dict, int]:
         else:
             values.update(tokenizer_type="NullTokenizer", vocab_size=flat["vocab_size"] - 1)
     return values, int(flat["vocab_size"])
+
+
+def _mtp_errors(args, hf: dict, where: str) -> list[str]:
+    """``--mtp-num-layers N`` loads the first N multi-token-prediction layers of a DeepSeek-V3 directory (the
+    config's ``num_nextn_predict_layers`` does not turn them on: transformers leaves them unused and Megatron-LM
+    trains without them unless given)."""
+    n = getattr(args, "mtp_num_layers", None)
+    if not n:
+        return []
+    arch = (hf.get("architectures") or [None])[0]
+    if arch != DEEPSEEK_V3:
+        return [f"--mtp-num-layers {n} with --load {where}: only {DEEPSEEK_V3} directories carry multi-token-"
+                f"prediction weights ({arch} does not); drop --mtp-num-layers"]
+    have = int(hf.get("num_nextn_predict_layers") or 0)
+    if n > have:
+        return [f"--mtp-num-layers {n}: --load {where} has num_nextn_predict_layers {have}; give at most {have} "
+                "or drop --mtp-num-layers"]
+    return []
 
 
 def _show(v) -> str:

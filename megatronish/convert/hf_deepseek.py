@@ -15,9 +15,16 @@ are channels ``(0, 1), (2, 3), ...``, as in our MLA, so the weights copy as they
 (rotate-half pairs) is refused.
 
 FP8: DeepSeek-V3's released weights are ``float8_e4m3fn`` with a ``<name>_scale_inv`` tensor of one float per
-``weight_block_size`` block (128 x 128): :func:`dequantize_fp8` multiplies them out into bfloat16 on import.
-Multi-token prediction is not built: the layers past ``num_hidden_layers`` (``num_nextn_predict_layers`` of
-them) are dropped on import (:func:`mtp_layer_names`) and none are written on export.
+``weight_block_size`` block (128 x 128): :func:`dequantize_fp8` multiplies them out into bfloat16 on import;
+:func:`fp8_block_reader` does it for a block of rows and columns, reading only the scale blocks covering it.
+
+Multi-token prediction: published files carry ``num_nextn_predict_layers`` layers past the decoder,
+``model.layers.<num_hidden_layers + k>.``: ``enorm``, ``hnorm``, ``eh_proj``, a decoder layer (``input_layernorm``,
+``self_attn.*``, ``post_attention_layernorm``, ``mlp.*``), ``shared_head.norm`` and two copies of shared tensors,
+``embed_tokens`` (the word embedding) and ``shared_head.head`` (the output layer). They map to depth ``k`` of
+model/mtp.py, ``mtp.layers.<k>.{enorm,hnorm,eh_proj}``, ``.mtp_model_layer.*`` and ``.final_layernorm``
+(:func:`mtp_hf_prefix`, name_map's table); the copies are not ours (our depths use the model's embedding and
+output layer) and are written from those on export (:func:`mtp_copies`).
 """
 from __future__ import annotations
 
@@ -161,7 +168,7 @@ def deepseek_hf_config(cfg: ModelConfig) -> dict:
                qk_nope_head_dim=a.qk_head_dim, qk_rope_head_dim=a.qk_pos_emb_head_dim, v_head_dim=a.v_head_dim,
                qk_head_dim=a.qk_head_dim + a.qk_pos_emb_head_dim, head_dim=a.qk_pos_emb_head_dim,
                rope_interleave=True, rope_theta=float(a.rotary_base), rope_parameters=rope,
-               num_nextn_predict_layers=0)  # no multi-token-prediction layers are written
+               num_nextn_predict_layers=cfg.mtp_num_layers or 0)  # the depths written (mtp_copies)
     if not m.num_experts:
         return dict(out, first_k_dense_replace=cfg.num_layers)
     shared = m.moe_shared_expert_intermediate_size or 0
@@ -175,10 +182,39 @@ def deepseek_hf_config(cfg: ModelConfig) -> dict:
 
 # ---- what published files carry beyond the model ---------------------------------------------------------------
 
-def mtp_layer_names(names, hf: dict) -> list[str]:
-    """The tensors of the multi-token-prediction layers (``model.layers.<i>`` with ``i >= num_hidden_layers``)."""
-    layers = int(hf.get("num_hidden_layers", 0))
+def mtp_layer_names(names, hf: dict, keep: int = 0) -> list[str]:
+    """The tensors of the multi-token-prediction layers (``model.layers.<i>`` with ``i >= num_hidden_layers``)
+    past the first ``keep`` of them."""
+    layers = int(hf.get("num_hidden_layers", 0)) + keep
     return sorted(n for n in names if (m := _LAYER.match(n)) and int(m.group(1)) >= layers)
+
+
+def mtp_depths(names, hf: dict) -> int:
+    """How many multi-token-prediction layers the tensor ``names`` hold (consecutive from
+    ``num_hidden_layers``)."""
+    layers = int(hf.get("num_hidden_layers", 0))
+    present = {int(m.group(1)) for n in names if (m := _LAYER.match(n)) and int(m.group(1)) >= layers}
+    return next(k for k in range(len(present) + 1) if layers + k not in present)
+
+
+def mtp_hf_prefix(cfg: ModelConfig, depth: int) -> str:
+    """The HF name prefix of multi-token-prediction depth ``depth`` (0-based)."""
+    return f"model.layers.{cfg.num_layers + depth}."
+
+
+def mtp_layer_is_moe(cfg: ModelConfig) -> bool:
+    """A depth's decoder layer is an MoE layer when the decoder's last one is (model/mtp.py)."""
+    return bool(cfg.moe.num_experts) and is_moe_layer(cfg, cfg.num_layers - 1)
+
+
+def mtp_copies(cfg: ModelConfig) -> dict[str, str]:
+    """HF copy name -> the HF tensor it copies, for each of ``cfg``'s multi-token-prediction depths."""
+    head = "lm_head.weight" if cfg.untie_embeddings_and_output_weights else "model.embed_tokens.weight"
+    out = {}
+    for k in range(cfg.mtp_num_layers or 0):
+        h = mtp_hf_prefix(cfg, k)
+        out.update({f"{h}embed_tokens.weight": "model.embed_tokens.weight", f"{h}shared_head.head.weight": head})
+    return out
 
 
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
@@ -210,3 +246,29 @@ def fp8_view(names, get, hf: dict):
         return t
 
     return names - scales, dequantized
+
+
+def fp8_block_reader(read, shape_of, names, hf: dict):
+    """``read(name, index)`` (one slice per leading dimension) with FP8 block-scaled weights dequantized to
+    bfloat16 block by block: a block of rows ``r0:r1`` and columns ``c0:c1`` reads its FP8 bytes and only the
+    ``<name>_scale_inv`` blocks covering it, ``[r0 // b0 : ceil(r1 / b0), c0 // b1 : ceil(c1 / b1)]``."""
+    names = set(names)
+    scaled = {n.removesuffix(SCALE_SUFFIX) for n in names if n.endswith(SCALE_SUFFIX)} & names
+    if not scaled:
+        return read
+    b0, b1 = tuple((hf.get("quantization_config") or {}).get("weight_block_size") or (128, 128))
+
+    def reader(name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        t = read(name, index)
+        if name not in scaled or t.dtype not in FP8_DTYPES:
+            return t
+        rows_total, cols_total = shape_of(name)
+        rows = index[0].indices(rows_total)[:2]
+        cols = index[1].indices(cols_total)[:2] if len(index) > 1 else (0, cols_total)
+        scale = read(name + SCALE_SUFFIX, (slice(rows[0] // b0, -(-rows[1] // b0)),
+                                           slice(cols[0] // b1, -(-cols[1] // b1))))
+        scale = scale.float().repeat_interleave(b0, 0).repeat_interleave(b1, 1)
+        scale = scale[rows[0] % b0:rows[0] % b0 + t.size(0), cols[0] % b1:cols[0] % b1 + t.size(1)]
+        return (t.float() * scale).to(torch.bfloat16)
+
+    return reader

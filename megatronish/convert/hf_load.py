@@ -9,11 +9,15 @@ when the flags were read (``arguments/hf_args.py``), so every rank already has t
 """
 from __future__ import annotations
 
+import sys
+
 import torch
+import torch.distributed as dist
 
 from ..checkpoint.state import model_entries, named_params
 from .core import _check_shape
 from .hf_config import GPT2, ConvertError, model_config_from_hf
+from .hf_deepseek import DEEPSEEK_V3, SCALE_SUFFIX, fp8_block_reader, mtp_copies, mtp_depths, mtp_layer_names
 from .hf_io import HFReader
 from .hf_rows import read_block, row_map
 from .name_map import VOCAB_TENSORS, build_entries, expected_global_shapes, expert_layout, hf_shapes
@@ -45,7 +49,9 @@ def _load(r: HFReader, models, mcfg, parallel, path: str) -> int:
                            f"({hf_cfg.vocab_size}, config.json vocab_size)")
     named = named_params(models)
     padded = next((p.desc.global_shape[0] for n, p in named if n in VOCAB_TENSORS), mcfg.padded_vocab_size())
-    names = set(r.names())
+    names, read = set(r.names()), r.read
+    if arch == DEEPSEEK_V3:
+        names, read = _deepseek_view(r, names, mcfg, where)
     entries = build_entries(mcfg, arch, padded, gpt2_prefix(arch, names), expert_layout(names))
     check_names(names, entries, mcfg, arch, where)
     expect = hf_shapes(entries, expected_global_shapes(mcfg))
@@ -62,9 +68,27 @@ def _load(r: HFReader, models, mcfg, parallel, path: str) -> int:
                 _check_shape(h, torch.empty(shape, device="meta"), expect[h][0], where, name in VOCAB_TENSORS)
             maps[name] = row_map(e, shapes, gpt2=arch == GPT2)
         for piece in sharded.pieces:
-            block = read_block(maps[name], tuple(piece.offsets), tuple(piece.tensor.shape), r.read,
+            block = read_block(maps[name], tuple(piece.offsets), tuple(piece.tensor.shape), read,
                                piece.tensor.dtype)
             with torch.no_grad():
                 for t in (piece.tensor, *piece.aliases):
                     t.copy_(block)
     return r.bytes_read
+
+
+def _deepseek_view(r: HFReader, names: set[str], mcfg, where: str):
+    """DeepSeek-V3 files as the run needs them: FP8 weights dequantized block by block (their ``_scale_inv``
+    tensors not model tensors), the run's ``--mtp-num-layers`` depths kept (their copies of the embedding and
+    the output layer not read), the further multi-token-prediction layers skipped with one note."""
+    read = fp8_block_reader(r.read, r.shape, names, r.config)
+    names = {n for n in names if not (n.endswith(SCALE_SUFFIX) and n.removesuffix(SCALE_SUFFIX) in names)}
+    keep, present = mcfg.mtp_num_layers or 0, mtp_depths(names, r.config)
+    if keep > present:
+        raise ConvertError(f"{where}: --mtp-num-layers {keep}, but the directory holds {present} multi-token-"
+                           f"prediction layers (num_nextn_predict_layers); give at most {present}")
+    skipped = mtp_layer_names(names, r.config, keep)
+    if skipped and (not dist.is_initialized() or dist.get_rank() == 0):
+        first = int(r.config["num_hidden_layers"]) + keep
+        print(f"note: {len(skipped)} tensors of the multi-token-prediction layers (model.layers.{first}...) are not "
+              "loaded; --mtp-num-layers trains them", file=sys.stderr, flush=True)
+    return names - set(skipped) - set(mtp_copies(mcfg)), read

@@ -33,6 +33,7 @@ from ..checkpoint.layout import iter_dir_name
 from ..checkpoint.state import model_entries, named_params
 from ..parallel import comm_log as comm
 from .hf_config import GPT2, architecture_of, hf_config_from_model
+from .hf_deepseek import DEEPSEEK_V3, mtp_copies
 from .hf_io import CONFIG, INDEX, SINGLE, safetensors_header
 from .hf_rows import row_map, write_block
 from .name_map import build_entries, hf_shapes
@@ -59,9 +60,10 @@ def _blocks(models, parallel) -> list[tuple]:
     return out
 
 
-def _plan(described: list[list[tuple]], entries, max_shard_bytes: int):
+def _plan(described: list[list[tuple]], entries, max_shard_bytes: int, copies_of: dict[str, list[str]]):
     """From every rank's ``(block description, pp rank)`` lists: the writer of each block, and the files:
-    ``[[(hf name, shape, dtype, begin, end)]]``. The same on every rank."""
+    ``[[(hf name, shape, dtype, begin, end)]]`` (``copies_of``: HF tensors written again under other names, each
+    copy right after its tensor). The same on every rank."""
     writer, stage, ours, covered = {}, {}, {}, {}
     for rank, (pp_rank, blocks) in enumerate(described):
         for b in blocks:
@@ -81,8 +83,8 @@ def _plan(described: list[list[tuple]], entries, max_shard_bytes: int):
     files: list[list] = []
     last_stage, size = None, 0
     for e in sorted(entries, key=lambda e: stage[e.ours]):  # stable: the map's order within a stage
-        for h in e.hf:
-            shape, dtype = hf[h]
+        for h, src in ((x, n) for n in e.hf for x in (n, *copies_of.get(n, ()))):
+            shape, dtype = hf[src]
             n = math.prod(shape) * dtype.itemsize
             if not files or stage[e.ours] != last_stage or (files[-1] and size + n > max_shard_bytes):
                 files.append([])
@@ -111,6 +113,13 @@ class _Files:
                                         shape=(*shape, dtype.itemsize))
         data = t.detach().to("cpu", dtype).contiguous()
         self.maps[name][index] = data.view(torch.uint8).reshape(*data.shape, dtype.itemsize).numpy()
+
+    def write_with(self, copies_of: dict[str, list[str]]):
+        """:meth:`write` that also writes each tensor's copies (``copies_of``) at the same index."""
+        def write(name: str, index: tuple[slice, ...], t: torch.Tensor) -> None:
+            for n in (name, *copies_of.get(name, ())):
+                self.write(n, index, t)
+        return write
 
     def close(self) -> None:
         for m in self.maps.values():
@@ -187,7 +196,10 @@ def export_hf(models, cfg, parallel, root: str, iteration: int, *, source_dir: s
     arch = architecture_of(cfg.model, f"--save-hf {root}", base=source)
     padded = next(b[4][0] for _, bs in described for b in bs if b[0] == "embedding.word_embeddings.weight")
     entries = build_entries(cfg.model, arch, padded)
-    writer, files = _plan(described, entries, max_shard_bytes)
+    copies_of: dict[str, list[str]] = {}  # DeepSeek-V3's multi-token-prediction copies of shared tensors
+    for copy, src in (mtp_copies(cfg.model) if arch == DEEPSEEK_V3 else {}).items():
+        copies_of.setdefault(src, []).append(copy)
+    writer, files = _plan(described, entries, max_shard_bytes, copies_of)
     names = _file_names(len(files))
     if rank == 0:
         os.makedirs(out, exist_ok=True)
@@ -208,7 +220,7 @@ def export_hf(models, cfg, parallel, root: str, iteration: int, *, source_dir: s
             if name not in maps:
                 e = by_name[name]
                 maps[name] = row_map(e, [hf_shape[h] for h in e.hf], gpt2=arch == GPT2)
-            write_block(maps[name], offsets, tensor, mm.write)
+            write_block(maps[name], offsets, tensor, mm.write_with(copies_of))
     finally:
         mm.close()
     if world > 1:

@@ -29,7 +29,7 @@ import torch
 from ..config import ModelConfig
 from ..model.moe.layer import is_moe_layer
 from .hf_config import FAMILIES, GPT2, MIXTRAL, QWEN2_MOE, ConvertError
-from .hf_deepseek import DEEPSEEK_V3
+from .hf_deepseek import DEEPSEEK_V3, mtp_hf_prefix, mtp_layer_is_moe
 
 WORD = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"
@@ -231,84 +231,108 @@ def build_entries(cfg: ModelConfig, arch: str, padded_vocab: int, prefix: str | 
         out += [_same("decoder.final_layernorm.weight", f"{p}ln_f.weight"),
                 _same("decoder.final_layernorm.bias", f"{p}ln_f.bias")]
     elif arch in FAMILIES or arch == DEEPSEEK_V3:  # Llama-flavored families and DeepSeek-V3: one table
-        kinds = ("weight", "bias") if cfg.add_bias_linear else ("weight",)
-        qkv_kinds = ("weight", "bias") if cfg.qkv_bias else ("weight",)
         out.append(_vocab_entry(WORD, "model.embed_tokens.weight", V, padded_vocab))
         for i in range(cfg.num_layers):
-            o, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-            out.append(_same(f"{o}input_layernorm.weight", f"{h}input_layernorm.weight"))
-            if cfg.attention.multi_latent_attention:
-                out += _mla_entries(cfg, f"{o}self_attention.", f"{h}self_attn.")
-            for kind in qkv_kinds if not cfg.attention.multi_latent_attention else ():
-                out.append(Entry(f"{o}self_attention.linear_qkv.{kind}",
-                                 tuple(f"{h}self_attn.{x}_proj.{kind}" for x in "qkv"),
-                                 lambda q, k, v: qkv_to_ours(q, k, v, groups),
-                                 lambda x: qkv_from_ours(x, heads, groups, d)))
-            if cfg.attention.qk_layernorm and arch != DEEPSEEK_V3:  # Qwen3 / Qwen3-MoE: per-head q/k RMSNorm
-                out += [_same(f"{o}self_attention.{x}_layernorm.weight", f"{h}self_attn.{x}_norm.weight")
-                        for x in "qk"]
-            for kind in kinds if arch != DEEPSEEK_V3 else ():
-                out.append(_same(f"{o}self_attention.linear_proj.{kind}", f"{h}self_attn.o_proj.{kind}"))
-            out.append(_same(f"{o}pre_mlp_layernorm.weight", f"{h}post_attention_layernorm.weight"))
-            if is_moe_layer(cfg, i):
-                out += _moe_entries(cfg, arch, o, h, experts)
-                continue
-            for kind in kinds:
-                out.append(_gate_up(f"{o}mlp.linear_fc1.{kind}", f"{h}mlp.gate_proj", f"{h}mlp.up_proj", kind))
-            for kind in kinds:
-                out.append(_same(f"{o}mlp.linear_fc2.{kind}", f"{h}mlp.down_proj.{kind}"))
+            out += _llama_layer(cfg, arch, f"decoder.layers.{i}.", f"model.layers.{i}.", is_moe_layer(cfg, i),
+                                experts)
         out.append(_same("decoder.final_layernorm.weight", "model.norm.weight"))
     else:
         raise ConvertError(f"unknown architecture {arch!r}")
     if cfg.untie_embeddings_and_output_weights:
         out.append(_vocab_entry(OUTPUT, "lm_head.weight", V, padded_vocab))
+    for k in range(cfg.mtp_num_layers or 0):  # DeepSeek-V3's multi-token-prediction layers (hf_deepseek.py)
+        if arch != DEEPSEEK_V3:
+            raise ConvertError(f"multi-token prediction (--mtp-num-layers) converts only for {DEEPSEEK_V3}, not "
+                               f"{arch}")
+        o, h = f"mtp.layers.{k}.", mtp_hf_prefix(cfg, k)
+        out += [_same(f"{o}{x}.weight", f"{h}{x}.weight") for x in ("enorm", "hnorm", "eh_proj")]
+        out += _llama_layer(cfg, arch, f"{o}mtp_model_layer.", h, mtp_layer_is_moe(cfg), experts)
+        out.append(_same(f"{o}final_layernorm.weight", f"{h}shared_head.norm.weight"))
     return out
+
+
+def _llama_layer(cfg: ModelConfig, arch: str, o: str, h: str, moe: bool, experts: str) -> list[Entry]:
+    """One transformer layer of the Llama-flavored families and DeepSeek-V3 (ours under ``o``, HF's under
+    ``h``)."""
+    heads, groups, d = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
+    kinds = ("weight", "bias") if cfg.add_bias_linear else ("weight",)
+    out = [_same(f"{o}input_layernorm.weight", f"{h}input_layernorm.weight")]
+    if cfg.attention.multi_latent_attention:
+        out += _mla_entries(cfg, f"{o}self_attention.", f"{h}self_attn.")
+    for kind in (("weight", "bias") if cfg.qkv_bias else ("weight",)) if not cfg.attention.multi_latent_attention \
+            else ():
+        out.append(Entry(f"{o}self_attention.linear_qkv.{kind}",
+                         tuple(f"{h}self_attn.{x}_proj.{kind}" for x in "qkv"),
+                         lambda q, k, v: qkv_to_ours(q, k, v, groups),
+                         lambda x: qkv_from_ours(x, heads, groups, d)))
+    if cfg.attention.qk_layernorm and arch != DEEPSEEK_V3:  # Qwen3 / Qwen3-MoE: per-head q/k RMSNorm
+        out += [_same(f"{o}self_attention.{x}_layernorm.weight", f"{h}self_attn.{x}_norm.weight") for x in "qk"]
+    for kind in kinds if arch != DEEPSEEK_V3 else ():
+        out.append(_same(f"{o}self_attention.linear_proj.{kind}", f"{h}self_attn.o_proj.{kind}"))
+    out.append(_same(f"{o}pre_mlp_layernorm.weight", f"{h}post_attention_layernorm.weight"))
+    if moe:
+        return out + _moe_entries(cfg, arch, o, h, experts)
+    out += [_gate_up(f"{o}mlp.linear_fc1.{kind}", f"{h}mlp.gate_proj", f"{h}mlp.up_proj", kind) for kind in kinds]
+    return out + [_same(f"{o}mlp.linear_fc2.{kind}", f"{h}mlp.down_proj.{kind}") for kind in kinds]
 
 
 def expected_global_shapes(cfg: ModelConfig, tp: int = 1) -> dict[str, tuple[int, ...]]:
     """Our global parameter shapes (padded vocabulary at ``tp``); tests check them against the model built
     on the meta device (``GPTModel.named_global_parameters``)."""
-    h, ffn, L = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers
-    qkv = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * cfg.kv_channels
-    proj_in = cfg.num_attention_heads * cfg.kv_channels
-    fc1 = ffn * (2 if cfg.swiglu else 1)
+    h = cfg.hidden_size
     norm_bias = cfg.normalization == "LayerNorm"
     out = {WORD: (cfg.padded_vocab_size(tp), h)}
     if cfg.attention.position_embedding_type == "learned_absolute":
         out["embedding.position_embeddings.weight"] = (cfg.max_position_embeddings, h)
-    for i in range(L):
-        o = f"decoder.layers.{i}."
-        for ln in ("input_layernorm", "pre_mlp_layernorm"):
-            out[f"{o}{ln}.weight"] = (h,)
-            if norm_bias:
-                out[f"{o}{ln}.bias"] = (h,)
-        if cfg.attention.multi_latent_attention:
-            out.update(_mla_shapes(cfg, f"{o}self_attention."))
-        else:
-            out[f"{o}self_attention.linear_qkv.weight"] = (qkv, h)
-        if cfg.qkv_bias:
-            out[f"{o}self_attention.linear_qkv.bias"] = (qkv,)
-        if cfg.attention.qk_layernorm and not cfg.attention.multi_latent_attention:
-            for x in "qk":
-                out[f"{o}self_attention.{x}_layernorm.weight"] = (cfg.kv_channels,)
-                if norm_bias:
-                    out[f"{o}self_attention.{x}_layernorm.bias"] = (cfg.kv_channels,)
-        out.setdefault(f"{o}self_attention.linear_proj.weight", (h, proj_in))
-        if cfg.add_bias_linear:
-            out[f"{o}self_attention.linear_proj.bias"] = (h,)
-        if is_moe_layer(cfg, i):
-            out.update(_moe_shapes(cfg, f"{o}mlp."))
-            continue
-        out[f"{o}mlp.linear_fc1.weight"] = (fc1, h)
-        out[f"{o}mlp.linear_fc2.weight"] = (h, ffn)
-        if cfg.add_bias_linear:
-            out[f"{o}mlp.linear_fc1.bias"] = (fc1,)
-            out[f"{o}mlp.linear_fc2.bias"] = (h,)
+    for i in range(cfg.num_layers):
+        out.update(_layer_shapes(cfg, f"decoder.layers.{i}.", is_moe_layer(cfg, i)))
     out["decoder.final_layernorm.weight"] = (h,)
     if norm_bias:
         out["decoder.final_layernorm.bias"] = (h,)
     if cfg.untie_embeddings_and_output_weights:
         out[OUTPUT] = (cfg.padded_vocab_size(tp), h)
+    for k in range(cfg.mtp_num_layers or 0):  # model/mtp.py: norms of RMSNorm models (no bias)
+        o = f"mtp.layers.{k}."
+        out.update({f"{o}enorm.weight": (h,), f"{o}hnorm.weight": (h,), f"{o}eh_proj.weight": (h, 2 * h)})
+        out.update(_layer_shapes(cfg, f"{o}mtp_model_layer.", mtp_layer_is_moe(cfg)))
+        out[f"{o}final_layernorm.weight"] = (h,)
+    return out
+
+
+def _layer_shapes(cfg: ModelConfig, o: str, moe: bool) -> dict[str, tuple[int, ...]]:
+    """One transformer layer's parameters (under ``o`` = ``decoder.layers.{i}.``)."""
+    h, ffn = cfg.hidden_size, cfg.ffn_hidden_size
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * cfg.kv_channels
+    proj_in = cfg.num_attention_heads * cfg.kv_channels
+    fc1 = ffn * (2 if cfg.swiglu else 1)
+    norm_bias = cfg.normalization == "LayerNorm"
+    out = {}
+    for ln in ("input_layernorm", "pre_mlp_layernorm"):
+        out[f"{o}{ln}.weight"] = (h,)
+        if norm_bias:
+            out[f"{o}{ln}.bias"] = (h,)
+    if cfg.attention.multi_latent_attention:
+        out.update(_mla_shapes(cfg, f"{o}self_attention."))
+    else:
+        out[f"{o}self_attention.linear_qkv.weight"] = (qkv, h)
+    if cfg.qkv_bias:
+        out[f"{o}self_attention.linear_qkv.bias"] = (qkv,)
+    if cfg.attention.qk_layernorm and not cfg.attention.multi_latent_attention:
+        for x in "qk":
+            out[f"{o}self_attention.{x}_layernorm.weight"] = (cfg.kv_channels,)
+            if norm_bias:
+                out[f"{o}self_attention.{x}_layernorm.bias"] = (cfg.kv_channels,)
+    out.setdefault(f"{o}self_attention.linear_proj.weight", (h, proj_in))
+    if cfg.add_bias_linear:
+        out[f"{o}self_attention.linear_proj.bias"] = (h,)
+    if moe:
+        out.update(_moe_shapes(cfg, f"{o}mlp."))
+        return out
+    out[f"{o}mlp.linear_fc1.weight"] = (fc1, h)
+    out[f"{o}mlp.linear_fc2.weight"] = (h, ffn)
+    if cfg.add_bias_linear:
+        out[f"{o}mlp.linear_fc1.bias"] = (fc1,)
+        out[f"{o}mlp.linear_fc2.bias"] = (h,)
     return out
 
 

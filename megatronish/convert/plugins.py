@@ -7,7 +7,6 @@ global tensors with shapes and dtypes, and an iterator that produces them one at
 from __future__ import annotations
 
 import dataclasses
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -25,7 +24,7 @@ from .hf_config import (
     model_config_from_dict,
     model_config_from_hf,
 )
-from .hf_deepseek import DEEPSEEK_V3, FP8_DTYPES, fp8_view, mtp_layer_names
+from .hf_deepseek import DEEPSEEK_V3, FP8_DTYPES, fp8_view, mtp_copies, mtp_depths
 from .hf_io import HFReader, HFWriter, parse_size
 from .name_map import IGNORED_HF_SUFFIXES, VOCAB_TENSORS, build_entries, expected_global_shapes, expert_layout
 
@@ -61,6 +60,30 @@ def check_names(names: set[str], entries, cfg: ModelConfig, arch: str, where: st
                            + f"; the directory does not hold a complete {arch}")
 
 
+def _checked_copies(cfg: ModelConfig, names: set[str], get, where: str) -> set[str]:
+    """The multi-token-prediction layers' copies of the embedding and the output layer present in ``names``,
+    each checked equal to the tensor it copies (our depths share the model's)."""
+    out = set()
+    for copy, src in mtp_copies(cfg).items():
+        if copy in names:
+            if src in names and not torch.equal(get(copy), get(src)):
+                raise ConvertError(f"{where}: {copy} differs from {src}; the multi-token-prediction layers share "
+                                   "the model's embedding and output layer here, so the copy must equal it")
+            out.add(copy)
+    return out
+
+
+def _with_copies(items, copies: dict[str, str]):
+    """HF ``(name, tensor)`` items with each multi-token-prediction copy right after the tensor it copies."""
+    of: dict[str, list[str]] = {}
+    for copy, src in copies.items():
+        of.setdefault(src, []).append(copy)
+    for name, t in items:
+        yield name, t
+        for copy in of.get(name, ()):
+            yield copy, t
+
+
 def load_hf(args) -> Source:
     r = HFReader(args.load_dir)
     where = f"--load-dir {args.load_dir}"
@@ -68,12 +91,10 @@ def load_hf(args) -> Source:
                                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                                      where=f"{args.load_dir}/config.json")
     names, get = fp8_view(r.names(), r.get, r.config)  # FP8 block-scaled weights: dequantized to bfloat16
-    mtp = mtp_layer_names(names, r.config) if arch == DEEPSEEK_V3 else []
-    if mtp:  # multi-token prediction is not built here
-        first = r.config["num_hidden_layers"]
-        print(f"note: {len(mtp)} tensors of the multi-token-prediction layers (model.layers.{first}...) are not "
-              "converted", file=sys.stderr, flush=True)
-        names -= set(mtp)
+    depths = mtp_depths(names, r.config) if arch == DEEPSEEK_V3 else 0
+    if depths:  # the multi-token-prediction layers present become --mtp-num-layers depths
+        cfg = cfg.replace(mtp_num_layers=depths)
+        names -= _checked_copies(cfg, names, get, where)
     prefix = None
     if arch == GPT2 and "transformer.wte.weight" not in names and "wte.weight" in names:
         prefix = ""  # old GPT-2 files without the "transformer." prefix
@@ -138,15 +159,17 @@ def load_megatronish(args) -> Source:
 
 def save_hf(args, src: Source) -> None:
     entries = {e.ours: e for e in build_entries(src.cfg, src.arch, src.cfg.padded_vocab_size())}
+    copies = mtp_copies(src.cfg) if src.arch == DEEPSEEK_V3 else {}
     plan, dtypes = [], set()
     for name, shape, dtype in src.specs:
-        for hname, t in zip(entries[name].hf, entries[name].to_hf(torch.empty(shape, dtype=dtype, device="meta"))):
+        metas = entries[name].to_hf(torch.empty(shape, dtype=dtype, device="meta"))
+        for hname, t in _with_copies(zip(entries[name].hf, metas), copies):
             plan.append((hname, tuple(t.shape), t.dtype))
             dtypes.add(t.dtype)
     dtype = str(max(dtypes, key=lambda d: d.itemsize)).removeprefix("torch.") if dtypes else "float32"
     config = hf_config_from_model(src.cfg, dtype, base=src.hf_config)
     w = HFWriter(args.save_dir, plan, parse_size(args.max_shard_size))
-    for hname, t in ours_to_hf(src.tensors(), src.cfg, src.arch, where=src.origin):
+    for hname, t in _with_copies(ours_to_hf(src.tensors(), src.cfg, src.arch, where=src.origin), copies):
         w.write(hname, t)
     w.close(config)
 

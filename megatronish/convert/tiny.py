@@ -57,6 +57,11 @@ def tiny_hf_model(arch: str, *, vocab: int = 100, seed: int = 0, tied: bool | No
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     model = cls(cfg)
+    _informative(model, seed)
+    return model.eval()
+
+
+def _informative(model, seed: int) -> None:
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():  # HF initializes norms to 1 and biases to 0: make every tensor informative
         for name, p in model.named_parameters():
@@ -69,4 +74,62 @@ def tiny_hf_model(arch: str, *, vocab: int = 100, seed: int = 0, tied: bool | No
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek's expert bias: it changes the choice
                 b.copy_(0.1 * torch.randn(b.shape, generator=g))
-    return model.eval()
+
+
+def add_mtp_layers(path: str, depths: int = 1, seed: int = 7) -> dict[str, torch.Tensor]:
+    """Append ``depths`` multi-token-prediction layers to the ``DeepseekV3ForCausalLM`` directory ``path`` as
+    published files carry them (``model.layers.<num_hidden_layers + k>.``: a random decoder layer of the model's
+    kind, ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``, and the copies ``embed_tokens`` /
+    ``shared_head.head`` of the model's embedding and output layer), in a file of their own listed in
+    ``model.safetensors.index.json``; ``num_nextn_predict_layers`` is set. Returns the tensors added."""
+    import json
+    import os
+    import tempfile
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    layers = config["num_hidden_layers"]
+    bigger = transformers.AutoConfig.for_model(**dict(config, num_hidden_layers=layers + depths))
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV3ForCausalLM(bigger)
+    _informative(model, seed)
+    index_path = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            index = json.load(f)
+        weight_map, total = index["weight_map"], index["metadata"]["total_size"]
+    else:
+        single = load_file(os.path.join(path, "model.safetensors"))
+        weight_map = {k: "model.safetensors" for k in single}
+        total = sum(t.numel() * t.element_size() for t in single.values())
+
+    def own(name):
+        return load_file(os.path.join(path, weight_map[name]))[name]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        files = {k: v for f in os.listdir(tmp) if f.endswith(".safetensors")
+                 for k, v in load_file(os.path.join(tmp, f)).items()}
+    g = torch.Generator().manual_seed(seed + 2)
+    h = config["hidden_size"]
+    head = own("lm_head.weight" if "lm_head.weight" in weight_map else "model.embed_tokens.weight")
+    added = {}
+    for k in range(depths):
+        p = f"model.layers.{layers + k}."
+        added.update({n: t for n, t in files.items() if n.startswith(p)})
+        added.update({f"{p}{n}.weight": 1.0 + 0.1 * torch.randn(h, generator=g)
+                      for n in ("enorm", "hnorm", "shared_head.norm")})
+        added[f"{p}eh_proj.weight"] = 0.05 * torch.randn(h, 2 * h, generator=g)
+        added[f"{p}embed_tokens.weight"] = own("model.embed_tokens.weight").clone()
+        added[f"{p}shared_head.head.weight"] = head.clone()
+    save_file(added, os.path.join(path, "mtp.safetensors"), metadata={"format": "pt"})
+    weight_map.update({n: "mtp.safetensors" for n in added})
+    with open(index_path, "w") as f:
+        total += sum(t.numel() * t.element_size() for t in added.values())
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(dict(config, num_nextn_predict_layers=depths), f, indent=2)
+    return added

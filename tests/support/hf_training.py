@@ -68,3 +68,54 @@ def corpus(root, tokenizer_flags: list[str] | None = None, lines: int = 400) -> 
     preprocess_data.main(["--input", str(root / "c.jsonl"), "--output-prefix", str(root / "c"), *tokenizer_flags,
                           "--append-eod", "--workers", "1"])
     return str(root / "c_text_document")
+
+
+def quantize_fp8(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's FP8 layout: e4m3 values and one inverse scale per ``block`` x ``block`` tile (max |w| -> 448)."""
+    rows, cols = w.shape
+    scale = torch.empty(-(-rows // block), -(-cols // block))
+    q = torch.empty_like(w, dtype=torch.float8_e4m3fn)
+    for i in range(scale.size(0)):
+        for j in range(scale.size(1)):
+            tile = w[i * block:(i + 1) * block, j * block:(j + 1) * block]
+            scale[i, j] = tile.abs().max() / 448.0
+            q[i * block:(i + 1) * block, j * block:(j + 1) * block] = (tile / scale[i, j]).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def fp8_directory(path: str, block: int) -> dict[str, torch.Tensor]:
+    """Rewrite the safetensors files of the HF directory ``path`` as DeepSeek-V3's published ones: every linear
+    weight (``*proj.weight``) e4m3 with its ``weight_scale_inv`` (``block`` x ``block`` tiles, in config.json's
+    ``quantization_config``). Returns the dequantized values (bfloat16 as in DeepSeek's converter, then float32)
+    of the weights quantized, by name: the model the files now hold."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from megatronish.convert.hf_deepseek import dequantize_fp8
+
+    values = {}
+    for f in sorted(os.listdir(path)):
+        if not f.endswith(".safetensors"):
+            continue
+        tensors = load_file(os.path.join(path, f))
+        out = {}
+        for name, t in tensors.items():
+            if t.dim() == 2 and name.endswith("proj.weight"):
+                q, s = quantize_fp8(t, block)
+                out[name], out[name + "_scale_inv"] = q, s
+                values[name] = dequantize_fp8(q, s, (block, block)).float()
+            else:
+                out[name] = t
+        save_file(out, os.path.join(path, f), metadata={"format": "pt"})
+        index_path = os.path.join(path, "model.safetensors.index.json")
+        if os.path.isfile(index_path):
+            index = json.load(open(index_path))
+            index["weight_map"].update({n: f for n in out})
+            index["metadata"]["total_size"] += sum(out[n].numel() * out[n].element_size() for n in out) - \
+                sum(t.numel() * t.element_size() for t in tensors.values())
+            json.dump(index, open(index_path, "w"), indent=2)
+    config = json.load(open(os.path.join(path, "config.json")))
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [block, block]}
+    json.dump(config, open(os.path.join(path, "config.json"), "w"), indent=2)
+    return values

@@ -3,8 +3,10 @@ attention with and without the query latent, YaRN and plain RoPE, first-k-dense,
 bias, group-limited top-k, the routed scaling factor, shared experts, tied embeddings) and back; the name map is our
 model's parameter list; the converted model gives transformers' logits and loss (fp32, rtol 1e-5); both expert
 layouts round trip bitwise; tools/checkpoint/convert.py's export is bitwise the import (sharded, with the
-multi-token-prediction layers of published files dropped with one note) and loads in transformers; FP8
-block-scaled weights are dequantized on import; what has no equivalent is one clear error."""
+multi-token-prediction layer of published files) and loads in transformers; FP8
+block-scaled weights are dequantized on import, and block by block for ``--load`` (reading only the scale blocks a
+slice needs); published multi-token-prediction layers convert both ways bitwise and predict as DeepSeek-V3 defines
+them; what has no equivalent is one clear error."""
 import json
 import os
 
@@ -14,13 +16,14 @@ from safetensors.torch import load_file, save_file
 
 import megatronish.convert as conv
 from megatronish.convert import ConvertError, hf_config_from_model, model_config_from_hf
-from megatronish.convert.hf_deepseek import dequantize_fp8
+from megatronish.convert.hf_deepseek import dequantize_fp8, fp8_block_reader
 from megatronish.convert.hf_io import HFReader
 from megatronish.convert.name_map import FUSED, PER_EXPERT, expected_global_shapes
-from megatronish.convert.tiny import tiny_hf_model
+from megatronish.convert.tiny import add_mtp_layers, tiny_hf_model
 from megatronish.model import GPTModel
 from megatronish.testing import assert_parity
 from megatronish.tools import convert_checkpoint
+from support.hf_training import quantize_fp8
 
 DS, V = "DeepseekV3ForCausalLM", 100
 VARIANTS = {  # tiny_hf_model's DeepSeek-V3: q latent, YaRN, 1 dense layer, 8 experts top-4 of 2 of 4 groups, shared
@@ -107,58 +110,91 @@ def _main(*argv):
     convert_checkpoint.main(["--model-type", "GPT", *argv])
 
 
-def test_cli_round_trip_drops_mtp_and_loads_in_transformers(models, tmp_path, capsys):
-    """Sharded files with one multi-token-prediction layer (``model.layers.4.*``, as published files carry):
-    hf -> ours (TP 2 x PP 2) -> hf is bitwise the model's tensors, the MTP layer dropped with one note."""
+def test_cli_round_trip_keeps_mtp_and_loads_in_transformers(models, tmp_path, capsys):
+    """Sharded files with one multi-token-prediction layer (``model.layers.4.*``, as published files carry it):
+    hf -> ours (TP 2 x PP 2, one MTP depth) -> hf is bitwise every tensor, the MTP layer and its copies of the
+    embedding and output layer included; transformers loads the result. A copy that differs is one error."""
     from transformers import AutoModelForCausalLM
 
     hf = models["q_lora_yarn_groups"]
     src, ours, back = (str(tmp_path / x) for x in ("hf", "ours", "back"))
     hf.save_pretrained(src, max_shard_size="100KB")
-    index = json.load(open(os.path.join(src, "model.safetensors.index.json")))
-    assert len(set(index["weight_map"].values())) > 1
-    mtp = {f"model.layers.4.{n}": torch.ones(64) for n in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight")}
-    save_file(mtp, os.path.join(src, "mtp.safetensors"))
-    index["weight_map"].update({n: "mtp.safetensors" for n in mtp})
-    json.dump(index, open(os.path.join(src, "model.safetensors.index.json"), "w"))
-    capsys.readouterr()
+    mtp = add_mtp_layers(src)
     _main("--loader", "hf", "--saver", "megatronish", "--load-dir", src, "--save-dir", ours,
           "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2")
-    notes = [x for x in capsys.readouterr().err.splitlines() if x.startswith("note:")]
-    assert notes == ["note: 3 tensors of the multi-token-prediction layers (model.layers.4...) are not converted"]
     _main("--loader", "megatronish", "--saver", "hf", "--load-dir", ours, "--save-dir", back, "--max-shard-size",
           "100KB")
     a, b = HFReader(src), HFReader(back)
-    assert sorted(b.names()) == sorted(set(a.names()) - set(mtp))
+    assert sorted(b.names()) == sorted(a.names()) and set(mtp) < set(b.names())
     for n in b.names():
         assert torch.equal(a.get(n), b.get(n)), n
     config = json.load(open(os.path.join(back, "config.json")))
-    assert config["architectures"] == [DS] and config["num_nextn_predict_layers"] == 0
+    assert config["architectures"] == [DS] and config["num_nextn_predict_layers"] == 1
     reloaded = AutoModelForCausalLM.from_pretrained(back).eval()
     ids = torch.randint(0, V, (2, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, hf(ids).logits)
+    save_file({"model.layers.4.embed_tokens.weight": mtp["model.layers.4.embed_tokens.weight"] + 1},
+              os.path.join(src, "mtp.safetensors"))
+    index = json.load(open(os.path.join(src, "model.safetensors.index.json")))
+    index["weight_map"] = {n: f for n, f in index["weight_map"].items() if f != "mtp.safetensors"}
+    index["weight_map"]["model.layers.4.embed_tokens.weight"] = "mtp.safetensors"
+    json.dump(index, open(os.path.join(src, "model.safetensors.index.json"), "w"))
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        _main("--loader", "hf", "--saver", "megatronish", "--load-dir", src, "--save-dir", str(tmp_path / "x"))
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"error: --load-dir {src}: model.layers.4.embed_tokens.weight differs from model.embed_tokens.weight; the "
+        "multi-token-prediction layers share the model's embedding and output layer here, so the copy must equal it")
+
+
+def test_mtp_layer_predicts_as_deepseek_defines_it(models, tmp_path):
+    """The converted MTP depth's per-token losses equal DeepSeek-V3's definition written with transformers' own
+    pieces and the published names: ``h' = eh_proj [enorm(embed(t_{i+1})); hnorm(h_i)]`` (``h``: the main
+    model's final hidden state), then ``model.layers.4`` as a transformers decoder layer, ``shared_head.norm``
+    and ``lm_head``, predicting ``t_{i+2}`` (fp32, rtol 1e-5)."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    hf = models["q_lora_yarn_groups"]
+    hf.save_pretrained(str(tmp_path))
+    add_mtp_layers(str(tmp_path))
+    r = HFReader(str(tmp_path))
+    files = {n: r.get(n) for n in r.names()}
+    cfg, arch = model_config_from_hf(r.config)
+    cfg = cfg.replace(mtp_num_layers=1)
+    model = GPTModel(cfg).eval()
+    conv.load_into_model(model, conv.hf_state_dict_to_ours(files, cfg, arch))
+    ids = torch.randint(0, V, (2, 13), generator=torch.Generator().manual_seed(4))
+    p, E = "model.layers.4.", hf.config.n_routed_experts
+    layer = DeepseekV3DecoderLayer(hf.config, layer_idx=4).eval()
+    state = {k[len(p):]: v for k, v in files.items() if k.startswith(p) and ".experts." not in k}
+    state["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([files[f"{p}mlp.experts.{e}.{x}_proj.weight"]
+                                                                for x in ("gate", "up")]) for e in range(E)])
+    state["mlp.experts.down_proj"] = torch.stack([files[f"{p}mlp.experts.{e}.down_proj.weight"] for e in range(E)])
+    layer.load_state_dict(state, strict=False)  # the MTP-only tensors (enorm, ...) are applied below
+
+    def rms(x, name):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + hf.config.rms_norm_eps) * files[f"{p}{name}.weight"]
+
+    with torch.no_grad():
+        ours = model(ids[:, :-1], labels=ids[:, 1:])[1, :, :-1]  # depth 1 at i predicts t_{i+2}
+        h = hf.model(input_ids=ids[:, :-1]).last_hidden_state[:, :-1]  # [b, s - 1, h]
+        x = torch.cat((rms(hf.model.embed_tokens(ids[:, 1:-1]), "enorm"), rms(h, "hnorm")), -1)
+        x = x @ files[f"{p}eh_proj.weight"].t()
+        positions = torch.arange(x.size(1)).unsqueeze(0)
+        x = layer(x, position_embeddings=hf.model.rotary_emb(x, positions), position_ids=positions)
+        x = x[0] if isinstance(x, tuple) else x
+        logits = rms(x, "shared_head.norm") @ files[f"{p}shared_head.head.weight"].t()
+        ref = torch.nn.functional.cross_entropy(logits.reshape(-1, V), ids[:, 2:].reshape(-1), reduction="none")
+    torch.testing.assert_close(ours, ref.view_as(ours), rtol=1e-5, atol=0)
 
 
 # ---- FP8 block-scaled weights ----------------------------------------------------------------------------------
 
-def _quantize(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek's FP8 layout: e4m3 values and one inverse scale per ``block`` x ``block`` tile (max |w| -> 448)."""
-    rows, cols = w.shape
-    scale = torch.empty(-(-rows // block), -(-cols // block))
-    q = torch.empty_like(w, dtype=torch.float8_e4m3fn)
-    for i in range(scale.size(0)):
-        for j in range(scale.size(1)):
-            tile = w[i * block:(i + 1) * block, j * block:(j + 1) * block]
-            scale[i, j] = tile.abs().max() / 448.0
-            q[i * block:(i + 1) * block, j * block:(j + 1) * block] = (tile / scale[i, j]).to(torch.float8_e4m3fn)
-    return q, scale
-
-
 def test_dequantize_fp8_blocks():
     """300 x 260 in 128 x 128 blocks (ragged edges): each tile times its own scale, to within FP8's precision."""
     w = torch.randn(300, 260, generator=torch.Generator().manual_seed(1)) * torch.linspace(0.01, 3.0, 260)
-    q, scale = _quantize(w, 128)
+    q, scale = quantize_fp8(w, 128)
     assert scale.shape == (3, 3)
     out = dequantize_fp8(q, scale, dtype=torch.float32)
     expected = q.float() * scale.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :260]
@@ -179,7 +215,7 @@ def test_fp8_checkpoint_is_dequantized_on_import(models, tmp_path):
     quantized, dequantized = {}, {}
     for n, t in files.items():
         if t.dim() == 2 and ("proj" in n or "experts" in n):
-            q, s = _quantize(t, 16)
+            q, s = quantize_fp8(t, 16)
             quantized[n], quantized[n + "_scale_inv"] = q, s
             dequantized[n] = dequantize_fp8(q, s, (16, 16))
         else:
@@ -198,6 +234,31 @@ def test_fp8_checkpoint_is_dequantized_on_import(models, tmp_path):
     torch.testing.assert_close(back.get(kv).float(), files[kv], rtol=0.08, atol=1e-3)
     assert back.get("model.norm.weight").dtype == torch.float32  # unquantized tensors keep their dtype
     assert "quantization_config" not in json.load(open(os.path.join(str(tmp_path / "back"), "config.json")))
+
+
+def test_fp8_block_reader_reads_only_the_covering_scale_blocks():
+    """A block of rows and columns starting inside a scale block (as a tensor-parallel slice of 24 x 24 blocks
+    does) is bitwise the full dequantization's block, and reads its FP8 bytes plus only the scale blocks it
+    touches."""
+    w = torch.randn(100, 90, generator=torch.Generator().manual_seed(2))
+    q, scale = quantize_fp8(w, 24)
+    full = dequantize_fp8(q, scale, (24, 24))
+    tensors, reads = {"w": q, "w_scale_inv": scale}, []
+
+    def read(name, index):
+        reads.append((name, index))
+        return tensors[name][index]
+
+    reader = fp8_block_reader(read, lambda n: tuple(tensors[n].shape), tensors,
+                              {"quantization_config": {"weight_block_size": [24, 24]}})
+    for rows, cols in [(slice(30, 70), slice(0, 90)), (slice(50, 100), slice(45, 90)), (slice(0, 24), None)]:
+        reads.clear()
+        index = (rows,) if cols is None else (rows, cols)
+        got = reader("w", index)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, full[index]), index
+        r0, r1 = rows.start // 24, -(-rows.stop // 24)
+        c0, c1 = (0, 4) if cols is None else (cols.start // 24, -(-cols.stop // 24))
+        assert reads == [("w", index), ("w_scale_inv", (slice(r0, r1), slice(c0, c1)))]
 
 
 # ---- what has no equivalent: one clear error each -----------------------------------------------------------

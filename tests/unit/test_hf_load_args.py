@@ -1,7 +1,8 @@
 """``--load <Hugging Face directory>`` without processes: the flags its config.json gives (a contradicting flag is
 one line naming both; the tokenizer from the directory's files), and the row runs of convert/hf_rows.py equal the
 name map's tensors block for block (fused QKV with GQA, [gate; up], stacked experts, padded vocabulary, GPT-2's
-transposed Conv1D)."""
+transposed Conv1D, DeepSeek-V3's multi-latent attention and MoE); a DeepSeek-V3 config.json gives the MLA, YaRN
+and MoE flags, and ``--mtp-num-layers`` asks for at most the layers it has."""
 import json
 
 import pytest
@@ -24,6 +25,7 @@ GPT2 = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size"
 
 
 def _hf_dir(tmp_path, config, tokenizer=False):
+    tmp_path.mkdir(exist_ok=True)
     (tmp_path / "config.json").write_text(json.dumps(config))
     (tmp_path / "model.safetensors").write_bytes(b"")  # only its presence is read here
     if tokenizer:
@@ -68,7 +70,40 @@ def test_tokenizer_from_the_directory(tmp_path):
         _cfg(["--load", path, "--tokenizer-type", "NullTokenizer", "--vocab-size", "600"])
 
 
-@pytest.mark.parametrize("config", [QWEN3, MIXTRAL, GPT2], ids=["qwen3", "mixtral", "gpt2"])
+DEEPSEEK = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 300,
+            "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3, "num_attention_heads": 4,
+            "q_lora_rank": 24, "kv_lora_rank": 20, "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 10,
+            "first_k_dense_replace": 1, "n_routed_experts": 8, "num_experts_per_tok": 4, "n_group": 4,
+            "topk_group": 2, "routed_scaling_factor": 2.5, "moe_intermediate_size": 16, "n_shared_experts": 2,
+            "norm_topk_prob": True, "num_nextn_predict_layers": 1, "max_position_embeddings": 32,
+            "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "beta_fast": 32,
+                             "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}, "rope_theta": 10000}
+
+
+def test_deepseek_flags_from_config_json(tmp_path):
+    """Multi-latent attention, YaRN, the MoE layer pattern, grouped sigmoid routing with the expert bias and
+    shared experts come from config.json; MTP stays off unless --mtp-num-layers asks for the file's layers."""
+    path = _hf_dir(tmp_path, DEEPSEEK)
+    m = _cfg(["--load", path]).model
+    a, moe = m.attention, m.moe
+    assert (a.multi_latent_attention, a.q_lora_rank, a.kv_lora_rank, a.qk_head_dim, a.qk_pos_emb_head_dim,
+            a.v_head_dim, a.qk_layernorm) == (True, 24, 20, 12, 8, 10, True)
+    assert (a.rope_type, a.rotary_scaling_factor, a.yarn_original_max_position_embeddings, a.mscale,
+            a.mscale_all_dim, a.yarn_correction_range_round_to_int) == ("yarn", 4.0, 8, 1.0, 0.8, True)
+    assert (moe.num_experts, moe.moe_layer_freq, moe.moe_router_topk, moe.moe_router_num_groups,
+            moe.moe_router_group_topk, moe.moe_router_score_function, moe.moe_router_enable_expert_bias,
+            moe.moe_router_topk_scaling_factor, moe.moe_ffn_hidden_size, moe.moe_shared_expert_intermediate_size) \
+        == (8, [0, 1, 1], 4, 4, 2, "sigmoid", True, 2.5, 16, 32)
+    assert not m.mtp_num_layers and _cfg(["--load", path, "--mtp-num-layers", "1"]).model.mtp_num_layers == 1
+    with pytest.raises(ConfigError) as e:
+        _cfg(["--load", path, "--mtp-num-layers", "2"])
+    assert str(e.value) == (f"--mtp-num-layers 2: --load {path}/config.json has num_nextn_predict_layers 1; give at "
+                            "most 1 or drop --mtp-num-layers")
+    with pytest.raises(ConfigError, match="only DeepseekV3ForCausalLM directories carry multi-token-prediction"):
+        _cfg(["--load", _hf_dir(tmp_path / "q", QWEN3), "--mtp-num-layers", "1"])
+
+
+@pytest.mark.parametrize("config", [QWEN3, MIXTRAL, GPT2, DEEPSEEK], ids=["qwen3", "mixtral", "gpt2", "deepseek"])
 def test_row_runs_equal_the_name_map(config):
     cfg, arch = model_config_from_hf(config)
     padded = cfg.padded_vocab_size(2)
