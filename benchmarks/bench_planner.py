@@ -231,6 +231,10 @@ CPU_LAYOUTS = {
     "4: tp2 dp2": (4, ["--tensor-model-parallel-size", "2"]),
     "4: pp2 dp2": (4, ["--pipeline-model-parallel-size", "2"]),
     "4: tp2 pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
+    "1: mla mtp": (1, ["--multi-latent-attention", "--q-lora-rank", "64", "--kv-lora-rank", "32", "--qk-head-dim",
+                       "32", "--qk-pos-emb-head-dim", "16", "--v-head-dim", "32", "--qk-layernorm",
+                       "--position-embedding-type", "rope", "--mtp-num-layers", "1"]),
+    "2: pp2 zbv": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv"]),
 }
 
 
@@ -275,25 +279,28 @@ def cpu(args) -> None:
     from megatronish.planner.plan import make_plan
     from megatronish.testing import run_distributed
 
+    hw = {world: _cpu_hw(world) for world in sorted({w for w, _ in CPU_LAYOUTS.values()})}
+    predicted = {name: make_plan(configs_from_args(parse_args(CPU_BASE + flags), world), hw[world])["time"]["step_s"]
+                 for name, (world, flags) in CPU_LAYOUTS.items()}
+    print(f"{os.cpu_count()} cores; base: {' '.join(CPU_BASE)}; {args.rounds} round(s) of {args.iters} steps after "
+          f"2 warm-up steps", flush=True)
+    head = f"{'layout':22s} {'predicted ms':>12s} {'measured ms':>12s} {'pred/meas':>9s}"
+    print(f"{'round':>5s} {head}", flush=True)
     measured = {name: [] for name in CPU_LAYOUTS}
-    predicted = {}
     for rnd in range(args.rounds):
         order = list(CPU_LAYOUTS) if rnd % 2 == 0 else list(reversed(CPU_LAYOUTS))
         for name in order:
             world, flags = CPU_LAYOUTS[name]
             out = run_distributed(_measure, world, flags, args.iters, timeout=900)
-            measured[name].append(max(out))
-    for name, (world, flags) in CPU_LAYOUTS.items():
-        cfg = configs_from_args(parse_args(CPU_BASE + flags), world)
-        predicted[name] = make_plan(cfg, _cpu_hw(world))["time"]["step_s"]
-    print(f"{os.cpu_count()} cores; base: {' '.join(CPU_BASE)}")
-    print(f"{'layout':22s} {'predicted ms':>12s} {'measured ms (median of rounds)':>31s} {'spread':>14s} "
-          f"{'pred/meas':>9s}")
+            measured[name].append(max(out))  # the slowest rank's median step
+            m = statistics.median(measured[name])
+            print(f"{rnd + 1:5d} {name:22s} {predicted[name] * 1e3:12.0f} {m * 1e3:12.0f} {predicted[name] / m:9.2f}",
+                  flush=True)
+    print(f"\nmedian of the rounds:\n{head} {'spread ms':>14s}")
     for name in CPU_LAYOUTS:
         m = statistics.median(measured[name])
         spread = f"{min(measured[name]) * 1e3:.0f}-{max(measured[name]) * 1e3:.0f}"
-        print(f"{name:22s} {predicted[name] * 1e3:12.0f} {m * 1e3:31.0f} {spread:>14s} "
-              f"{predicted[name] / m:9.2f}")
+        print(f"{name:22s} {predicted[name] * 1e3:12.0f} {m * 1e3:12.0f} {predicted[name] / m:9.2f} {spread:>14s}")
 
 
 def main() -> None:

@@ -17,6 +17,7 @@ models: twice the 16-bit bytes).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..model.moe.layer import is_moe_layer
@@ -40,13 +41,43 @@ class StageActivations:
         return self.layers + self.embedding + max(self.output, self.recompute)
 
 
-def in_flight(p: int, v: int, r: int, m: int) -> int:
-    """Microbatches (interleaved: model chunks) whose activations stage ``r`` holds at once."""
+def in_flight(p: int, v: int, r: int, m: int, schedule: str | None = None) -> int:
+    """Microbatches (more than one chunk a rank: chunk-microbatches) whose activations pipeline rank ``r`` holds at
+    once, counted from a forward to its backward's input-gradient step ``B``: 1F1B and ``zb-h1`` ``min(m, p - r)``;
+    interleaved ``min(m v, 2 (p - r - 1) + (v - 1) p + 1)``; ``zbv`` ``min(2m, m + 1 + r, 2p)`` (its ``2p``
+    chunks-in-flight rule; before the steady state rank ``r`` holds the ``m`` forwards of its first chunk and the
+    ``r + 1`` of its second that the V lets through)."""
     if p == 1:
         return 1
+    if schedule == "zbv":
+        return min(2 * m, m + 1 + r, 2 * p)
     if v == 1:
         return min(m, p - r)
     return min(m * v, 2 * (p - r - 1) + (v - 1) * p + 1)
+
+
+def _attention_sizes(m) -> tuple[float, float, float, float]:
+    """Per token: the elements of the attention's query, key, value (the tensors its core keeps) and output
+    projection input, summed over heads. Standard attention: ``h``, ``kv``, ``kv``, ``h`` (as the formula counts);
+    MLA: ``a (d_nope + d_rope)`` for the query and the (RoPE-completed) key, the value a view of the
+    key/value up-projection's output ``a (d_nope + d_v)``, and ``a d_v``."""
+    if not m.attention.multi_latent_attention:
+        kv = m.num_query_groups * m.kv_channels
+        return m.hidden_size, kv, kv, m.hidden_size
+    at, a = m.attention, m.num_attention_heads
+    dq = at.qk_head_dim + at.qk_pos_emb_head_dim
+    return a * dq, a * dq, a * (at.qk_head_dim + at.v_head_dim), a * at.v_head_dim
+
+
+def _mla_latents(m) -> tuple[float, int]:
+    """MLA's replicated latents kept per token, in 16-bit bytes, and how many latent norms there are: the query
+    down-projection's output (and its norm's output), the key/value down-projection's whole output (the latent
+    and the RoPE key; the norm's input is a view of it) and the key/value norm's output."""
+    at = m.attention
+    norms = 2 if at.qk_layernorm and at.q_lora_rank is not None else (1 if at.qk_layernorm else 0)
+    q = 0 if at.q_lora_rank is None else 2 * at.q_lora_rank * (2 if at.qk_layernorm else 1)
+    kv = 2 * (at.kv_lora_rank + at.qk_pos_emb_head_dim) + (2 * at.kv_lora_rank if at.qk_layernorm else 0)
+    return q + kv, norms
 
 
 def _layer(cfg, *, moe: bool, cpu: bool, recompute: str | None) -> float:
@@ -58,6 +89,14 @@ def _layer(cfg, *, moe: bool, cpu: bool, recompute: str | None) -> float:
     fn = cpu_activation_bytes_per_layer if cpu else activation_bytes_per_layer
     kw = dict(t=t, sequence_parallel=sp, recompute=recompute, kv_hidden_size=kv, swiglu=m.swiglu)
     value = fn(s, b, h, a, ffn_hidden_size=0 if moe else m.ffn_hidden_size, **kw)
+    q, k, v, proj = _attention_sizes(m)
+    mla = m.attention.multi_latent_attention
+    keeps_scores = recompute is None
+    upcast = 2 * (q + k + v) * s * b / t  # the CPU SDPA's fp32 copies of q, k, v (bytes over the 16-bit ones)
+    if mla and recompute != "full":  # MLA's query, key, value, projection input and latents for the formula's
+        value += 2 * (q + k + v + proj - 2 * h - 2 * kv) * s * b / t + _mla_latents(m)[0] * s * b / (t if sp else 1)
+        if cpu and recompute != "selective":
+            value += upcast - 2 * (h + 2 * kv) * s * b / t
     if moe:  # the router and the experts' share of the routed token copies
         mo, etp = m.moe, par.expert_tp
         capacity = mo.moe_expert_capacity_factor if mo.moe_pad_expert_input_to_capacity else 1.0
@@ -66,22 +105,29 @@ def _layer(cfg, *, moe: bool, cpu: bool, recompute: str | None) -> float:
         # FC1's input and the activation's input (a dense MLP's), plus what the permutation keeps: ~3h a copy
         per_copy = 5 * h + (6 if m.swiglu else 4) * f + (2 * f if cpu and m.swiglu else 0)
         value += s * b / (t if sp else 1) * (2 * h + 4 * mo.num_experts) + routed * per_copy
+        shared = mo.moe_shared_expert_intermediate_size
+        if shared and recompute != "full":  # a dense MLP of that size on every token (its input is the router's)
+            value += s * b / t * shared * ((6 if m.swiglu else 4) + (2 if cpu and m.swiglu else 0))
     sbh = s * b * h / (t if sp else 1)
     scores = a * s * s * b / t
-    keeps_scores = recompute is None
     if keeps_scores and not m.attention.attention_dropout:  # softmax output only: no mask, no dropped copy
         value -= (8 if cpu else 3) * scores
     if not m.hidden_dropout:  # the two hidden dropouts' masks
         value -= (4 if cpu else 2) * sbh
     fp32 = cfg.optim.params_dtype.itemsize == 4
     if cpu and fp32:  # everything doubles but the fp32 scores; the SDPA's fp32 copies shrink to its scaled query
+        # (MLA's: none; the kernel's scaled query and reshaped key are the copies of q and k counted above)
         score_bytes = (12 if m.attention.attention_dropout else 4) * scores if keeps_scores else 0.0
-        upcast = (2 + 4 * kv / h) * s * b * h / t if keeps_scores else 0.0
-        value = 2 * (value - score_bytes) - upcast + score_bytes
+        value = 2 * (value - score_bytes) - ((2 if mla else 1) * upcast if keeps_scores else 0.0) + score_bytes
     elif fp32:
         value *= 2
-    if cpu and m.normalization == "RMSNorm":  # fp32 input and output copies, and the rstd, of the two norms
-        value += 2 * ((4 if fp32 else 6) * sbh + 4 * sbh / h)
+    if cpu and m.normalization == "RMSNorm":  # fp32 input and output copies, and the rstd, of the norms
+        latent = 0.0
+        if mla and recompute != "full":
+            at, norms = m.attention, _mla_latents(m)[1]
+            width = (at.q_lora_rank or 0) * (norms == 2) + at.kv_lora_rank * (norms > 0)
+            latent = ((4 if fp32 else 6) * width + 4 * norms) * s * b / (t if sp else 1)
+        value += 2 * ((4 if fp32 else 6) * sbh + 4 * sbh / h) + latent
     return value
 
 
@@ -92,7 +138,7 @@ def stage_activations(cfg, pp_rank: int = 0, *, cpu: bool = False) -> StageActiv
     s, b, h, t = m.seq_length // par.cp, cfg.train.micro_batch_size, m.hidden_size, par.tp
     scale = 2.0 if cfg.optim.params_dtype.itemsize == 4 else 1.0
     rec = m.recompute
-    flight = in_flight(p, v, pp_rank, cfg.num_microbatches)
+    flight = in_flight(p, v, pp_rank, cfg.num_microbatches, par.pipeline_schedule)
     per_chunk = 0.0
     peak_extra = 0.0
     for c in range(v):
@@ -117,13 +163,29 @@ def stage_activations(cfg, pp_rank: int = 0, *, cpu: bool = False) -> StageActiv
     if pp_rank == 0:
         sbh = s * b * h / (t if cfg.sequence_parallel else 1)
         embedding = flight * (8 * s * b + (sbh * (2 if cpu else 1) * scale if m.hidden_dropout else 0))
-    if pp_rank == p - 1:
+    if pp_rank == par.loss_pp_rank:
         vocab = m.padded_vocab_size(t) / t
         norm = 2 * s * b * h * scale  # the final norm's input (on CPU an RMSNorm keeps fp32 copies)
         if cpu and m.normalization == "RMSNorm":
             norm = 8 * s * b * h + 4 * s * b
         output = norm + 2 * s * b * h * scale + 4 * s * b * vocab  # + the output layer's input, fp32 softmax
+        output += (m.mtp_num_layers or 0) * _mtp_depth(cfg, cpu=cpu, norm=norm, vocab=vocab)
     return StageActivations(per_chunk * flight, embedding, output, flight, peak_extra)
+
+
+def _mtp_depth(cfg, *, cpu: bool, norm: float, vocab: float) -> float:
+    """One multi-token-prediction depth (on the loss stage, one microbatch): its transformer layer, the two input
+    norms' and the final norm's inputs (``norm`` bytes each), the projection's concatenated input (``2h``), and as
+    the decoder's output, the output layer's input and the fp32 softmax over the vocabulary shard."""
+    from ..model.mtp import mtp_layer_config
+
+    m, par = cfg.model, cfg.parallel
+    s, b, h = m.seq_length // par.cp, cfg.train.micro_batch_size, m.hidden_size
+    scale = 2.0 if cfg.optim.params_dtype.itemsize == 4 else 1.0
+    layer_cfg = cfg if not m.moe.num_experts else dataclasses.replace(cfg, model=mtp_layer_config(m))
+    moe = bool(layer_cfg.model.moe.num_experts)
+    layer = _layer(layer_cfg, moe=moe, cpu=cpu, recompute=m.recompute.recompute_granularity)
+    return layer + 3 * norm + 4 * s * b * h * scale + 2 * s * b * h * scale + 4 * s * b * vocab
 
 
 __all__ = ["StageActivations", "stage_activations", "in_flight"]

@@ -94,7 +94,10 @@ def step_collectives(cfg, rank: int, chunks, ctx) -> list[Collective]:
     e = 4 if o.params_dtype.itemsize == 4 else 2
     sp, tp = cfg.sequence_parallel, par.tp
     layers = [i for c in range(v) for i in par.layer_range(m.num_layers, coords["pp"], c)]
+    depths = (m.mtp_num_layers or 0) if coords["pp"] == par.loss_pp_rank else 0
     n_moe = sum(is_moe_layer(m, i) for i in layers) if m.moe.num_experts else 0
+    if depths and m.moe.num_experts and is_moe_layer(m, m.num_layers - 1):  # MTP's layers: MoE as the last one
+        n_moe += depths
     n_dense = len(layers) - n_moe
     full = m.recompute.recompute_granularity == "full"
     out: list[Collective] = []
@@ -132,14 +135,14 @@ def step_collectives(cfg, rank: int, chunks, ctx) -> list[Collective]:
         if last:
             add("cp", "all_reduce", 4, M)
     if n_moe:
-        _moe(cfg, ctx, add, s, b, h, e, M, n_moe, full, p, layers)
+        _moe(cfg, ctx, add, s, b, h, e, M, n_moe, full, p, layers, depths)
     if p > 1:
         pipe = act // (tp if sp else 1)
         sends = 2 * M * v - (M if first else 0) - (M if last else 0)
         add("pp", "p2p", pipe, sends, role="pp_p2p")
-        add("pp", "broadcast", 8)
+        add("pp", "broadcast", 8, 1 + (m.mtp_num_layers or 0))  # the loss, and each MTP depth's
     if last and _size(ctx, "dp_cp") > 1:
-        add("dp_cp", "all_reduce", 8)
+        add("dp_cp", "all_reduce", 8 * (1 + depths))  # (each MTP depth's loss and token count)
     if chunks is not None:
         _ddp(cfg, ctx, chunks, add, first, last)
     _optimizer(cfg, ctx, add, n_moe_model=bool(m.moe.num_experts))
@@ -237,7 +240,7 @@ def fsdp_estimate(cfg, state) -> list[Collective]:
             Collective("dp_cp", "reduce_scatter", n, state.grads * n, M, "fsdp")]
 
 
-def _moe(cfg, ctx, add, s, b, h, e, M, n_moe, full, p, layers) -> None:
+def _moe(cfg, ctx, add, s, b, h, e, M, n_moe, full, p, layers, depths) -> None:
     m, par = cfg.model, cfg.parallel
     E = m.moe.num_experts
     T = s * b // (par.tp if cfg.sequence_parallel else 1)  # this rank's tokens entering the router
@@ -267,7 +270,7 @@ def _moe(cfg, ctx, add, s, b, h, e, M, n_moe, full, p, layers) -> None:
     add("tp_dp_cp", "all_reduce", 4 * nl * E, n=every)
     add("tp_dp_cp", "all_reduce", 4 * nl * 2, n=every)
     if m.moe.moe_router_enable_expert_bias:
-        here = sum(is_moe_layer(m, i) for i in layers)
+        here = sum(is_moe_layer(m, i) for i in layers) + (depths if is_moe_layer(m, m.num_layers - 1) else 0)
         add("tp_dp_cp", "all_reduce", 4 * here * E, n=every)
 
 
@@ -288,7 +291,8 @@ def _ddp(cfg, ctx, chunks, add, first: bool, last: bool) -> None:
             if dist_opt:
                 pb = bucket.param_buffer
                 add(group, "all_gather", pb.numel() * pb.element_size(), n=bucket.world, role="param_gather")
-    if cfg.parallel.pp > 1 and not cfg.model.untie_embeddings_and_output_weights and (first or last):
+    m = cfg.model  # the tied output layer's, or MTP's look-up copy on the last stage
+    if cfg.parallel.pp > 1 and (not m.untie_embeddings_and_output_weights or m.mtp_num_layers) and (first or last):
         for chunk in chunks:
             for q in chunk.module.parameters():
                 if getattr(q, "shared_embedding", False):

@@ -30,6 +30,7 @@ The efficiencies are fitted on three published runs (docs/planner.md, "Against p
 """
 from __future__ import annotations
 
+import functools
 import math
 
 from ..training.flops import num_floating_point_operations
@@ -106,6 +107,67 @@ def _recomputed_share(cfg) -> float:
     return 1.0
 
 
+def mtp_flops(m, batch_size: int) -> float:
+    """Forward + backward FLOPs of the ``--mtp-num-layers`` depths: each runs one transformer layer (dense, or MoE
+    as the decoder's last layer), the ``[h, 2h]`` projection and the shared output layer's logits."""
+    if not m.mtp_num_layers:
+        return 0.0
+    from ..model.mtp import mtp_layer_config
+
+    one = mtp_layer_config(m).replace(num_layers=1)
+    proj = 6.0 * batch_size * m.seq_length * 2 * m.hidden_size * m.hidden_size
+    return m.mtp_num_layers * (num_floating_point_operations(one, batch_size) + proj)
+
+
+def attention_core_flops(m, batch_size: int) -> float:
+    """Forward + backward FLOPs of the attention core (scores and their product with the values) over every
+    layer and MTP depth, unmasked: ``6 B s^2 a (d_qk + d_v)`` a layer (MLA: ``d_qk = d_nope + d_rope``)."""
+    a, s = m.num_attention_heads, m.seq_length
+    at = m.attention
+    head = (at.qk_head_dim + at.qk_pos_emb_head_dim + at.v_head_dim) if at.multi_latent_attention \
+        else 2 * m.kv_channels
+    return 6.0 * batch_size * s * s * a * head * (m.num_layers + (m.mtp_num_layers or 0))
+
+
+def bubble_fraction(p: int, v: int, m: int, schedule: str | None) -> float:
+    """The pipeline's idle time over its compute: 1F1B ``(p-1)/m``, interleaved ``(p-1)/(v m)``; the zero-bubble
+    schedules' from replaying their own action lists with equal forward, backward-input and backward-weight steps
+    (``parallel/pipeline/zero_bubble.simulate``: ``(p-1)/(3m)`` for ``zb-h1`` and ``(p-1)/(6m)`` for ``zbv`` when
+    ``p`` divides ``m``, the zero-bubble paper's figures, more otherwise), those closed forms beyond 20,000
+    chunk-microbatch steps."""
+    if p == 1:
+        return 0.0
+    if schedule in ("zb-h1", "zbv"):
+        if m * p * (2 if schedule == "zbv" else 1) <= 20000:
+            return _zero_bubble_fraction(schedule, p, m)
+        return (p - 1) / m / (3 if schedule == "zb-h1" else 6)
+    return (p - 1) / m / v
+
+
+@functools.lru_cache(maxsize=64)
+def _zero_bubble_fraction(schedule: str, p: int, m: int) -> float:
+    from ..parallel.pipeline.zero_bubble import num_chunks, schedule_actions, simulate, stage_of
+
+    lists = schedule_actions(schedule, p, m)
+    return simulate(lists, lambda r, c: stage_of(schedule, p, r, c), p * num_chunks(schedule),
+                    {"F": 1, "B": 1, "W": 1})["bubble"]
+
+
+def stage_imbalance(cfg, output_share: float) -> float:
+    """The slowest pipeline rank's compute over the mean rank's: each rank's layers (``ParallelDims`` gives the
+    uneven first and last ranks' own numbers) plus, on the rank holding the loss, the output layer and the MTP
+    depths (``output_share`` of the FLOPs, together; the depths' layers counted as layers)."""
+    par, m = cfg.parallel, cfg.model
+    if par.pp == 1:
+        return 1.0
+    L, D = m.num_layers, m.mtp_num_layers or 0
+    layers = [par.rank_num_layers(L, r) for r in range(par.pp)]
+    per_layer = (1.0 - output_share) / (L + D)
+    work = [n * per_layer + (output_share + D * per_layer if r == par.loss_pp_rank else 0.0)
+            for r, n in enumerate(layers)]
+    return max(work) * par.pp / sum(work)
+
+
 def step_time(cfg, hw, state, colls=None, rank: int | None = None, *, tp_overlap: bool = False,
               efficiencies: dict | None = None) -> dict:
     """Predicted seconds of one iteration and its breakdown. ``state``: the fullest rank's
@@ -122,28 +184,30 @@ def step_time(cfg, hw, state, colls=None, rank: int | None = None, *, tp_overlap
         colls = collectives(cfg, state, rank)
     dtype = _compute_dtype(cfg)
     e = 2 if dtype != "tf32" else 4
-    flops = num_floating_point_operations(m, t.global_batch_size)
+    gbs, D = t.global_batch_size, m.mtp_num_layers or 0
+    flops = num_floating_point_operations(m, gbs) + mtp_flops(m, gbs)
     L = m.num_layers
-    q = m.num_attention_heads * m.kv_channels
-    attn = 12.0 * t.global_batch_size * s * h * h * L * (s / h) * (q / h)
+    attn = attention_core_flops(m, gbs)  # the core's full (unmasked) forward + backward
     again = _recomputed_share(cfg)
-    layer_share = 1.0 - 6.0 * t.global_batch_size * s * h * m.padded_vocab_size(1) / flops
+    logits = 6.0 * gbs * s * h * m.padded_vocab_size(1) * (1 + D)
+    layer_share = 1.0 - logits / flops
     gemm_s = (flops - attn) * (1.0 + layer_share * again / 3) / world / (hw.peak(dtype) * eff["GEMM_EFFICIENCY"])
     attn_again = 1 / 3 if again or m.recompute.recompute_granularity == "selective" else 0.0
     attn_peak = hw.peak("bf16" if e == 2 else "tf32")
     attn_s = attn / 2 * (1 + attn_again) / world / (attn_peak * eff["ATTENTION_EFFICIENCY"])
+    slowest = stage_imbalance(cfg, logits / flops)
     tokens_rank = t.global_batch_size * s / (par.dp * par.cp)  # this rank's tokens per step (its DP x CP share)
     per_token = MEMORY_BOUND_BYTES * e / 2 * (1 + again / 3)
     if cfg.train.torch_compile:
         per_token *= COMPILED_MEMORY_FACTOR
     if dtype == "fp8":  # each GEMM's input and output gradient cast: ~3 (h + h + h + ffn) elements a token, twice
         per_token += FP8_CAST_BYTES * 2 * (3 + m.ffn_hidden_size / h) * (1 + again / 3)
-    mem_bytes = tokens_rank * per_token * h * (L / p) / par.tp
-    mem_bytes += 2 * state.total  # the optimizer step reads and writes its state
-    mem_s = mem_bytes / (hw.hbm_tbps * 1e12 * eff["MEMORY_EFFICIENCY"])
+    layer_bytes = tokens_rank * per_token * h * ((L + D) / p) / par.tp
+    mem_s = (layer_bytes * slowest + 2 * state.total) / (hw.hbm_tbps * 1e12 * eff["MEMORY_EFFICIENCY"])
+    gemm_s, attn_s = gemm_s * slowest, attn_s * slowest  # (the optimizer step reads and writes its state)
     compute = gemm_s + attn_s + mem_s
     per_mb = compute / M  # one microbatch through this rank's layers, forward + backward
-    bubble = (p - 1) / (v * M) * compute if p > 1 else 0.0
+    bubble = bubble_fraction(p, v, M, par.pipeline_schedule) * compute
 
     by_role: dict[str, float] = {}
     count: dict[str, float] = {}
@@ -184,5 +248,6 @@ def step_time(cfg, hw, state, colls=None, rank: int | None = None, *, tp_overlap
             "comm_s": comm_s, "comm_by_role_s": by_role, "comm_bytes": comm_bytes}
 
 
-__all__ = ["step_time", "collectives", "price", "link", "GEMM_EFFICIENCY", "ATTENTION_EFFICIENCY",
+__all__ = ["step_time", "collectives", "price", "link", "mtp_flops", "attention_core_flops", "bubble_fraction",
+           "stage_imbalance", "GEMM_EFFICIENCY", "ATTENTION_EFFICIENCY",
            "MEMORY_EFFICIENCY", "LINK_EFFICIENCY", "EFFICIENCIES"]

@@ -1,11 +1,12 @@
 """The planner's per-rank bytes against the real run's: for many layouts (dense GPT-2 and Llama, MoE with EP and
-ETP, CP, PP and VP, FSDP2, the distributed optimizer, 16-bit, recompute) the parameters, gradients and optimizer
-state that ``setup`` builds on 4 gloo ranks and one ``train_step`` fills (distinct storages) equal the bytes the
-planner counts on the rank's meta model exactly, and one step's saved activations (``saved_tensors_hooks``) are
-within 10% of its activation prediction (the CPU terms). The bytes of every collective kind the second step issues
-(counted on ``comm_log``'s records) equal the planner's count exactly (``planner/comms.py``; FSDP2's own
-collectives run inside torch and fp16's first steps skip on overflow, so those layouts are left out). All layouts
-run in one worker group."""
+ETP, CP, PP and VP, FSDP2, the distributed optimizer, 16-bit, recompute, multi-latent attention with DeepSeek's
+MoE (shared experts, sigmoid router with expert bias, dense first layer) and multi-token prediction) the
+parameters, gradients and optimizer state that ``setup`` builds on 4 gloo ranks and one ``train_step`` fills
+(distinct storages) equal the bytes the planner counts on the rank's meta model exactly, and one step's saved
+activations (``saved_tensors_hooks``) are within 10% of its activation prediction (the CPU terms). The bytes of
+every collective kind the second step issues (counted on ``comm_log``'s records) equal the planner's count exactly
+(``planner/comms.py``; FSDP2's own collectives run inside torch and fp16's first steps skip on overflow, so those
+layouts are left out). All layouts run in one worker group."""
 import io
 import math
 from contextlib import contextmanager, redirect_stdout
@@ -24,6 +25,12 @@ LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", 
          "--num-query-groups", "2", "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
 MOE = ["--num-experts", "4", "--disable-bias-linear", "--moe-expert-capacity-factor", "1.0",
        "--moe-pad-expert-input-to-capacity", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32"]
+MLA = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16", "--qk-head-dim", "16",
+       "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--qk-layernorm", "--position-embedding-type", "rope"]
+DEEPSEEK_MOE = ["--num-experts", "4", "--disable-bias-linear", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+                "--moe-shared-expert-intermediate-size", "32", "--moe-router-score-function", "sigmoid",
+                "--moe-router-enable-expert-bias", "--moe-layer-freq", "[0,1,1,1]", "--swiglu", "--normalization",
+                "RMSNorm", "--untie-embeddings-and-output-weights", "--mtp-num-layers", "1"]
 TP, PP, CP, DP_OPT = "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size", \
     "--use-distributed-optimizer"
 LAYOUTS = {
@@ -48,6 +55,9 @@ LAYOUTS = {
     "moe tp2 ep2 etp1": ["--num-layers", "2", *MOE, TP, "2", "--sequence-parallel", "--expert-model-parallel-size",
                          "2", "--expert-tensor-parallel-size", "1"],
     "moe llama tp2 etp2": ["--num-layers", "2", *LLAMA, *MOE, TP, "2", "--sequence-parallel"],
+    "mla deepseek-moe pp2 ep2": ["--num-layers", "4", *MLA, *DEEPSEEK_MOE, PP, "2", "--expert-model-parallel-size",
+                                 "2"],
+    "mtp llama pp2 dp2": ["--num-layers", "2", *LLAMA, "--mtp-num-layers", "2", PP, "2"],
     "fsdp dp4 fp32": ["--num-layers", "2", "--use-torch-fsdp2"],
     "fsdp dp4 bf16 llama": ["--num-layers", "2", *LLAMA, "--use-torch-fsdp2", "--bf16"],
     "fsdp tp2 dp2": ["--num-layers", "2", TP, "2", "--use-torch-fsdp2"],

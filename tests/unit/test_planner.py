@@ -79,3 +79,74 @@ def test_search_ranks_valid_layouts(capsys):
     main(BASE + ["--world-size", "8", "--search", "--search-top-k", "3"])
     out = capsys.readouterr().out
     assert "layouts enumerated" in out and out.count("tokens/s/GPU") == 3 and out.count("loses to 1. on:") == 2
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])
+def test_in_flight_and_bubble_follow_the_action_lists(schedule):
+    """Each rank's most microbatches (zbv: chunk-microbatches) between a forward and its input-gradient step, and
+    the bubble with equal step times, as the zero-bubble action lists have them (zb-h1's in-flight is 1F1B's)."""
+    from megatronish.parallel.pipeline.zero_bubble import schedule_actions, simulate, stage_of
+    from megatronish.planner.activations import in_flight
+    from megatronish.planner.perf import bubble_fraction
+
+    v = 2 if schedule == "zbv" else 1
+    for p in (2, 3, 4, 5):
+        for m in (1, 2, 3, p, p + 1, 2 * p + 1, 3 * p):
+            lists = schedule_actions(schedule, p, m)
+            for r, actions in enumerate(lists):
+                alive = peak = 0
+                for a in actions:
+                    alive += (a.op == "F") - (a.op == "B")
+                    peak = max(peak, alive)
+                assert in_flight(p, v, r, m, schedule) == peak, (p, m, r)
+                if schedule == "zb-h1":
+                    assert in_flight(p, 1, r, m) == peak  # 1F1B's
+            if m % p == 0:  # the paper's closed form, and the replay of the lists
+                sim = simulate(lists, lambda r, c: stage_of(schedule, p, r, c), p * v, {"F": 1, "B": 1, "W": 1})
+                closed = (p - 1) / m / (3 if schedule == "zb-h1" else 6)
+                assert bubble_fraction(p, v, m, schedule) == pytest.approx(closed, rel=1e-9) \
+                    and sim["bubble"] == pytest.approx(closed, rel=1e-9), (p, m)
+
+
+def test_uneven_stages_and_the_loss_stage_in_memory_and_time():
+    """Per-stage layer counts come from ParallelDims (uneven first and last stages); the slowest stage sets the
+    step's compute; under zbv the loss (and the MTP depths) sit on rank 0."""
+    from megatronish.arguments import build_parser, configs_from_args
+    from megatronish.planner.activations import _layer, stage_activations
+    from megatronish.planner.perf import stage_imbalance
+
+    flags = BASE + ["--num-layers", "8", "--pipeline-model-parallel-size", "4", "--decoder-first-pipeline-num-layers",
+                    "1", "--decoder-last-pipeline-num-layers", "3", "--position-embedding-type", "rope"]
+    cfg = configs_from_args(build_parser().parse_args(flags), 4)
+    one = _layer(cfg, moe=False, cpu=False, recompute=None)
+    for stage, n in enumerate((1, 2, 2, 3)):
+        act = stage_activations(cfg, stage)
+        assert act.layers == pytest.approx(n * one * act.in_flight, rel=1e-12)
+        assert act.in_flight == min(cfg.num_microbatches, 4 - stage)
+    share = 0.1
+    work = [n * (1 - share) / 8 for n in (1, 2, 2, 3)]
+    work[3] += share
+    assert stage_imbalance(cfg, share) == pytest.approx(max(work) * 4 / sum(work), rel=1e-12)
+    zbv = configs_from_args(build_parser().parse_args(
+        BASE + ["--num-layers", "8", "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv",
+                "--position-embedding-type", "rope", "--mtp-num-layers", "1"]), 2)
+    first, other = stage_activations(zbv, 0), stage_activations(zbv, 1)
+    assert first.output > 0 and other.output == 0 and first.embedding > 0
+    assert first.in_flight == min(2 * zbv.num_microbatches, zbv.num_microbatches + 1, 4)
+
+
+def test_mla_and_mtp_in_the_flops():
+    """The time model's attention core uses MLA's head sizes, and each MTP depth adds one layer, its projection and
+    the logits: the planner's FLOPs equal the formula's terms."""
+    from megatronish.arguments import build_parser, configs_from_args
+    from megatronish.planner.perf import attention_core_flops, mtp_flops
+    from megatronish.training.flops import num_floating_point_operations
+
+    mla = ["--multi-latent-attention", "--kv-lora-rank", "16", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8",
+           "--v-head-dim", "12", "--position-embedding-type", "rope", "--mtp-num-layers", "2"]
+    cfg = configs_from_args(build_parser().parse_args(BASE + mla), 1)
+    m, B = cfg.model, 4
+    s, a, h = m.seq_length, m.num_attention_heads, m.hidden_size
+    assert attention_core_flops(m, B) == 6.0 * B * s * s * a * (16 + 8 + 12) * (4 + 2)
+    one_layer = num_floating_point_operations(m.replace(num_layers=1), B)
+    assert mtp_flops(m, B) == pytest.approx(2 * (one_layer + 12.0 * B * s * h * h), rel=1e-12)
