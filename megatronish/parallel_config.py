@@ -7,9 +7,10 @@ from __future__ import annotations
 from .errors import ConfigError
 from .parallel.dims import PIPELINE_SCHEDULES, DegreeError, ParallelDims, layer_split_error
 from .parallel.pipeline import schedules
+from .parallel.pipeline.layout import parse_layout
 
-__all__ = ["parallel_dims", "check_layer_split", "check_interleaving", "validate_model",
-           "virtual_stages_from_layers"]
+__all__ = ["parallel_dims", "check_layer_split", "check_stage_split", "check_layout_mtp", "check_interleaving",
+           "validate_model", "virtual_stages_from_layers"]
 _TP = "--tensor-model-parallel-size"
 _PP = "--pipeline-model-parallel-size"
 _CP = "--context-parallel-size"
@@ -18,6 +19,8 @@ _ETP = "--expert-tensor-parallel-size"
 _VP = "--num-virtual-stages-per-pipeline-rank (or --num-layers-per-virtual-pipeline-stage)"
 _WORLD = "the world size {n} (torchrun --nproc-per-node x --nnodes)"
 _FIRST, _LAST = "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"
+_LAYOUT = "--pipeline-model-parallel-layout"
+_ACCOUNT = "--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split"
 _DEGREE_FLAGS = {"world_size": "the world size (torchrun --nproc-per-node x --nnodes)", "tp": _TP, "pp": _PP,
                  "vp": _VP, "cp": _CP, "ep": _EP, "etp": _ETP, "decoder_first_pipeline_num_layers": _FIRST,
                  "decoder_last_pipeline_num_layers": _LAST,
@@ -49,6 +52,8 @@ def _degree_line(e: DegreeError) -> str:
                 f"does not divide {_CP} {v['cp']}; INNER x OUTER must equal {_CP}")
     if e.kind in ("uneven_split", "uneven_without_pp"):
         return _uneven_line(e.kind, v)
+    if e.kind in _SPLIT_LINES:
+        return _SPLIT_LINES[e.kind].format(**v, stages_total=v.get("pp", 0) * v.get("vp", 0))
     if e.kind in ("schedule", "schedule_pp", "schedule_vp"):
         return _schedule_line(e.kind, v)
     if e.kind == "interleaving":
@@ -79,6 +84,26 @@ def _uneven_line(kind: str, v: dict) -> str:
     return (f"{head}: the {v['middle_layers']} remaining layers must split evenly over the {v['middle_ranks']} "
             f"ranks between the first and the last (none left when there are none); change --num-layers or these "
             f"numbers")
+
+
+# The lines of a layout string and of the account-for splits, by DegreeError kind ({stages_total} = pp x vp).
+_SPLIT_LINES = {
+    "not_bool": "{name} must be a bool, got {value!r}",
+    "layout": f"{_LAYOUT} {{layout!r}}: {{reason}}",
+    "layout_stages": f"{_LAYOUT} {{layout!r}} has {{stages}} stages but {_PP} {{pp}} x {{vp}} virtual stages per "
+                     f"rank is {{stages_total}}; the layout sets the virtual stages: drop {_VP}",
+    "layout_layers": f"{_LAYOUT} {{layout!r}} holds {{found}} transformer layers (t) but --num-layers is "
+                     f"{{num_layers}}; make them equal",
+    "layout_conflict": f"{_LAYOUT} says what every stage holds; drop {_FIRST} / {_LAST} and {_ACCOUNT} "
+                       f"(Megatron-LM rejects them together too)",
+    "account_conflict": f"{_FIRST} / {_LAST} cannot be combined with {_ACCOUNT} (as in Megatron-LM); pass one "
+                        f"way to split the layers, or give {_LAYOUT}",
+    "account_without_pp": f"{_ACCOUNT} change how layers split over pipeline stages, but {_PP} is 1; drop them or "
+                          f"raise {_PP}",
+    "account_split": f"--num-layers {{num_layers}} with {_ACCOUNT} counts {{total}} layers, which do not split "
+                     f"evenly into {_PP} {{pp}} x {{vp}} virtual stages per rank = {{stages_total}} stages; change "
+                     f"--num-layers or the pipeline sizes, or give {_LAYOUT}",
+}
 
 
 def _schedule_line(kind: str, v: dict) -> str:
@@ -139,13 +164,35 @@ def check_layer_split(num_layers: int, pp: int, vp: int = 1, first: int | None =
         raise ConfigError(_degree_line(error))
 
 
-def virtual_stages_from_layers(num_layers: int | None, pp: int, layers_per_virtual_stage: int) -> int:
-    """Virtual stages per pipeline rank for ``--num-layers-per-virtual-pipeline-stage N``: ``L / (p * N)``."""
+def check_stage_split(dims: ParallelDims, num_layers: int) -> None:
+    """Raise :class:`ConfigError` unless ``num_layers`` splits into the stages of ``dims`` in its way (evenly,
+    first/last, a layout string, account-for: ``ParallelDims.layer_split_error``)."""
+    error = dims.layer_split_error(num_layers)
+    if error is not None:
+        raise ConfigError(_degree_line(error))
+
+
+def check_layout_mtp(dims: ParallelDims, mtp_num_layers: int | None) -> None:
+    """A layout string's ``m`` layers against ``--mtp-num-layers`` (Megatron's rule: as many as the depths)."""
+    if dims.pipeline_model_parallel_layout is None:
+        return
+    found = "".join(parse_layout(dims.pipeline_model_parallel_layout)).count("m")
+    if found != (mtp_num_layers or 0):
+        raise ConfigError(f"{_LAYOUT} {dims.pipeline_model_parallel_layout!r} holds {found} multi-token prediction "
+                          f"layers (m) but --mtp-num-layers is {mtp_num_layers or 0}; make them equal")
+
+
+def virtual_stages_from_layers(num_layers: int | None, pp: int, layers_per_virtual_stage: int,
+                               extra_layers: int = 0) -> int:
+    """Virtual stages per pipeline rank for ``--num-layers-per-virtual-pipeline-stage N``: ``(L + x) / (p * N)``,
+    ``x`` the embedding and/or loss counted as layers (the account-for splits, Megatron's rule)."""
     n = layers_per_virtual_stage
-    if n < 1 or num_layers is None or pp < 1 or num_layers % (pp * n):
-        raise ConfigError(f"--num-layers {num_layers} / {_PP} {pp} is not a multiple of "
+    total = None if num_layers is None else num_layers + extra_layers
+    if n < 1 or total is None or pp < 1 or total % (pp * n):
+        counted = f" (+ {extra_layers} for {_ACCOUNT})" if extra_layers else ""
+        raise ConfigError(f"--num-layers {num_layers}{counted} / {_PP} {pp} is not a multiple of "
                           f"--num-layers-per-virtual-pipeline-stage {n}")
-    return num_layers // (pp * n)
+    return total // (pp * n)
 
 
 def validate_model(dims: ParallelDims, *, num_layers: int, num_attention_heads: int,
@@ -195,5 +242,4 @@ def validate_model(dims: ParallelDims, *, num_layers: int, num_attention_heads: 
             raise ConfigError(
                 f"--seq-length {seq_length} is not divisible by {_TP} {tp}{per_cp} under --sequence-parallel; "
                 f"change --seq-length or {_TP}, or drop --sequence-parallel")
-    check_layer_split(num_layers, dims.pp, dims.vp, dims.decoder_first_pipeline_num_layers,
-                      dims.decoder_last_pipeline_num_layers)
+    check_stage_split(dims, num_layers)

@@ -19,6 +19,13 @@ def add_parallel_flags(p) -> None:
          help="layers on the first pipeline rank (the ranks between the first and last share the rest evenly)")
     flag(g, "--decoder-last-pipeline-num-layers", type=int, default=None,
          help="layers on the last pipeline rank")
+    flag(g, "--pipeline-model-parallel-layout", default=None,
+         help="what every (virtual) stage holds, e.g. 'Et*3|(tt|)*2,tL': E embedding, t transformer layer, m "
+         "multi-token prediction, L loss, '|' between stages (docs/pipeline.md, Layouts)")
+    flag(g, "--account-for-embedding-in-pipeline-split", **on,
+         help="the embedding counts as one layer when the layers split evenly over the stages")
+    flag(g, "--account-for-loss-in-pipeline-split", **on,
+         help="the loss counts as one layer when the layers split evenly over the stages")
     flag(g, "--sequence-parallel", **on, help="sequence parallelism in TP regions (no-op at TP 1)")
     flag(g, "--context-parallel-size", type=int, default=1,
          help="split every sequence over this many ranks (docs/context_parallel.md)")

@@ -6,7 +6,8 @@ import dataclasses
 from .. import config as configs
 from ..errors import ConfigError
 from ..parallel.dims import ParallelDims
-from ..parallel_config import parallel_dims, virtual_stages_from_layers
+from ..parallel.pipeline.layout import LayoutError, parse_layout
+from ..parallel_config import check_layout_mtp, parallel_dims, virtual_stages_from_layers
 from .flag_checks import _missing_required
 
 
@@ -92,11 +93,25 @@ def _from_flags(cls, args, rules: dict, **init_only):
 
 
 def _virtual_stages(args) -> int:
-    """Virtual stages per pipeline rank from either virtual-pipeline flag (1 without them)."""
+    """Virtual stages per pipeline rank from either virtual-pipeline flag or the layout's stage count (1 without
+    them)."""
     per_stage, per_rank = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
     if per_stage is not None and per_rank is not None:
         raise ConfigError("--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank are "
                           "mutually exclusive; pass one")
+    layout, pp = args.pipeline_model_parallel_layout, args.pipeline_model_parallel_size
+    if layout is not None:
+        given = "--num-layers-per-virtual-pipeline-stage" if per_stage is not None else \
+            "--num-virtual-stages-per-pipeline-rank" if per_rank is not None else None
+        if given:  # Megatron-LM: at most one of the three
+            raise ConfigError(f"--pipeline-model-parallel-layout sets the virtual stages (its stage count / "
+                              f"--pipeline-model-parallel-size); drop {given}")
+        stages = _layout_stages(args)
+        if args.pipeline_schedule == "zbv" and stages not in (None, 2 * pp):
+            raise ConfigError(f"--pipeline-schedule zbv runs 2 chunks per pipeline rank in a V, so "
+                              f"--pipeline-model-parallel-layout needs 2 x --pipeline-model-parallel-size {pp} = "
+                              f"{2 * pp} stages; it has {stages}")
+        return _layout_vp(args)
     if per_rank is not None:
         return per_rank
     if per_stage is not None and (args.decoder_first_pipeline_num_layers is not None
@@ -104,8 +119,25 @@ def _virtual_stages(args) -> int:
         raise ConfigError("--num-layers-per-virtual-pipeline-stage assumes an even layer split; with "
                           "--decoder-first/last-pipeline-num-layers give --num-virtual-stages-per-pipeline-rank")
     if per_stage is not None:
-        return virtual_stages_from_layers(args.num_layers, args.pipeline_model_parallel_size, per_stage)
+        extra = int(args.account_for_embedding_in_pipeline_split) + int(args.account_for_loss_in_pipeline_split)
+        return virtual_stages_from_layers(args.num_layers, pp, per_stage, extra)
     return 2 if args.pipeline_schedule == "zbv" else 1  # zbv: two chunks per rank, in a V
+
+
+def _layout_stages(args) -> int | None:
+    """The stage count of ``--pipeline-model-parallel-layout`` (None: no layout, or one ``ParallelDims`` rejects)."""
+    if args.pipeline_model_parallel_layout is None:
+        return None
+    try:
+        return len(parse_layout(args.pipeline_model_parallel_layout))
+    except LayoutError:
+        return None
+
+
+def _layout_vp(args) -> int:
+    """Virtual stages per rank that the layout gives (1 where it gives none: ``ParallelDims`` names the problem)."""
+    stages, pp = _layout_stages(args), args.pipeline_model_parallel_size
+    return stages // pp if stages is not None and pp >= 1 and stages % pp == 0 else 1
 
 
 def _cp_inner(args) -> int | None:
@@ -123,9 +155,9 @@ def _parallel_dims(args, world_size: int, errors: list[str]) -> ParallelDims | N
         vp = _virtual_stages(args)
     except ConfigError as e:
         errors.append(str(e))
-        vp = 1
+        vp = _layout_vp(args)
     try:
-        return parallel_dims(world_size=world_size, tp=args.tensor_model_parallel_size,
+        dims = parallel_dims(world_size=world_size, tp=args.tensor_model_parallel_size,
                             pp=args.pipeline_model_parallel_size, vp=vp, cp=args.context_parallel_size,
                             ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size,
                             # the last stage holds the word embedding when the output layer is tied to it or
@@ -134,10 +166,15 @@ def _parallel_dims(args, world_size: int, errors: list[str]) -> ParallelDims | N
                             cp_inner=_cp_inner(args),
                             pipeline_schedule=args.pipeline_schedule,
                             decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
-                            decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers)
+                            decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
+                            pipeline_model_parallel_layout=args.pipeline_model_parallel_layout,
+                            account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
+                            account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split)
+        check_layout_mtp(dims, args.mtp_num_layers)
     except ConfigError as e:
         errors.append(str(e))
         return None
+    return dims
 
 
 @dataclasses.dataclass

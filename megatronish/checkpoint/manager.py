@@ -59,6 +59,8 @@ def _layout(cfg) -> dict:
         layout["chunks"] = "v"
     if d.uneven:  # so do an uneven split's ranks
         layout["first_last_layers"] = [d.decoder_first_pipeline_num_layers, d.decoder_last_pipeline_num_layers]
+    if d.pipeline_model_parallel_layout is not None or d.account_for:  # and a layout string's / account-for's
+        layout["stage_layers"] = list(d.stage_layer_counts(cfg.model.num_layers))
     return layout
 
 

@@ -1,23 +1,24 @@
 """This rank's model chunks: one :class:`GPTModel` per virtual pipeline stage.
 
 With ``p`` pipeline ranks and ``v`` virtual stages per rank the ``L`` layers form ``p*v`` stages of ``L/(p*v)``
-layers. Virtual stage ``c`` on pipeline rank ``r`` is global stage ``c*p + r`` and holds layers
-``c*L/v + r*L/(p*v)`` onward (Megatron's assignment, :meth:`ParallelDims.layer_range`), so a microbatch
-visits ranks ``0..p-1`` ``v`` times. Under ``--pipeline-schedule zbv`` the two chunks form a V: chunk 1 on
-rank ``r`` is stage ``2p-1-r`` (:meth:`ParallelDims.stage_of`), so a microbatch goes ``0..p-1`` and back. The
-embedding lives on global stage 0 (rank 0, chunk 0); the final norm, output layer and loss on global stage
-``p*v-1`` (rank ``p-1``, chunk ``v-1``; in a V rank 0, chunk 1). Parameters take global names, so
-``init_parameters(seed)`` gives every chunk its piece of the one-process model and a checkpoint of one layout
-loads into any other.
+layers (or of the numbers an uneven split, a ``--pipeline-model-parallel-layout`` or the account-for splits give:
+``ParallelDims.stage_layer_counts``; a stage may hold none next to the embedding or the loss). Virtual stage
+``c`` on pipeline rank ``r`` is global stage ``c*p + r`` and holds layers ``c*L/v + r*L/(p*v)`` onward
+(Megatron's assignment, :meth:`ParallelDims.layer_range`), so a microbatch visits ranks ``0..p-1`` ``v`` times.
+Under ``--pipeline-schedule zbv`` the two chunks form a V: chunk 1 on rank ``r`` is stage ``2p-1-r``
+(:meth:`ParallelDims.stage_of`), so a microbatch goes ``0..p-1`` and back. The embedding lives on global stage 0
+(rank 0, chunk 0); the final norm, output layer and loss on global stage ``p*v-1`` (rank ``p-1``, chunk ``v-1``;
+in a V rank 0, chunk 1). Parameters take global names, so ``init_parameters(seed)`` gives every chunk its piece of
+the one-process model and a checkpoint of one layout loads into any other.
 """
 from __future__ import annotations
 
 from ..config import ModelConfig
 from ..parallel.context import ParallelContext
-from ..parallel_config import check_layer_split  # the one layer-split check, re-exported here
+from ..parallel_config import check_layer_split, check_stage_split  # the layer-split checks, re-exported here
 from .gpt import GPTModel
 
-__all__ = ["build_model_chunks", "check_layer_split"]
+__all__ = ["build_model_chunks", "check_layer_split", "check_stage_split"]
 
 
 def build_model_chunks(config: ModelConfig, parallel: ParallelContext, *, sequence_parallel: bool = False,
@@ -28,8 +29,7 @@ def build_model_chunks(config: ModelConfig, parallel: ParallelContext, *, sequen
     :class:`GPTModel`.
     """
     dims, pp_rank = parallel.dims, parallel.pp_rank
-    check_layer_split(config.num_layers, dims.pp, dims.vp, dims.decoder_first_pipeline_num_layers,
-                      dims.decoder_last_pipeline_num_layers)
+    check_stage_split(dims, config.num_layers)
     chunks = []
     for c in range(dims.vp):
         layers = dims.layer_range(config.num_layers, pp_rank, c)

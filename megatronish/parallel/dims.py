@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Sequence
 
 from ..errors import ConfigError  # noqa: F401 - re-exported: older imports take it from here
+from .pipeline import layout as pipeline_layout
 
 __all__ = ["DegreeError", "ParallelDims", "masked_rank_groups", "layer_split_error", "PIPELINE_SCHEDULES"]
 
@@ -131,6 +132,11 @@ class ParallelDims:
     # an uneven split: layers on the first / last pipeline rank (the ranks between share the rest evenly)
     decoder_first_pipeline_num_layers: int | None = None
     decoder_last_pipeline_num_layers: int | None = None
+    # Megatron's layout string: what every global stage holds (parallel/pipeline/layout.py); p * v stages
+    pipeline_model_parallel_layout: str | None = None
+    # the embedding / the loss count as one layer when the layers split evenly over the stages
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
 
     order: ClassVar[str] = "tp-cp-ep-dp-pp"
     # Axes of the dense grid.
@@ -153,9 +159,13 @@ class ParallelDims:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise DegreeError("not_positive", f"{name} must be an integer >= 1, got {value!r}", name=name,
                                   value=value)
-        if not isinstance(self.tie_embeddings, bool):
-            raise DegreeError("tie_embeddings", f"tie_embeddings must be a bool, got {self.tie_embeddings!r}",
-                              value=self.tie_embeddings)
+        for name in ("tie_embeddings", "account_for_embedding_in_pipeline_split",
+                     "account_for_loss_in_pipeline_split"):
+            if not isinstance(getattr(self, name), bool):
+                raise DegreeError("tie_embeddings" if name == "tie_embeddings" else "not_bool",
+                                  f"{name} must be a bool, got {getattr(self, name)!r}", name=name,
+                                  value=getattr(self, name))
+        self._check_split_kind()
         model = self.tp * self.pp * self.cp
         if self.world_size % model:
             raise DegreeError("world", f"tp {self.tp} x pp {self.pp} x cp {self.cp} = {model} does not divide the "
@@ -174,6 +184,37 @@ class ParallelDims:
         if self.cp_inner is not None and self.cp % self.cp_inner:
             raise DegreeError("cp_inner", f"cp_inner {self.cp_inner} does not divide cp {self.cp}",
                               cp_inner=self.cp_inner, cp=self.cp)
+
+    def _check_split_kind(self) -> None:
+        """One way to split the layers: a layout, or first/last numbers, or the account-for splits (Megatron's
+        conflicts); a layout's stages fit ``pp * vp`` and this model."""
+        text, account = self.pipeline_model_parallel_layout, self.account_for
+        if text is not None:
+            if self.uneven or account:
+                raise DegreeError("layout_conflict", "a layout string with another way to split the layers",
+                                  uneven=self.uneven, account=account)
+            try:
+                stages = pipeline_layout.parse_layout(text)
+                pipeline_layout.check_layout(stages, self.pp)
+            except pipeline_layout.LayoutError as e:
+                raise DegreeError("layout", str(e), layout=text, reason=str(e)) from None
+            if len(stages) != self.pp * self.vp:
+                raise DegreeError("layout_stages", f"{len(stages)} layout stages for pp {self.pp} x vp {self.vp}",
+                                  layout=text, stages=len(stages), pp=self.pp, vp=self.vp)
+        if self.uneven and account:
+            raise DegreeError("account_conflict", "first/last layer numbers with the account-for splits")
+        if account and self.pp == 1:
+            raise DegreeError("account_without_pp", "the account-for splits need pp > 1")
+
+    @property
+    def account_for(self) -> bool:
+        """The embedding or the loss counts as a layer in the even split."""
+        return self.account_for_embedding_in_pipeline_split or self.account_for_loss_in_pipeline_split
+
+    @property
+    def custom_split(self) -> bool:
+        """The layers split otherwise than evenly over the stages (a layout, first/last numbers, account-for)."""
+        return self.uneven or self.account_for or self.pipeline_model_parallel_layout is not None
 
     def _check_schedule(self) -> None:
         """The schedule against the pipeline degrees: every named schedule but ``1f1b`` needs ``pp > 1``;
@@ -215,16 +256,55 @@ class ParallelDims:
         return stage % self.pp, stage // self.pp
 
     def layer_split_error(self, num_layers: int) -> DegreeError | None:
-        """:func:`layer_split_error` for this layout."""
+        """:func:`layer_split_error` for this layout: a layout string's transformer layers must be ``num_layers``;
+        with the account-for splits ``num_layers`` plus the embedding and/or the loss split evenly into the
+        ``p * v`` stages (Megatron's rule)."""
+        text = self.pipeline_model_parallel_layout
+        if text is not None:
+            found = sum(pipeline_layout.stage_layer_counts(pipeline_layout.parse_layout(text)))
+            if found != num_layers:
+                return DegreeError("layout_layers", f"the layout holds {found} transformer layers, not {num_layers}",
+                                   layout=text, found=found, num_layers=num_layers)
+            return None
+        if self.account_for:
+            total = num_layers + self.account_for_embedding_in_pipeline_split + self.account_for_loss_in_pipeline_split
+            if total % (self.pp * self.vp):
+                return DegreeError("account_split", f"{total} layers (the embedding and/or loss counted) do not split "
+                                   f"evenly into pp {self.pp} x vp {self.vp} stages", num_layers=num_layers,
+                                   total=total, pp=self.pp, vp=self.vp)
+            return None
         return layer_split_error(num_layers, self.pp, self.vp, self.decoder_first_pipeline_num_layers,
                                  self.decoder_last_pipeline_num_layers)
 
-    def rank_num_layers(self, num_layers: int, pp_rank: int) -> int:
-        """Layers on pipeline rank ``pp_rank`` (all its chunks): ``L / p``, or under an uneven split the first /
-        last rank's own number and the rest shared evenly by the ranks between."""
+    def stage_layer_counts(self, num_layers: int) -> tuple[int, ...]:
+        """Transformer layers of every global stage, in stage order: the one per-stage source that
+        :meth:`rank_num_layers` and :meth:`layer_range` (and through them the model, the schedules' chunks, the
+        checkpoint's layout record, the planner) read. A layout string's ``t`` counts; the account-for splits give
+        every stage ``(L + e + l) / (p * v)`` slots, the embedding taking one of the first stage's and the loss one
+        of the last's; else each rank's layers (evenly ``L / p``, or first/last) shared by its ``v`` chunks."""
         error = self.layer_split_error(num_layers)
         if error is not None:
             raise error
+        n = self.pp * self.vp
+        if self.pipeline_model_parallel_layout is not None:
+            return pipeline_layout.stage_layer_counts(pipeline_layout.parse_layout(self.pipeline_model_parallel_layout))
+        if self.account_for:
+            e, loss = self.account_for_embedding_in_pipeline_split, self.account_for_loss_in_pipeline_split
+            counts = [(num_layers + e + loss) // n] * n
+            counts[0] -= e
+            counts[-1] -= loss
+            return tuple(counts)
+        return tuple(self._rank_share(num_layers, self.place_stage(s)[0]) // self.vp for s in range(n))
+
+    def rank_num_layers(self, num_layers: int, pp_rank: int) -> int:
+        """Layers on pipeline rank ``pp_rank`` (all its chunks): the sum of its stages' :meth:`stage_layer_counts`
+        (evenly ``L / p``; under an uneven split the first / last rank's own number and the rest shared evenly by
+        the ranks between)."""
+        counts = self.stage_layer_counts(num_layers)
+        return sum(counts[self.stage_of(pp_rank, c)] for c in range(self.vp))
+
+    def _rank_share(self, num_layers: int, pp_rank: int) -> int:
+        """A rank's layers under the even or the first/last split (checked by the caller)."""
         first, last = self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers
         if pp_rank == 0 and first is not None:
             return first
@@ -409,9 +489,9 @@ class ParallelDims:
 
     def layers_per_stage(self, num_layers: int) -> int:
         """Layers of one model chunk (one virtual stage of one pipeline rank): ``L / (p * v)`` (an even split;
-        under an uneven one each rank's is :meth:`rank_num_layers` / ``v``)."""
-        if self.uneven:
-            raise ValueError("the layer split is uneven: each rank's chunks hold rank_num_layers(L, rank) / vp layers")
+        otherwise each stage's is in :meth:`stage_layer_counts`)."""
+        if self.custom_split:
+            raise ValueError("the layer split is not the even one: each stage's layers are stage_layer_counts(L)")
         error = layer_split_error(num_layers, self.pp, self.vp)
         if error is not None:
             raise error
@@ -420,16 +500,16 @@ class ParallelDims:
     def layer_range(self, num_layers: int, pp_rank: int, vp_stage: int = 0) -> range:
         """Global layer indices of virtual stage ``vp_stage`` on pipeline rank ``pp_rank``.
 
-        Chunk ``c`` on rank ``r`` is global stage :meth:`stage_of` and holds ``rank_num_layers(L, r) / v`` layers
+        Chunk ``c`` on rank ``r`` is global stage :meth:`stage_of` and holds its :meth:`stage_layer_counts` layers
         (evenly ``L/(p*v)``; interleaved: layers ``c*L/v + r*L/(p*v)`` onward), after those of the earlier stages.
         Layer numbers are global in every layout.
         """
         if not (0 <= pp_rank < self.pp and 0 <= vp_stage < self.vp):
             raise ValueError(f"pp_rank {pp_rank} / vp_stage {vp_stage} out of range ({self.pp}, {self.vp})")
         stage = self.stage_of(pp_rank, vp_stage)
-        sizes = [self.rank_num_layers(num_layers, self.place_stage(s)[0]) // self.vp for s in range(stage + 1)]
-        start = sum(sizes[:stage])
-        return range(start, start + sizes[stage])
+        counts = self.stage_layer_counts(num_layers)
+        start = sum(counts[:stage])
+        return range(start, start + counts[stage])
 
     def describe(self) -> str:
         """One line for the log, e.g. ``world 16 = tp 2 x cp 1 x dp 2 x pp 4 (ep 1, vp 1)``."""
@@ -438,4 +518,5 @@ class ParallelDims:
             experts = f"cp_inner {self.cp_inner} x cp_outer {self.cp_outer}, " + experts
         return (f"world {self.world_size} = tp {self.tp} x cp {self.cp} x dp {self.dp} x pp {self.pp} "
                 f"({experts}vp {self.vp}, tied embeddings {self.tie_embeddings})"
-                + (f", schedule {self.pipeline_schedule}" if self.pipeline_schedule else ""))
+                + (f", schedule {self.pipeline_schedule}" if self.pipeline_schedule else "")
+                + (f", layout {self.pipeline_model_parallel_layout}" if self.pipeline_model_parallel_layout else ""))
