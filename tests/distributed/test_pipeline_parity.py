@@ -1,6 +1,9 @@
 """Pipeline parallelism gives the single-process model: for GPT-2 (tied embeddings) and Llama (untied), the
 loss and every parameter gradient under PP 2 / 4, VP 1 / 2, TP 2 x PP 2, PP 2 x DP 2 and TP 2 x PP 2 x DP 2
-equal one process running the same microbatches without pipelining. No weights are copied: every layout
+equal one process running the same microbatches without pipelining. So do uneven splits: 7 layers with 3 on
+the first rank (3 + 4), layout strings with an embedding-only and a loss-only stage (``E|t*4|t*4|L`` at PP 4,
+the tied copies on those two stages) and with VP (``E|ttt|ttt|ttL``, PP 2 x VP 2), and 7 layers over PP 4 with
+the embedding counted as a layer (1 + 2 + 2 + 2). No weights are copied: every layout
 starts from (seed, global name). Also: the order each rank executed is :func:`schedule_table`'s, sent
 activations were freed, and the tied embedding copies stay bitwise equal through optimizer steps."""
 import os
@@ -40,6 +43,8 @@ FLAVORS = {
     "llama": lambda: llama(num_layers=8, hidden_size=H, num_attention_heads=4, num_query_groups=2,
                            ffn_hidden_size=64, vocab_size=V, seq_length=S, attention_dropout=0.0,
                            hidden_dropout=0.0),
+    "gpt2-7": lambda: gpt2(num_layers=7, hidden_size=H, num_attention_heads=4, vocab_size=V, seq_length=S,
+                           attention_dropout=0.0, hidden_dropout=0.0),
 }
 
 
@@ -79,10 +84,10 @@ def references():
     return refs
 
 
-def _setup(world, flavor, tp, pp, vp, sp):
+def _setup(world, flavor, tp, pp, vp, sp, split):
     cfg = FLAVORS[flavor]()
     dims = ParallelDims(world_size=world, tp=tp, pp=pp, vp=vp,
-                        tie_embeddings=not cfg.untie_embeddings_and_output_weights)
+                        tie_embeddings=not cfg.untie_embeddings_and_output_weights, **split)
     groups.destroy_model_parallel()
     ctx = groups.initialize_model_parallel(dims)
     pp_rank, tp_rank = groups.get_pipeline_model_parallel_rank(), groups.get_tensor_model_parallel_rank()
@@ -108,9 +113,9 @@ def _iteration(dims, ddp, sp, timeline=None, outputs=None):
     return stats, len(mine)
 
 
-def _check_case(world, flavor, tp, pp, vp, sp, refs):
-    what = f"{flavor} TP{tp} PP{pp} VP{vp} DP{world // (tp * pp)} SP={sp}"
-    dims, ddp = _setup(world, flavor, tp, pp, vp, sp)
+def _check_case(world, flavor, tp, pp, vp, sp, refs, split=None):
+    what = f"{flavor} TP{tp} PP{pp} VP{vp} DP{world // (tp * pp)} SP={sp} {split or ''}"
+    dims, ddp = _setup(world, flavor, tp, pp, vp, sp, split or {})
     pp_rank = groups.get_pipeline_model_parallel_rank()
     timeline, outputs = PipelineTimeline(dist.get_rank()), []
     stats, M = _iteration(dims, ddp, sp, timeline, outputs)
@@ -171,7 +176,7 @@ def _check_case(world, flavor, tp, pp, vp, sp, refs):
 
 def _worker(rank, world, cases, refs, trace_path):
     for i, case in enumerate(cases):
-        timeline = _check_case(world, *case, refs)
+        timeline = _check_case(world, *case[:5], refs, *case[5:])
         if i == 0 and trace_path:  # the timeline tool end to end on the first case
             events = gather_timeline(timeline)
             if rank == 0:
@@ -183,12 +188,17 @@ def _worker(rank, world, cases, refs, trace_path):
     return True
 
 
-# (flavor, tp, pp, vp, sequence_parallel)
+# (flavor, tp, pp, vp, sequence_parallel[, the layer split's ParallelDims fields])
+EVEN = ("gpt2", "llama")
 CASES = {
-    2: [(f, 1, 2, vp, False) for f in FLAVORS for vp in (1, 2)],
-    4: [(f, 1, 4, vp, False) for f in FLAVORS for vp in (1, 2)]  # PP 4
+    2: [(f, 1, 2, vp, False) for f in EVEN for vp in (1, 2)]
+       + [("gpt2-7", 1, 2, 1, False, {"decoder_first_pipeline_num_layers": 3}),
+          ("llama", 1, 2, 2, False, {"pipeline_model_parallel_layout": "E|ttt|ttt|ttL"})],
+    4: [(f, 1, 4, vp, False) for f in EVEN for vp in (1, 2)]  # PP 4
        + [("gpt2", 2, 2, 1, True), ("llama", 2, 2, 2, True), ("gpt2", 2, 2, 2, False), ("llama", 2, 2, 1, False)]
-       + [(f, 1, 2, vp, False) for f in FLAVORS for vp in (1, 2)],  # PP 2 x DP 2
+       + [(f, 1, 2, vp, False) for f in EVEN for vp in (1, 2)]  # PP 2 x DP 2
+       + [("gpt2", 1, 4, 1, False, {"pipeline_model_parallel_layout": "E|t*4|t*4|L"}),
+          ("gpt2-7", 1, 4, 1, False, {"account_for_embedding_in_pipeline_split": True})],
     8: [("gpt2", 2, 2, 2, True), ("llama", 2, 2, 1, True)],  # TP 2 x PP 2 x DP 2
 }
 
