@@ -25,13 +25,20 @@ from .state import StateBytes, build_meta_chunks
 GIB = 2 ** 30
 
 
+# The search tries even splits: a run's layout string, first/last or account-for split names its own degrees.
+_EVEN_SPLIT = dict(decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
+                   pipeline_model_parallel_layout=None, account_for_embedding_in_pipeline_split=False,
+                   account_for_loss_in_pipeline_split=False)
+
+
 class ParamTable:
     """Every parameter's global description of one model, built once on the meta device; ``count`` gives one
     rank's parameters under any layout without building it again."""
 
     def __init__(self, cfg):
         one = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, world_size=1, tp=1, pp=1, vp=1,
-                                                                    cp=1, ep=1, etp=None, cp_inner=None),
+                                                                    cp=1, ep=1, etp=None, cp_inner=None,
+                                                                    **_EVEN_SPLIT),
                                   train=dataclasses.replace(cfg.train, global_batch_size=None))
         _, models = build_meta_chunks(one, 0)
         self.model = cfg.model
@@ -115,7 +122,7 @@ def _divisors(n: int) -> list[int]:
 
 def candidates(cfg, hw):
     """Every layout of ``cfg``'s model on its world size (module docstring), as run configs (not yet validated)."""
-    m, par, t = cfg.model, cfg.parallel, cfg.train
+    m, par, t = cfg.model, dataclasses.replace(cfg.parallel, **_EVEN_SPLIT), cfg.train
     world, gbs = par.world_size, t.global_batch_size
     heads, groups = m.num_attention_heads, m.num_query_groups
     experts = m.moe.num_experts

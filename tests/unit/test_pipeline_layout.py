@@ -230,3 +230,16 @@ def test_dims_name_the_layout_flags():
                             "--num-virtual-stages-per-pipeline-rank (or --num-layers-per-virtual-pipeline-stage)")
     with pytest.raises(ConfigError, match="^account_for_loss_in_pipeline_split must be a bool, got 1$"):
         parallel_dims(world_size=2, pp=2, account_for_loss_in_pipeline_split=1)
+
+
+@pytest.mark.parametrize("split", [[LAYOUT, "Et|tttL"], [EMB, "--num-layers", "5"], [FIRST, "1"]])
+def test_planner_search_starts_from_even_splits(split):
+    """The layout search tries other degrees: a run's own split does not carry over (it would not fit them)."""
+    from megatronish.planner.hardware import load_hardware
+    from megatronish.planner.search import ParamTable, candidates
+
+    cfg = cfg_of(split + pp(2), world=2)
+    table = ParamTable(cfg)
+    assert sorted(table.layers) == list(range(cfg.model.num_layers))
+    plans = list(candidates(cfg, load_hardware("A100-80G", 2)))
+    assert plans and all(not p.parallel.custom_split for p in plans)
