@@ -2,11 +2,14 @@
 (Korthikanti et al. 2022 generalized to GQA, SwiGLU and FFN size; ``cpu=True``: the same plus this
 implementation's known CPU deviations, what the saved-tensor hooks measure here).
 
-Per stage: ``in_flight`` microbatches (1F1B rank ``r`` of ``p``: ``min(M, p - r)``; interleaved: the warm-up
-forwards plus one, ``min(M v, 2 (p - r - 1) + (v - 1) p + 1)`` model chunks of ``L / (p v)`` layers; no pipeline:
-1) each hold the stage's layers' activations; the first stage adds the token ids (8 bytes a token) and the
-embedding dropout mask, the last the final norm's and output layer's inputs and the loss's fp32 softmax over its
-vocabulary shard (``4 s b V / t``). Under context parallelism a rank holds ``s / cp`` tokens. A mixture-of-experts
+Per stage: ``in_flight`` microbatches (:func:`in_flight`: 1F1B and zb-h1 rank ``r`` of ``p``: ``min(M, p - r)``;
+interleaved: the warm-up forwards plus one, ``min(M v, 2 (p - r - 1) + (v - 1) p + 1)`` model chunks; zbv:
+``min(2M, M + 1 + r, 2p)`` chunks; no pipeline: 1) each hold the stage's layers' activations (the layers
+``ParallelDims.layer_range`` gives, uneven first and last stages included; MLA's query, key, value and latents,
+:func:`_attention_sizes`); the first stage adds the token ids (8 bytes a token) and the embedding dropout mask,
+the stage holding the loss (rank 0 under zbv) the final norm's and output layer's inputs and the loss's fp32
+softmax over its vocabulary shard (``4 s b V / t``), and each MTP depth's layer, norms, projection input and
+logits. Under context parallelism a rank holds ``s / cp`` tokens. A mixture-of-experts
 layer's MLP part is replaced by the router (its input and fp32 logits) and the experts' share of the routed
 tokens (``k`` copies of each token, spread over the ``EP`` ranks, times the capacity factor when the experts' input
 is padded to capacity): each routed copy keeps its expert's FC1 input and activation input, as a dense MLP of the

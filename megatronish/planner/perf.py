@@ -23,8 +23,10 @@ exposed, each rank's own and the ``2 (p-1)`` of the warm-up and cool-down; DP gr
 under ``--overlap-grad-reduce`` hides behind the last microbatch's backward but for its last bucket; the distributed
 optimizer's parameter all-gather likewise behind the first microbatch's forward under ``--overlap-param-gather``;
 FSDP2's gathers and reduce-scatters behind the compute; everything else (loss, gradient norm, the tied
-embedding's and SP parameters' gradients, MoE statistics) is exposed. The pipeline bubble is ``(p-1)/(v m)`` of
-the compute.
+embedding's and SP parameters' gradients, MoE statistics) is exposed. The pipeline bubble is
+:func:`bubble_fraction` of the compute (1F1B, interleaved, and the zero-bubble schedules' own action lists), and
+the slowest pipeline rank (uneven stages; the loss's logits and MTP depths) sets the compute
+(:func:`stage_imbalance`). MLA's head sizes and the MTP depths count in the FLOPs.
 
 The efficiencies are fitted on three published runs (docs/planner.md, "Against published runs").
 """

@@ -160,8 +160,10 @@ def _variants(cfg, dims, mbs: int, dp_cp: int):
     for opt in ("none", "dist-opt", "fsdp") if dp_cp > 1 else ("none",):
         if opt == "fsdp" and dims.pp > 1:
             continue
-        optim = dataclasses.replace(cfg.optim, use_distributed_optimizer=opt == "dist-opt",
-                                    use_torch_fsdp2=opt == "fsdp")
+        o = cfg.optim  # the overlap flags go with the wrappers they belong to (the launch rejects them elsewhere)
+        optim = dataclasses.replace(o, use_distributed_optimizer=opt == "dist-opt", use_torch_fsdp2=opt == "fsdp",
+                                    overlap_grad_reduce=o.overlap_grad_reduce and opt != "fsdp",
+                                    overlap_param_gather=o.overlap_param_gather and opt == "dist-opt")
         for rec in (None, "selective", "full"):
             kw = dict(recompute_granularity=rec, recompute_method="uniform" if rec == "full" else None,
                       recompute_num_layers=1 if rec == "full" else None)
