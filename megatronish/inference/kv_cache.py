@@ -6,11 +6,12 @@ attention reads each cached head for all of its query heads; nothing is expanded
 
 Multi-latent attention (``model/mla.py``): per layer and token only the compressed key/value latent (``r_kv`` =
 ``--kv-lora-rank`` values, after its norm) and the shared RoPE key (``d_rope`` = ``--qk-pos-emb-head-dim``
-values, rotated), ``[max_batch, max_sequence, r_kv]`` and ``[max_batch, max_sequence, d_rope]``: no per-head keys
-or values. The down-projection is replicated over tensor parallelism, so every TP rank caches the whole latent
-and up-projects it for its own heads. ``absorb`` (``--cache-mla-latents``) makes the layer attend in the latent
-space (the up-projection folded into the query and the output) instead of up-projecting the cached latents at
-each step.
+values, rotated), one tensor ``[max_batch, max_sequence, r_kv + d_rope]`` (each token's latent, then its RoPE
+key: the key that absorbed attention reads whole, its first ``r_kv`` channels the value); no per-head keys or
+values. The down-projection is replicated over tensor parallelism, so every TP rank caches the whole latent and
+up-projects it for its own heads. ``absorb`` (``--cache-mla-latents``) makes the layer attend in the latent space
+(the up-projection folded into the query and the output) instead of up-projecting the cached latents at each
+step.
 
 A generation step hands the model ``InferenceParams``; every layer appends the step's entries at ``offset`` and
 attends to positions ``0 ... offset + s - 1``; the engine then advances ``offset`` by ``s``.
@@ -23,9 +24,9 @@ __all__ = ["InferenceParams"]
 
 
 class _LayerCache:
-    """One layer's view of the cache: ``entries`` (``key``, ``value`` for standard attention; ``latent``,
-    ``k_rope`` for multi-latent attention), each ``[max_batch, ..., max_sequence, ...]`` with the sequence at
-    ``seq_dim``."""
+    """One layer's view of the cache: ``entries`` (``key``, ``value`` for standard attention; the latents and RoPE
+    keys, one tensor, for multi-latent attention), each ``[max_batch, ..., max_sequence, ...]`` with the sequence
+    at ``seq_dim``."""
 
     __slots__ = ("params", "entries", "seq_dim")
 
@@ -82,8 +83,8 @@ class InferenceParams:
             raise ValueError("absorb (--cache-mla-latents) applies to multi-latent attention's latent cache")
         if mla_latent is None:  # [b, groups/t, s, d] keys and values
             shapes, seq_dim = [(max_batch, local_groups, max_sequence, kv_channels)] * 2, 2
-        else:  # [b, s, r_kv] latents and [b, s, d_rope] RoPE keys
-            shapes, seq_dim = [(max_batch, max_sequence, n) for n in mla_latent], 1
+        else:  # [b, s, r_kv + d_rope]: the latents, then the RoPE keys
+            shapes, seq_dim = [(max_batch, max_sequence, sum(mla_latent))], 1
         self.max_batch, self.max_sequence = max_batch, max_sequence
         self.mla_latent, self.absorb = mla_latent, absorb
         self._layers = {n: _LayerCache(self, tuple(torch.zeros(s, dtype=dtype, device=device) for s in shapes),

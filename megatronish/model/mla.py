@@ -178,7 +178,8 @@ class MLASelfAttention(CoreAttention):
         d_nope, d_v, r_kv = self.qk_head_dim, self.v_head_dim, self.kv_lora_rank
         s, b, heads = q_nope.shape[:3]
         offset = cache.offset
-        c, k_r = cache.append(latent.transpose(0, 1), k_rope.transpose(0, 1))  # [b, T, r_kv], [b, T, d_rope]
+        (entry,) = cache.append(torch.cat((latent, k_rope), dim=-1).transpose(0, 1))  # [b, T, r_kv + d_rope]
+        c, k_r = entry.split([r_kv, entry.size(-1) - r_kv], dim=-1)  # [b, T, r_kv], [b, T, d_rope]
         q_nope, q_rope = (t.permute(1, 2, 0, 3) for t in (q_nope, q_rope))  # [b, heads/t, s, .]
         if not cache.absorb:  # this rank's heads' keys and values from the cached latents
             total = c.size(1)
@@ -192,7 +193,7 @@ class MLASelfAttention(CoreAttention):
         q = torch.cat((torch.einsum("bhsd,hdr->bhsr", q_nope, w_uk), q_rope), dim=-1)  # [b, h/t, s, r_kv + d_rope]
         # one key/value head (the latent) for every query head: fold the heads into the query rows
         q = q.reshape(b, 1, heads * s, q.size(-1))  # [b, 1, heads/t * s, r_kv + d_rope], head-major
-        k = torch.cat((c, k_r), dim=-1).unsqueeze(1)  # [b, 1, T, r_kv + d_rope]
+        k = entry.unsqueeze(1)  # [b, 1, T, r_kv + d_rope]: the cache as it is
         mask = None
         if s > 1:  # query i of every head sees keys up to offset + i
             mask = torch.ones(s, c.size(1), dtype=torch.bool, device=q.device).tril(offset).repeat(heads, 1)

@@ -71,8 +71,7 @@ def test_cache_holds_the_latent_and_the_rope_key_only(models):
     cache = InferenceParams.for_model(model, max_batch=batch, max_sequence=S)
     tensors = [t for n in numbers for t in cache.layer_cache(n).entries]
     assert sum(t.numel() for t in tensors) == layers * batch * S * per_token
-    assert [tuple(t.shape) for t in cache.layer_cache(numbers[0]).entries] == [(batch, S, a.kv_lora_rank),
-                                                                      (batch, S, a.qk_pos_emb_head_dim)]
+    assert [tuple(t.shape) for t in cache.layer_cache(numbers[0]).entries] == [(batch, S, per_token)]
     assert cache.nbytes() == sum(t.nbytes for t in tensors) == layers * batch * S * per_token * 4  # fp32
     with pytest.raises(ValueError, match="multi-latent-attention"):
         InferenceParams.for_model(_ours(tiny_hf_model("LlamaForCausalLM", vocab=V)), max_batch=1, max_sequence=4,
