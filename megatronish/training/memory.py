@@ -139,10 +139,12 @@ def interleave_factor(p: int, v: int) -> float:
 
 def activation_bytes(model_cfg, *, micro_batch_size: int, tp: int = 1, pp: int = 1, vp: int = 1, cp: int = 1,
                      sequence_parallel: bool = False, num_microbatches: int | None = None,
-                     padded_vocab_size: int | None = None) -> float:
+                     padded_vocab_size: int | None = None, stage_layers: tuple[int, int] | None = None) -> float:
     """Peak activation bytes of the fullest pipeline stage's rank for one iteration: the first, or with
     ``--mtp-num-layers`` the last if its depths make it fuller. Under context parallelism a rank holds ``s / cp``
-    tokens of every sequence."""
+    tokens of every sequence. ``stage_layers``: the first and the last pipeline rank's transformer layers (all
+    their chunks; :meth:`~megatronish.parallel.dims.ParallelDims.rank_num_layers`) when the split is uneven;
+    by default ``L / pp`` each."""
     m = model_cfg
     s, b, h = m.seq_length // cp, micro_batch_size, m.hidden_size
     per_layer = activation_bytes_per_layer(s, b, h, m.num_attention_heads, t=tp,
@@ -156,7 +158,8 @@ def activation_bytes(model_cfg, *, micro_batch_size: int, tp: int = 1, pp: int =
         in_flight = pp * interleave_factor(pp, vp)
     else:
         in_flight = min(num_microbatches or pp, pp)
-    total = per_layer * (m.num_layers / pp) * in_flight
+    first_layers, last_layers = stage_layers or (m.num_layers / pp, m.num_layers / pp)
+    total = per_layer * first_layers * in_flight
     total += (8 * s * b + s * b * h / (tp if sequence_parallel else 1)) * in_flight  # embedding input, dropout
     v = padded_vocab_size or m.padded_vocab_size(tp)
     output = 4 * s * b * h * (1 + v / h) / tp  # output layer input and the loss's logits
@@ -169,7 +172,7 @@ def activation_bytes(model_cfg, *, micro_batch_size: int, tp: int = 1, pp: int =
     if pp == 1:
         return total + mtp
     chunks = min((vp - 1) * pp + 1, (num_microbatches or pp) * vp) if vp > 1 else 1  # in flight on the last stage
-    last = per_layer * m.num_layers / (pp * vp) * chunks + output + mtp
+    last = per_layer * last_layers / vp * chunks + output + mtp
     return max(total, last)
 
 
@@ -192,7 +195,9 @@ def theoretical_memory(cfg, num_params: int, num_expert_params: int = 0) -> dict
     bpp, expert_bpp = per_param(par.dp * par.cp if fsdp else par.dp), per_param(par.expert_dp)
     act = activation_bytes(cfg.model, micro_batch_size=cfg.train.micro_batch_size, tp=par.tp, pp=par.pp,
                            vp=par.vp, cp=par.cp, sequence_parallel=cfg.sequence_parallel,
-                           num_microbatches=cfg.num_microbatches)
+                           num_microbatches=cfg.num_microbatches,
+                           stage_layers=(par.rank_num_layers(cfg.model.num_layers, 0),
+                                         par.rank_num_layers(cfg.model.num_layers, par.pp - 1)))
     weights = bpp * (num_params - num_expert_params) + expert_bpp * num_expert_params
     return {"num_params": num_params, "num_expert_params": num_expert_params, "bytes_per_param": bpp,
             "bytes_per_expert_param": expert_bpp, "weights_and_optimizer": weights, "activations": act}

@@ -70,6 +70,33 @@ def test_activation_formulas():
     assert activation_bytes(cfg, micro_batch_size=b, tp=2, pp=4, vp=2, sequence_parallel=True,
                             num_microbatches=8) == pytest.approx((per * 2 + 8 * s * b + s * b * h / 2) * 4 * 1.375)
 
+    # an uneven split: the first rank's own layer count, with its p microbatches in flight
+    assert activation_bytes(cfg, micro_batch_size=b, tp=2, pp=4, sequence_parallel=True, num_microbatches=8,
+                            stage_layers=(1, 3)) == pytest.approx(per * 1 * 4 + extra)
+
+
+def test_theoretical_memory_reads_the_uneven_first_stage():
+    """``--decoder-first-pipeline-num-layers`` (and a layout string) change the first stage's activations: the
+    report reads the rank's layers from the one per-stage source, not ``L / p``."""
+    from megatronish.arguments import configs_from_args, parse_args
+    from megatronish.training.memory import theoretical_memory
+
+    base = ["--num-layers", "7", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--vocab-size", "128", "--mock-data", "--tokenizer-type",
+            "NullTokenizer", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "1",
+            "--lr", "1e-3", "--pipeline-model-parallel-size", "2"]
+    acts = {}
+    for name, extra in [("first 3", ["--decoder-first-pipeline-num-layers", "3"]),
+                        ("first 5", ["--decoder-first-pipeline-num-layers", "5"]),
+                        ("layout", ["--pipeline-model-parallel-layout", "Et*5|t*2L"])]:
+        cfg = configs_from_args(parse_args(base + extra), 2)
+        acts[name] = theoretical_memory(cfg, 1000)["activations"]
+    m = cfg.model
+    per = activation_bytes_per_layer(32, 2, 64, 4, ffn_hidden_size=m.ffn_hidden_size,
+                                     kv_hidden_size=m.num_query_groups * m.kv_channels, swiglu=m.swiglu)
+    assert acts["first 5"] - acts["first 3"] == pytest.approx(2 * per * 2)  # two more layers, 2 microbatches each
+    assert acts["layout"] == pytest.approx(acts["first 5"])
+
 
 def _measure(rank, world):
     from megatronish.model.transformer import TransformerLayer
