@@ -26,7 +26,7 @@ FSDP2's gathers and reduce-scatters behind the compute; everything else (loss, g
 embedding's and SP parameters' gradients, MoE statistics) is exposed. The pipeline bubble is
 :func:`bubble_fraction` of the compute (1F1B, interleaved, and the zero-bubble schedules' own action lists), and
 the slowest pipeline rank (uneven stages; the loss's logits and MTP depths) sets the compute
-(:func:`stage_imbalance`). MLA's head sizes and the MTP depths count in the FLOPs.
+(:func:`stage_imbalance`). MLA's head sizes and the MTP depths count in the FLOPs (``training/flops.py``'s terms).
 
 The efficiencies are fitted on three published runs (docs/planner.md, "Against published runs").
 """
@@ -109,18 +109,6 @@ def _recomputed_share(cfg) -> float:
     return 1.0
 
 
-def mtp_flops(m, batch_size: int) -> float:
-    """Forward + backward FLOPs of the ``--mtp-num-layers`` depths: each runs one transformer layer (dense, or MoE
-    as the decoder's last layer), the ``[h, 2h]`` projection and the shared output layer's logits."""
-    if not m.mtp_num_layers:
-        return 0.0
-    from ..model.mtp import mtp_layer_config
-
-    one = mtp_layer_config(m).replace(num_layers=1)
-    proj = 6.0 * batch_size * m.seq_length * 2 * m.hidden_size * m.hidden_size
-    return m.mtp_num_layers * (num_floating_point_operations(one, batch_size) + proj)
-
-
 def attention_core_flops(m, batch_size: int) -> float:
     """Forward + backward FLOPs of the attention core (scores and their product with the values) over every
     layer and MTP depth, unmasked: ``6 B s^2 a (d_qk + d_v)`` a layer (MLA: ``d_qk = d_nope + d_rope``)."""
@@ -187,7 +175,7 @@ def step_time(cfg, hw, state, colls=None, rank: int | None = None, *, tp_overlap
     dtype = _compute_dtype(cfg)
     e = 2 if dtype != "tf32" else 4
     gbs, D = t.global_batch_size, m.mtp_num_layers or 0
-    flops = num_floating_point_operations(m, gbs) + mtp_flops(m, gbs)
+    flops = num_floating_point_operations(m, gbs)  # MLA's and the MTP depths' terms included
     L = m.num_layers
     attn = attention_core_flops(m, gbs)  # the core's full (unmasked) forward + backward
     again = _recomputed_share(cfg)
@@ -250,6 +238,6 @@ def step_time(cfg, hw, state, colls=None, rank: int | None = None, *, tp_overlap
             "comm_s": comm_s, "comm_by_role_s": by_role, "comm_bytes": comm_bytes}
 
 
-__all__ = ["step_time", "collectives", "price", "link", "mtp_flops", "attention_core_flops", "bubble_fraction",
+__all__ = ["step_time", "collectives", "price", "link", "attention_core_flops", "bubble_fraction",
            "stage_imbalance", "GEMM_EFFICIENCY", "ATTENTION_EFFICIENCY",
            "MEMORY_EFFICIENCY", "LINK_EFFICIENCY", "EFFICIENCIES"]

@@ -136,17 +136,19 @@ def test_uneven_stages_and_the_loss_stage_in_memory_and_time():
 
 
 def test_mla_and_mtp_in_the_flops():
-    """The time model's attention core uses MLA's head sizes, and each MTP depth adds one layer, its projection and
-    the logits: the planner's FLOPs equal the formula's terms."""
+    """The time model's FLOPs are the training log's (MLA's and the MTP depths' terms, counted once) and its
+    attention core uses MLA's head sizes over the layers and the depths."""
     from megatronish.arguments import build_parser, configs_from_args
-    from megatronish.planner.perf import attention_core_flops, mtp_flops
+    from megatronish.planner.hardware import load_hardware
+    from megatronish.planner.perf import attention_core_flops
+    from megatronish.planner.plan import make_plan
     from megatronish.training.flops import num_floating_point_operations
 
     mla = ["--multi-latent-attention", "--kv-lora-rank", "16", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8",
            "--v-head-dim", "12", "--position-embedding-type", "rope", "--mtp-num-layers", "2"]
     cfg = configs_from_args(build_parser().parse_args(BASE + mla), 1)
     m, B = cfg.model, 4
-    s, a, h = m.seq_length, m.num_attention_heads, m.hidden_size
+    s, a = m.seq_length, m.num_attention_heads
     assert attention_core_flops(m, B) == 6.0 * B * s * s * a * (16 + 8 + 12) * (4 + 2)
-    one_layer = num_floating_point_operations(m.replace(num_layers=1), B)
-    assert mtp_flops(m, B) == pytest.approx(2 * (one_layer + 12.0 * B * s * h * h), rel=1e-12)
+    plan = make_plan(cfg, load_hardware("H100-SXM"))
+    assert plan["time"]["flops_per_step"] == num_floating_point_operations(m, cfg.train.global_batch_size)
