@@ -5,6 +5,8 @@ checkpoints (``checkpoint/args.py``), with one difference: a flag given on the c
 config is an error naming both (a checkpoint's config silently wins there, as in Megatron-LM). ``--seq-length``
 stays the command line's (default: ``max_position_embeddings``), and so does ``--max-position-embeddings`` for
 rotary models (it decides no weight). The run starts from iteration 0 with a fresh optimizer (as ``--finetune``).
+A DeepSeek-V3 directory's multi-token-prediction layers are the run's only with ``--mtp-num-layers`` (at most
+``num_nextn_predict_layers``).
 
 The tokenizer: with no tokenizer flag, a directory holding ``tokenizer.json`` or ``tokenizer_config.json`` gives
 ``--tokenizer-type HuggingFaceTokenizer --tokenizer-model <dir>``; otherwise ``NullTokenizer`` over the model's
@@ -59,8 +61,8 @@ def hf_arg_values(args, path: str, parser) -> tuple[dict, int]:
     where = f"{path}/config.json"
     hf = read_hf_config(path)
     try:
-        model, _ = model_config_from_hf(hf, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                                        where=where)
+        model, arch = model_config_from_hf(hf, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                                           where=where)
     except ConvertError as e:
         raise ConfigError(f"--load {path}: {e}") from None
     flat = model.flat()
@@ -83,7 +85,7 @@ def hf_arg_values(args, path: str, parser) -> tuple[dict, int]:
             errors.append(f"{option} {_show(given)} contradicts --load {where}, which gives {dest} {_show(value)}; "
                           f"drop {option} (the model's architecture is its config's)")
         values[dest] = value
-    errors += _mtp_errors(args, hf, where)
+    errors += _mtp_errors(args, hf, arch, where)
     if errors:
         raise ConfigError("\n".join(errors))
     if args.tokenizer_type is None and args.vocab_file is None and args.tokenizer_model is None \
@@ -95,14 +97,13 @@ def hf_arg_values(args, path: str, parser) -> tuple[dict, int]:
     return values, int(flat["vocab_size"])
 
 
-def _mtp_errors(args, hf: dict, where: str) -> list[str]:
+def _mtp_errors(args, hf: dict, arch: str, where: str) -> list[str]:
     """``--mtp-num-layers N`` loads the first N multi-token-prediction layers of a DeepSeek-V3 directory (the
     config's ``num_nextn_predict_layers`` does not turn them on: transformers leaves them unused and Megatron-LM
     trains without them unless given)."""
     n = getattr(args, "mtp_num_layers", None)
     if not n:
         return []
-    arch = (hf.get("architectures") or [None])[0]
     if arch != DEEPSEEK_V3:
         return [f"--mtp-num-layers {n} with --load {where}: only {DEEPSEEK_V3} directories carry multi-token-"
                 f"prediction weights ({arch} does not); drop --mtp-num-layers"]
