@@ -217,6 +217,15 @@ def mtp_copies(cfg: ModelConfig) -> dict[str, str]:
     return out
 
 
+def mtp_copies_of(cfg: ModelConfig, arch: str) -> dict[str, list[str]]:
+    """HF tensor -> the names it is written again under (:func:`mtp_copies` turned around; none but for
+    DeepSeek-V3)."""
+    out: dict[str, list[str]] = {}
+    for copy, src in (mtp_copies(cfg) if arch == DEEPSEEK_V3 else {}).items():
+        out.setdefault(src, []).append(copy)
+    return out
+
+
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
                    dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``weight`` (FP8) times its per-block ``scale_inv`` ``[ceil(rows / b0), ceil(cols / b1)]``, in ``dtype``."""

@@ -33,7 +33,7 @@ from ..checkpoint.layout import iter_dir_name
 from ..checkpoint.state import model_entries, named_params
 from ..parallel import comm_log as comm
 from .hf_config import GPT2, architecture_of, hf_config_from_model
-from .hf_deepseek import DEEPSEEK_V3, mtp_copies
+from .hf_deepseek import mtp_copies_of
 from .hf_io import CONFIG, INDEX, SINGLE, safetensors_header
 from .hf_rows import row_map, write_block
 from .name_map import build_entries, hf_shapes
@@ -196,9 +196,7 @@ def export_hf(models, cfg, parallel, root: str, iteration: int, *, source_dir: s
     arch = architecture_of(cfg.model, f"--save-hf {root}", base=source)
     padded = next(b[4][0] for _, bs in described for b in bs if b[0] == "embedding.word_embeddings.weight")
     entries = build_entries(cfg.model, arch, padded)
-    copies_of: dict[str, list[str]] = {}  # DeepSeek-V3's multi-token-prediction copies of shared tensors
-    for copy, src in (mtp_copies(cfg.model) if arch == DEEPSEEK_V3 else {}).items():
-        copies_of.setdefault(src, []).append(copy)
+    copies_of = mtp_copies_of(cfg.model, arch)  # DeepSeek-V3's multi-token-prediction copies of shared tensors
     writer, files = _plan(described, entries, max_shard_bytes, copies_of)
     names = _file_names(len(files))
     if rank == 0:

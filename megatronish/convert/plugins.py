@@ -24,7 +24,7 @@ from .hf_config import (
     model_config_from_dict,
     model_config_from_hf,
 )
-from .hf_deepseek import DEEPSEEK_V3, FP8_DTYPES, fp8_view, mtp_copies, mtp_depths
+from .hf_deepseek import DEEPSEEK_V3, FP8_DTYPES, fp8_view, mtp_copies, mtp_copies_of, mtp_depths
 from .hf_io import HFReader, HFWriter, parse_size
 from .name_map import IGNORED_HF_SUFFIXES, VOCAB_TENSORS, build_entries, expected_global_shapes, expert_layout
 
@@ -73,14 +73,11 @@ def _checked_copies(cfg: ModelConfig, names: set[str], get, where: str) -> set[s
     return out
 
 
-def _with_copies(items, copies: dict[str, str]):
+def _with_copies(items, copies_of: dict[str, list[str]]):
     """HF ``(name, tensor)`` items with each multi-token-prediction copy right after the tensor it copies."""
-    of: dict[str, list[str]] = {}
-    for copy, src in copies.items():
-        of.setdefault(src, []).append(copy)
     for name, t in items:
         yield name, t
-        for copy in of.get(name, ()):
+        for copy in copies_of.get(name, ()):
             yield copy, t
 
 
@@ -159,7 +156,7 @@ def load_megatronish(args) -> Source:
 
 def save_hf(args, src: Source) -> None:
     entries = {e.ours: e for e in build_entries(src.cfg, src.arch, src.cfg.padded_vocab_size())}
-    copies = mtp_copies(src.cfg) if src.arch == DEEPSEEK_V3 else {}
+    copies = mtp_copies_of(src.cfg, src.arch)
     plan, dtypes = [], set()
     for name, shape, dtype in src.specs:
         metas = entries[name].to_hf(torch.empty(shape, dtype=dtype, device="meta"))
