@@ -1,5 +1,6 @@
 """Megatron-LM's checkpoint formats: read megatron-core ``torch_dist`` and the legacy ``mp_rank_XX`` files, write
-``torch_dist`` (:mod:`.megatron_write`). Dense GPT models (GPT-2 and Llama style); see docs/megatron.md.
+``torch_dist`` (:mod:`.megatron_write`). Dense GPT models (GPT-2 and Llama style, with or without
+multi-latent attention); see docs/megatron.md.
 
 **torch_dist** (``--ckpt-format torch_dist``, Megatron-LM's default): an iteration directory holding a DCP index
 (``.metadata``), ``__<rank>_<i>.distcp`` data files, ``metadata.json`` (``{"sharded_backend": "torch_dist", ...}``)
@@ -21,6 +22,19 @@ Both are read without running pickled code: ``torch.load(weights_only=True)`` wi
 (``r = heads / groups``, ``kv_channels`` rows each), and ``linear_fc1`` with SwiGLU is ``[gate; up]`` (in
 ``torch_dist`` globally; each legacy TP file holds its ``[gate_t; up_t]``). Both are exactly our global layouts
 (megatronish/model/attention.py, mlp.py), so tensors move without permutation.
+
+**Multi-latent attention** (``multi_latent_attention`` in the args; megatronish/model/mla.py, whose names are
+megatron-core's): the projections keep their module names (``self_attention.linear_q_down_proj.weight``, ...) and
+layouts in both specs; the up-projections are split by heads over TP. The norms differ by spec, as neither MLA spec
+maps names: the local spec stores ``input_layernorm``, ``pre_mlp_layernorm``, ``self_attention.q_layernorm`` and
+``self_attention.kv_layernorm`` under their module names; the Transformer Engine spec stores ``input_layernorm``
+alike and fuses the others into the following linear (``mlp.linear_fc1.layer_norm_weight``,
+``self_attention.linear_q_up_proj.layer_norm_weight``, ``self_attention.linear_kv_up_proj.layer_norm_weight``).
+Both are read; the writer stores these three norms under both names, so its output loads into either spec
+(megatron-core's loader accepts unused keys by default). The down-projections are split by rows over TP in the
+local spec (``ColumnParallelLinear``) and whole on every rank in the Transformer Engine spec
+(``parallel_mode="duplicated"``): the same global tensor in ``torch_dist``; a legacy TP file holding the whole
+tensor is read as replicated.
 """
 from __future__ import annotations
 
@@ -53,13 +67,40 @@ LAYER_KEYS = {
     "mlp.linear_fc1.bias": "mlp.linear_fc1.bias",
     "mlp.linear_fc2.weight": "mlp.linear_fc2.weight",
     "mlp.linear_fc2.bias": "mlp.linear_fc2.bias",
+    # multi-latent attention (the norms as the Transformer Engine spec fuses them)
+    "self_attention.linear_q_proj.weight": "self_attention.linear_q_proj.weight",
+    "self_attention.linear_q_down_proj.weight": "self_attention.linear_q_down_proj.weight",
+    "self_attention.linear_q_up_proj.weight": "self_attention.linear_q_up_proj.weight",
+    "self_attention.linear_kv_down_proj.weight": "self_attention.linear_kv_down_proj.weight",
+    "self_attention.linear_kv_up_proj.weight": "self_attention.linear_kv_up_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
+    "self_attention.q_layernorm.bias": "self_attention.linear_q_up_proj.layer_norm_bias",
+    "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight",
+    "self_attention.kv_layernorm.bias": "self_attention.linear_kv_up_proj.layer_norm_bias",
 }
 # norms stored under their module names (a layer spec with a separate norm module; legacy files)
 _ALT_KEYS = {"input_layernorm.weight": "input_layernorm.weight", "input_layernorm.bias": "input_layernorm.bias",
              "pre_mlp_layernorm.weight": "pre_mlp_layernorm.weight",
-             "pre_mlp_layernorm.bias": "pre_mlp_layernorm.bias"}
+             "pre_mlp_layernorm.bias": "pre_mlp_layernorm.bias",
+             **{f"self_attention.{n}_layernorm.{k}": f"self_attention.{n}_layernorm.{k}"
+                for n in ("q", "kv") for k in ("weight", "bias")}}
+# norms of a multi-latent-attention layer stored under both names by the writer (the module docstring)
+_MLA_BOTH = ("pre_mlp_layernorm", "self_attention.q_layernorm", "self_attention.kv_layernorm")
+# MLA's down-projections: (their suffix, the stored args that give their rows)
+_MLA_DOWN = {"self_attention.linear_q_down_proj.weight": ("q_lora_rank",),
+             "self_attention.linear_kv_down_proj.weight": ("kv_lora_rank", "qk_pos_emb_head_dim")}
 # linear layers that have an ``_extra_state`` in megatron-core's model
 EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+
+
+def extra_state_modules(mla: bool, q_lora: bool) -> tuple[str, ...]:
+    """The linear layers of one transformer layer that have an ``_extra_state`` (``mla``: multi-latent attention,
+    ``q_lora``: with its query down-projection)."""
+    if not mla:
+        return EXTRA_STATE_MODULES
+    q = ("linear_q_down_proj", "linear_q_up_proj") if q_lora else ("linear_q_proj",)
+    attn = tuple(f"self_attention.{m}" for m in (*q, "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj"))
+    return attn + EXTRA_STATE_MODULES[2:]
 
 
 
@@ -69,8 +110,10 @@ def tp_split(name: str, swiglu: bool) -> tuple[int, int] | None:
     suffix = name.split(".", 3)[-1] if name.startswith("decoder.layers.") else name
     if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
         return (0, 1)
-    if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
-        return (0, 1)
+    if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+                  "self_attention.linear_q_proj.weight", "self_attention.linear_q_up_proj.weight",
+                  "self_attention.linear_kv_up_proj.weight") or suffix in _MLA_DOWN:
+        return (0, 1)  # (MLA's down-projections as the local spec splits them)
     if suffix in ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias"):
         return (0, 2 if swiglu else 1)
     if suffix in ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight"):
@@ -87,12 +130,22 @@ def split_layer(name: str) -> tuple[int | None, str]:
     return (int(m.group(1)), m.group(2)) if m else (None, name)
 
 
-def torch_dist_key(name: str) -> tuple[str, int | None]:
-    """Our global name -> (megatron-core key, layer index in its prepended axis or None)."""
+def torch_dist_keys(name: str, mla: bool = False) -> tuple[tuple[str, ...], int | None]:
+    """Our global name -> (the megatron-core keys the writer stores it under, layer index in their prepended axis
+    or None); ``mla``: a multi-latent-attention model (its norms' names, the module docstring)."""
     layer, suffix = split_layer(name)
     if layer is None:
-        return name, None
-    return "decoder.layers." + LAYER_KEYS[suffix], layer
+        return (name,), None
+    module = suffix.rsplit(".", 1)[0]
+    if mla and module == "input_layernorm":
+        keys = (suffix,)
+    elif mla and module in _MLA_BOTH:
+        keys = (LAYER_KEYS[suffix], suffix)
+    elif module in _MLA_BOTH[1:]:
+        keys = (suffix,)  # (standard attention's per-head query norm: megatron-core's module name)
+    else:
+        keys = (LAYER_KEYS.get(suffix, suffix),)
+    return tuple("decoder.layers." + k for k in keys), layer
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -149,20 +202,28 @@ def stored_arg(args, name, default=None):
 
 
 # Megatron args that this reader cannot represent: (arg, the value that is fine)
-_UNSUPPORTED = (("num_experts", None), ("multi_latent_attention", False), ("qk_layernorm", False),
-                ("apply_layernorm_1p", False), ("squared_relu", False), ("rotary_interleaved", False),
-                ("use_rope_scaling", False), ("apply_residual_connection_post_layernorm", False))
+_UNSUPPORTED = (("num_experts", None), ("qk_layernorm", False), ("apply_layernorm_1p", False),
+                ("squared_relu", False), ("rotary_interleaved", False), ("use_rope_scaling", False),
+                ("apply_residual_connection_post_layernorm", False))
+# multi-latent attention's args (Megatron's names, ours alike) and its RoPE/YaRN settings
+_MLA_ARGS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
+             "rotary_scaling_factor", "mscale", "mscale_all_dim", "yarn_original_max_position_embeddings",
+             "yarn_beta_fast", "yarn_beta_slow", "yarn_correction_range_round_to_int")
 
 
 def model_fields(args, where: str) -> dict:
     """Our ``ModelConfig`` fields (all but ``vocab_size``) from Megatron's ``args``."""
     if args is None:
         raise CheckpointError(f"{where} stores no args; the model shape is unknown")
+    mla = bool(stored_arg(args, "multi_latent_attention", False))
     for name, fine in _UNSUPPORTED:
         value = stored_arg(args, name)
+        if mla and name == "qk_layernorm":
+            continue  # multi-latent attention's latent norms (Qwen3-style per-head norms are not read)
         if value is not None and value != fine:
             raise CheckpointError(f"{where}: --{name.replace('_', '-')} {value!r} is not supported when reading "
-                                  "Megatron checkpoints (dense GPT-2/Llama-style models only)")
+                                  "Megatron checkpoints (dense GPT-2/Llama-style models, with or without "
+                                  "--multi-latent-attention)")
     heads = stored_arg(args, "num_attention_heads")
     groups = stored_arg(args, "num_query_groups") if stored_arg(args, "group_query_attention") else heads
     fields = {
@@ -183,13 +244,17 @@ def model_fields(args, where: str) -> dict:
         "make_vocab_size_divisible_by": int(stored_arg(args, "make_vocab_size_divisible_by", 128) or 128),
         "init_method_std": float(stored_arg(args, "init_method_std", 0.02) or 0.02),
     }
+    fields.update(multi_latent_attention=mla, qk_layernorm=mla and bool(stored_arg(args, "qk_layernorm", False)))
+    if mla:
+        fields.update({k: stored_arg(args, k) for k in _MLA_ARGS})
+        fields["q_lora_rank"] = stored_arg(args, "q_lora_rank")  # None: a full-rank query projection
     missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads") if fields[k] is None]
     if missing:
         raise CheckpointError(f"{where}: the stored args have no {missing[0]}; the model shape is unknown")
     if fields["position_embedding_type"] not in ("learned_absolute", "rope", "none"):
         raise CheckpointError(f"{where}: --position-embedding-type {fields['position_embedding_type']!r} is not "
                               "supported (learned_absolute, rope or none)")
-    return {k: v for k, v in fields.items() if v is not None}
+    return {k: v for k, v in fields.items() if v is not None or k == "q_lora_rank"}
 
 
 def true_vocab_size(args) -> int | None:
@@ -225,11 +290,13 @@ class TorchDist:
             if ".experts." in k or ".router." in k:
                 raise CheckpointError(f"{iter_dir} holds Mixture-of-Experts tensor {k!r}; only dense models are read")
         self.layer_key = {}
+        self.aliases = set()  # a norm's second name where both are stored (our writer's MLA norms)
         for ours, key in LAYER_KEYS.items():
-            for cand in ("decoder.layers." + key, "decoder.layers." + _ALT_KEYS.get(ours, key)):
-                if cand in self.tensor_keys:
-                    self.layer_key[ours] = cand
-                    break
+            found = [c for c in dict.fromkeys(("decoder.layers." + key, "decoder.layers." + _ALT_KEYS.get(ours, key)))
+                     if c in self.tensor_keys]
+            if found:
+                self.layer_key[ours] = found[0]
+                self.aliases.update(found[1:])
 
     @property
     def iteration(self) -> int:
@@ -244,7 +311,8 @@ class TorchDist:
 
     def model_keys(self) -> list[str]:
         """Tensor keys of the model (not optimizer, not RNG)."""
-        return sorted(k for k in self.tensor_keys if not k.startswith(("optimizer.", "rng_state")))
+        return sorted(k for k in self.tensor_keys if not k.startswith(("optimizer.", "rng_state"))
+                      and k not in self.aliases)
 
     def shape(self, name: str) -> tuple[int, ...] | None:
         key, layer = self.key_of(name)
@@ -399,7 +467,7 @@ class Legacy:
         except CheckpointError:
             return None
         shape = list(parts[0].shape)
-        split = tp_split(name, self.swiglu)
+        split = self._split(name, parts[0])
         if split is not None:
             shape[split[0]] *= self.tp
         return tuple(shape)
@@ -421,9 +489,17 @@ class Legacy:
             parts.append(sd[key])
         return parts
 
+    def _split(self, name: str, part: torch.Tensor) -> tuple[int, int] | None:
+        """:func:`tp_split` of ``name`` in these files; None for an MLA down-projection each file holds whole (the
+        Transformer Engine spec's, duplicated over TP)."""
+        rows = _MLA_DOWN.get(split_layer(name)[1])
+        if rows is not None and part.size(0) == sum(int(stored_arg(self.args, a) or 0) for a in rows):
+            return None
+        return tp_split(name, self.swiglu)
+
     def read(self, name: str) -> torch.Tensor:
         parts = self._parts(name)
-        split = tp_split(name, self.swiglu)
+        split = self._split(name, parts[0])
         if split is None or self.tp == 1:
             return parts[0].clone()
         dim, stride = split

@@ -15,13 +15,21 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 
 from . import dcp_io
 from .dcp_io import CheckpointError
-from .megatron_format import COMMON_PT, EXTRA_STATE_MODULES, METADATA_JSON, torch_dist_key, tp_split
+from .megatron_format import COMMON_PT, METADATA_JSON, extra_state_modules, torch_dist_keys, tp_split
 
 
 def args_to_namespace(cfg, *, tp: int, pp: int, padded_vocab: int, iteration: int = 0) -> argparse.Namespace:
     """Megatron's args for a checkpoint we write (the model-shape flags, the layout, the format)."""
     gqa = cfg.num_query_groups != cfg.num_attention_heads
+    a = cfg.attention
+    mla = {}
+    if a.multi_latent_attention:  # Megatron's names (megatron_format._MLA_ARGS reads them back)
+        mla = {k: getattr(a, k) for k in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                                          "v_head_dim", "rope_type", "rotary_scaling_factor", "mscale",
+                                          "mscale_all_dim", "yarn_original_max_position_embeddings", "yarn_beta_fast",
+                                          "yarn_beta_slow", "yarn_correction_range_round_to_int")}
     return argparse.Namespace(
+        multi_latent_attention=a.multi_latent_attention, qk_layernorm=a.qk_layernorm, **mla,
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
         num_attention_heads=cfg.num_attention_heads, group_query_attention=gqa,
         num_query_groups=cfg.num_query_groups if gqa else 1, kv_channels=cfg.kv_channels,
@@ -39,8 +47,8 @@ def args_to_namespace(cfg, *, tp: int, pp: int, padded_vocab: int, iteration: in
 
 def _blocks(shape: tuple[int, ...], split: tuple[int, int] | None, tp: int) -> list[tuple[tuple, tuple]]:
     """(offsets, sizes) of the chunks TP ranks hold of a tensor of ``shape``."""
-    if split is None or tp == 1:
-        return [((0,) * len(shape), tuple(shape))]
+    if split is None or tp == 1 or shape[split[0]] % (split[1] * tp):
+        return [((0,) * len(shape), tuple(shape))]  # (a size TP does not divide: one chunk, read by any rank)
     dim, stride = split
     block = shape[dim] // stride
     part = block // tp
@@ -68,26 +76,25 @@ def write_torch_dist(iter_dir: str, cfg, specs, tensors: Iterator, *, tp: int, p
     checkpoint in ``iter_dir``: stacked layer keys, each chunk as the TP rank of a TP x PP run holds it, one
     ``_extra_state`` object per layer and linear layer, ``common.pt`` and ``metadata.json``."""
     L = cfg.num_layers
+    mla = cfg.attention.multi_latent_attention
     state: dict = {}
     makers: dict[tuple, tuple] = {}
     order = []
     for name, shape, dtype in specs:
-        key, layer = torch_dist_key(name)
-        if layer is None:
-            gshape = tuple(shape)
-        else:
-            gshape = (L, *shape)
-        entry = state.get(key)
-        if entry is None:
-            entry = state[key] = dcp_io.Sharded(gshape, [])
-        for off, size in _blocks(tuple(shape), tp_split(name, cfg.swiglu), tp):
-            full_off = off if layer is None else (layer, *off)
-            full_size = size if layer is None else (1, *size)
-            entry.pieces.append(dcp_io.Piece(torch.empty(full_size, dtype=dtype, device="meta"), full_off))
-            makers[(key, full_off)] = (name, off, size, layer is not None)
-        order.append(name)
+        keys, layer = torch_dist_keys(name, mla)
+        gshape = tuple(shape) if layer is None else (L, *shape)
+        for key in keys:
+            entry = state.get(key)
+            if entry is None:
+                entry = state[key] = dcp_io.Sharded(gshape, [])
+            for off, size in _blocks(tuple(shape), tp_split(name, cfg.swiglu), tp):
+                full_off = off if layer is None else (layer, *off)
+                full_size = size if layer is None else (1, *size)
+                entry.pieces.append(dcp_io.Piece(torch.empty(full_size, dtype=dtype, device="meta"), full_off))
+                makers[(key, full_off)] = (name, off, size, layer is not None)
+            order.append(key)
     for i in range(L):
-        for mod in EXTRA_STATE_MODULES:
+        for mod in extra_state_modules(mla, cfg.attention.q_lora_rank is not None):
             state[f"decoder.layers.{mod}._extra_state/shard_{i}_{L}"] = _RawBytes(extra_state_bytes())
 
     source = iter(tensors)
@@ -114,7 +121,7 @@ def write_torch_dist(iter_dir: str, cfg, specs, tensors: Iterator, *, tp: int, p
 
     from .offline import _save_streaming
 
-    _save_streaming(state, iter_dir, _LazyPlanner(produce, order=[torch_dist_key(n)[0] for n in order]))
+    _save_streaming(state, iter_dir, _LazyPlanner(produce, order=order))
     torch.save({"args": args_to_namespace(cfg, tp=tp, pp=pp, padded_vocab=padded_vocab, iteration=iteration),
                 "checkpoint_version": 3.0, "iteration": iteration}, os.path.join(iter_dir, COMMON_PT))
     with open(os.path.join(iter_dir, METADATA_JSON), "w") as f:

@@ -1,11 +1,13 @@
 """Megatron-LM checkpoints in and out, against megatron-core itself (installed with the dev extra).
 
 One group of 4 forked gloo ranks: megatron-core builds its GPTModel (local layer spec) at TP 2 x PP 2 for a
-Llama-style and a GPT-2-style model and saves it with its own ``dist_checkpointing.save`` (with its FP32
+Llama-style, a GPT-2-style and a DeepSeek-style multi-latent-attention model and saves it with its own
+``dist_checkpointing.save`` (with its FP32
 optimizer's state for the Llama model) and in Megatron's legacy per-rank files; ``pretrain``'s set-up loads
 them at TP 2 x PP 2 (every local tensor equal to megatron-core's; Adam moments, step, iteration, consumed samples
 too); our ``--saver megatron`` output (from the torch_dist and from the legacy checkpoints) loads back into
-megatron-core's model with ``dist_checkpointing.load``, every tensor equal; the torch_dist checkpoints also load
+megatron-core's model with ``dist_checkpointing.load``, every tensor equal (the multi-latent-attention model is
+checked this far, and for ``--use-checkpoint-args``); the Llama and GPT-2 torch_dist checkpoints also load
 at TP 1 x DP 4 with the distributed optimizer (global tensors and Adam moments equal to megatron-core's pieces put
 together), and one more training iteration from the loaded Llama checkpoint gives the same loss and parameters at
 both layouts. In this process: both formats converted to ours and to HF (transformers' loss equals our loss on
@@ -26,6 +28,7 @@ from megatronish.testing import run_distributed
 from support import megatron_core_support as mcs
 
 TP, PP, ITER = 2, 2, 7
+FULL = ("llama", "gpt2")  # the flavors also checked at TP 1, through HF and for the bad inputs
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -114,6 +117,10 @@ def _worker(rank, world, root):
             res["lr"] = run_.scheduler.num_steps
             res["continued"] = _continue(run_, state)
         _, _, res["ours_legacy"] = _ours(flavor, legacy_dir, ("--no-load-optim",))
+        if flavor not in FULL:
+            res.update(_save_back(root, flavor, rank))
+            out[flavor] = res
+            continue
         # ours at TP 1 (4 data-parallel ranks, distributed optimizer): every rank holds the global tensors
         run_, state, res["ours_tp1"] = _ours(flavor, dist_dir, ("--use-distributed-optimizer",) + extra, tp=1,
                                              pp=1)
@@ -122,20 +129,28 @@ def _worker(rank, world, root):
             res["ours_tp1_exp_avg"] = {params[id(p)]: st["exp_avg"].clone()
                                        for p, st in run_.optimizer.sharded_param_state()}
             res["continued_tp1"] = _continue(run_, state)
-        # our --saver megatron, from both sources, back into megatron-core's own model
-        for src in ("torch_dist", "legacy"):
-            target = os.path.join(root, flavor, f"to_megatron_{src}")
-            if rank == 0:
-                _cli(["--model-type", "GPT", "--loader", "megatron", "--saver", "megatron", "--load-dir",
-                      os.path.join(root, flavor, src), "--save-dir", target, "--target-tensor-parallel-size", str(TP),
-                      "--target-pipeline-parallel-size", str(PP)])
-            dist.barrier()
-            fresh = mcs.build_gpt(flavor, TP, PP, seed=2)
-            loaded = dist_checkpointing.load({"model": fresh.sharded_state_dict()}, os.path.join(target, "release"))
-            fresh.load_state_dict(loaded["model"])
-            res[f"back_{src}"] = mcs.local_tensors(fresh)
+        res.update(_save_back(root, flavor, rank))
         out[flavor] = res
     return _convert(out, lambda t: t.numpy().copy() if isinstance(t, torch.Tensor) else t)
+
+
+def _save_back(root, flavor, rank):
+    """Our --saver megatron, from both sources, loaded back into megatron-core's own model: its local tensors."""
+    from megatron.core import dist_checkpointing
+
+    res = {}
+    for src in ("torch_dist", "legacy"):
+        target = os.path.join(root, flavor, f"to_megatron_{src}")
+        if rank == 0:
+            _cli(["--model-type", "GPT", "--loader", "megatron", "--saver", "megatron", "--load-dir",
+                  os.path.join(root, flavor, src), "--save-dir", target, "--target-tensor-parallel-size", str(TP),
+                  "--target-pipeline-parallel-size", str(PP)])
+        dist.barrier()
+        fresh = mcs.build_gpt(flavor, TP, PP, seed=2)
+        loaded = dist_checkpointing.load({"model": fresh.sharded_state_dict()}, os.path.join(target, "release"))
+        fresh.load_state_dict(loaded["model"])
+        res[f"back_{src}"] = mcs.local_tensors(fresh)
+    return res
 
 
 def _continue(run, state):
@@ -174,20 +189,32 @@ def test_loads_at_tp2_pp2_and_saves_back(results, flavor):
     _, per_rank = results
     for r in per_rank:
         res = r[flavor]
-        ref = dict(res["ref"])
+        ref = _whole_down_projections(per_rank, r, flavor)
         if not mcs.FLAVORS[flavor]["untie"] and not any(k.startswith("embedding.") for k in ref):
             ref.pop("output_layer.weight", None)  # megatron-core's tied copy on the last stage (not saved)
         ours = {k: v for k, v in res["ours"].items() if k in ref}
         assert set(ours) == set(ref), sorted(set(ours) ^ set(ref))
         _compare(ref, ours, "torch_dist at TP2xPP2")
         _compare(ref, {k: v for k, v in res["ours_legacy"].items() if k in ref}, "legacy at TP2xPP2")
-        _compare(ref, res["back_torch_dist"], "--saver megatron from torch_dist")
-        _compare(ref, res["back_legacy"], "--saver megatron from legacy")
+        _compare(res["ref"], res["back_torch_dist"], "--saver megatron from torch_dist")
+        _compare(res["ref"], res["back_legacy"], "--saver megatron from legacy")
         assert res["state"] == (ITER, ITER * 2)  # iteration and consumed samples from the stored args
         if flavor == "llama":
             assert res["ours_step"] == res["ref_step"] == 1
             assert res["lr"] == ITER * 2
             _compare(res["ref_exp_avg"], res["ours_exp_avg"], "Adam exp_avg")
+
+
+def _whole_down_projections(per_rank, r, flavor):
+    """megatron-core's local tensors of rank ``r`` in our layout: multi-latent attention's down-projections, split
+    by rows over TP in megatron-core's local spec and whole on every TP rank in ours, put together from its stage's
+    TP ranks."""
+    ref = dict(r[flavor]["ref"])
+    stage = sorted((q for q in per_rank if q["coords"][1] == r["coords"][1]), key=lambda q: q["coords"][0])
+    for name in ref:
+        if name.endswith(("linear_q_down_proj.weight", "linear_kv_down_proj.weight")):
+            ref[name] = torch.cat([q[flavor]["ref"][name] for q in stage])
+    return ref
 
 
 def _global_reference(per_rank, flavor, what="ref"):
@@ -213,7 +240,7 @@ def _global_reference(per_rank, flavor, what="ref"):
     return out
 
 
-@pytest.mark.parametrize("flavor", list(mcs.FLAVORS))
+@pytest.mark.parametrize("flavor", FULL)
 def test_tp1_and_hf_loss(results, flavor, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -284,6 +311,32 @@ def test_tp1_and_hf_loss(results, flavor, tmp_path):
     our_loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)),
                                                  tokens[:, 1:-1].reshape(-1))
     torch.testing.assert_close(our_loss, hf_loss, rtol=1e-5, atol=0)
+
+
+def test_mla_norms_written_under_both_names(results, tmp_path):
+    """Our --saver megatron output of the multi-latent-attention model holds its norms under both megatron-core
+    specs' names (the local spec's loaded back above; the Transformer Engine spec's fused ``layer_norm_weight``),
+    and our loader reads it, through the Transformer Engine names, to megatron-core's tensors."""
+    from megatronish.checkpoint.megatron_format import TorchDist
+    from megatronish.checkpoint.offline import iter_model_tensors
+
+    root, per_rank = results
+    written = os.path.join(root, "mla", "to_megatron_torch_dist")
+    ck = TorchDist(os.path.join(written, "release"))
+    for ours, te in (("pre_mlp_layernorm", "mlp.linear_fc1"), ("self_attention.q_layernorm",
+                                                               "self_attention.linear_q_up_proj"),
+                     ("self_attention.kv_layernorm", "self_attention.linear_kv_up_proj")):
+        both = {f"decoder.layers.{ours}.weight", f"decoder.layers.{te}.layer_norm_weight"}
+        assert both <= set(ck.tensor_keys) and not both & set(ck.model_keys()) - {ck.key_of(
+            f"decoder.layers.0.{ours}.weight")[0]}, ours
+        assert ck.key_of(f"decoder.layers.0.{ours}.weight")[0] == f"decoder.layers.{te}.layer_norm_weight"
+    _cli(["--model-type", "GPT", "--loader", "megatron", "--saver", "megatronish", "--load-dir", written,
+          "--save-dir", str(tmp_path / "mine")])
+    got = dict(iter_model_tensors(str(tmp_path / "mine")))
+    ref = _global_reference(per_rank, "mla")
+    assert set(got) == set(ref), sorted(set(got) ^ set(ref))
+    for name in ref:
+        assert torch.equal(got[name], ref[name]), name
 
 
 def test_bad_inputs(results, tmp_path, capsys):
@@ -435,16 +488,22 @@ def test_bf16_main_params_and_distributed_optimizer_state(tmp_path):
     assert all(len(checked) == 4 for checked in per_rank), per_rank
 
 
+@pytest.mark.parametrize("flavor", ["llama", "mla"])
 @pytest.mark.parametrize("source", ["torch_dist", "legacy"])
-def test_use_checkpoint_args(results, source):
-    """--use-checkpoint-args takes the model shape (and the NullTokenizer vocabulary) from Megatron's stored args."""
+def test_use_checkpoint_args(results, source, flavor):
+    """--use-checkpoint-args takes the model shape (and the NullTokenizer vocabulary) from Megatron's stored args;
+    for multi-latent attention also its ranks and head sizes, the latents' norms and the YaRN settings."""
     from megatronish.arguments import configs_from_args, parse_args
 
     root, _ = results
-    argv = ["--use-checkpoint-args", "--load", os.path.join(root, "llama", source), "--micro-batch-size", "1",
+    argv = ["--use-checkpoint-args", "--load", os.path.join(root, flavor, source), "--micro-batch-size", "1",
             "--mock-data", "--train-iters", "1", "--lr", "1e-3", "--no-load-optim"]
     model = configs_from_args(parse_args(argv), 1).model
-    f = mcs.FLAVORS["llama"]
+    f = mcs.FLAVORS[flavor]
+    a = model.attention
+    assert (a.multi_latent_attention, a.qk_layernorm) == (("mla" in f,) * 2)
+    for name, value in f.get("mla", {}).items():
+        assert getattr(a, name) == value, (name, getattr(a, name), value)
     assert (model.num_layers, model.hidden_size, model.num_attention_heads, model.num_query_groups,
             model.ffn_hidden_size, model.swiglu, model.normalization, model.attention.position_embedding_type,
             model.add_bias_linear, model.untie_embeddings_and_output_weights, model.vocab_size,

@@ -1,5 +1,5 @@
 """megatron-core on CPU for the checkpoint-compatibility tests: import it (or say why not), patch out the few CUDA
-calls its checkpoint code makes, and build its ``GPTModel`` (local layer spec) for the two model flavors.
+calls its checkpoint code makes, and build its ``GPTModel`` (local layer spec) for the model flavors.
 
 Everything here runs inside a forked test worker; nothing of it is part of the package."""
 from __future__ import annotations
@@ -55,10 +55,14 @@ def patch_for_cpu() -> None:
       the tied embedding's first all-reduce moves it with ``Tensor.cuda()`` (stays on CPU);
     * memory accounting needs psutil (reported as 0);
     * ``common.pt`` is read with ``torch.load``'s default ``weights_only=True``: ``argparse.Namespace`` is allowed
-      (Megatron-LM's training code registers the same)."""
+      (Megatron-LM's training code registers the same);
+    * without Transformer Engine, megatron-core stands a ``MagicMock`` in for ``TELinear``, which multi-latent
+      attention's constructor passes to ``isinstance`` when ``HAVE_TE`` (set there whenever its extension module
+      imports, as it does without Transformer Engine): it is set False."""
     import multiprocessing as mp
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron.core.transformer import multi_latent_attention
 
     mp.current_process()._config["daemon"] = False
     filesystem_async._results_queue = queue.Queue()
@@ -67,6 +71,7 @@ def patch_for_cpu() -> None:
     torch.cuda.current_device = lambda: "cpu"
     torch.Tensor.cuda = lambda self, *a, **k: self
     torch.serialization.add_safe_globals([argparse.Namespace])
+    multi_latent_attention.HAVE_TE = False
 
 
 @contextlib.contextmanager
@@ -134,6 +139,12 @@ FLAVORS = {
     "gpt2": dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=4, ffn_hidden_size=64,
                  swiglu=False, normalization="LayerNorm", position_embedding_type="learned_absolute",
                  add_bias_linear=True, untie=False),
+    # DeepSeek-V3 style: multi-latent attention with a query low-rank projection, the latents' norms, YaRN RoPE
+    "mla": dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=4, ffn_hidden_size=48,
+                swiglu=True, normalization="RMSNorm", position_embedding_type="rope", add_bias_linear=False,
+                untie=True, mla=dict(q_lora_rank=12, kv_lora_rank=8, qk_head_dim=6, qk_pos_emb_head_dim=4,
+                                     v_head_dim=6, rope_type="yarn", rotary_scaling_factor=4.0, mscale_all_dim=1.0,
+                                     yarn_original_max_position_embeddings=8)),
 }
 VOCAB = 95  # NullTokenizer --vocab-size: 96 tokens with eod
 SEQ = 16
@@ -156,6 +167,10 @@ def our_flags(flavor: str) -> list[str]:
         out.append("--disable-bias-linear")
     if f["untie"]:
         out.append("--untie-embeddings-and-output-weights")
+    if "mla" in f:
+        out += ["--multi-latent-attention", "--qk-layernorm"]
+        for name, value in f["mla"].items():
+            out += ["--" + name.replace("_", "-"), str(value)]
     return out
 
 
@@ -165,6 +180,8 @@ def megatron_args(flavor: str, tp: int, pp: int, **extra) -> argparse.Namespace:
 
     f = FLAVORS[flavor]
     gqa = f["num_query_groups"] != f["num_attention_heads"]
+    mla = dict(multi_latent_attention=True, qk_layernorm=True, **f["mla"]) if "mla" in f else {}
+    extra = {"qk_layernorm": False, "multi_latent_attention": False, **mla, **extra}
     return argparse.Namespace(
         num_layers=f["num_layers"], hidden_size=f["hidden_size"], ffn_hidden_size=f["ffn_hidden_size"],
         num_attention_heads=f["num_attention_heads"], group_query_attention=gqa,
@@ -176,7 +193,7 @@ def megatron_args(flavor: str, tp: int, pp: int, **extra) -> argparse.Namespace:
         tokenizer_type="NullTokenizer", vocab_size=VOCAB, make_vocab_size_divisible_by=DIVISIBLE,
         padded_vocab_size=128, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         params_dtype=torch.float32, attention_backend=AttnBackend.auto, ckpt_format="torch_dist",
-        num_experts=None, qk_layernorm=False, init_method_std=0.02, **extra)
+        num_experts=None, init_method_std=0.02, **extra)
 
 
 def build_gpt(flavor: str, tp: int, pp: int, seed: int):
@@ -184,20 +201,31 @@ def build_gpt(flavor: str, tp: int, pp: int, seed: int):
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     f = FLAVORS[flavor]
     # the same stream on every TP rank of a stage: replicated tensors agree, split ones are cut from one master
     torch.manual_seed(seed + 100 * ps.get_pipeline_model_parallel_rank())
-    cfg = TransformerConfig(
+    config, mla = TransformerConfig, {}
+    if "mla" in f:
+        m = f["mla"]
+        config = MLATransformerConfig
+        mla = dict(qk_layernorm=True, original_max_position_embeddings=m["yarn_original_max_position_embeddings"],
+                   **{k: m[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                                        "v_head_dim", "rope_type", "rotary_scaling_factor", "mscale_all_dim")})
+    cfg = config(
         num_layers=f["num_layers"], hidden_size=f["hidden_size"], num_attention_heads=f["num_attention_heads"],
         num_query_groups=f["num_query_groups"], ffn_hidden_size=f["ffn_hidden_size"],
         gated_linear_unit=f["swiglu"],
         activation_func=torch.nn.functional.silu if f["swiglu"] else torch.nn.functional.gelu,
         normalization=f["normalization"], add_bias_linear=f["add_bias_linear"], layernorm_epsilon=1e-5,
         use_cpu_initialization=True, pipeline_dtype=torch.float32, tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp, hidden_dropout=0.0, attention_dropout=0.0)
-    model = GPTModel(cfg, get_gpt_layer_local_spec(normalization=f["normalization"]), vocab_size=128,
+        pipeline_model_parallel_size=pp, hidden_dropout=0.0, attention_dropout=0.0, **mla)
+    spec = get_gpt_layer_local_spec(normalization=f["normalization"], multi_latent_attention=bool(mla),
+                                    qk_layernorm=bool(mla))
+    if mla:
+        spec.submodules.self_attention.submodules.core_attention = _mla_core_attention()
+    model = GPTModel(cfg, spec, vocab_size=128,
                      max_sequence_length=MAX_POS, pre_process=ps.is_pipeline_first_stage(),
                      post_process=ps.is_pipeline_last_stage(), position_embedding_type=f["position_embedding_type"],
                      share_embeddings_and_output_weights=not f["untie"])
@@ -206,6 +234,19 @@ def build_gpt(flavor: str, tp: int, pp: int, seed: int):
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
     return model
+
+
+def _mla_core_attention():
+    """The local spec's ``DotProductAttention`` for multi-latent attention: megatron-core's MLA passes it the key and
+    value head sizes (``k_channels``, ``v_channels``), which only Transformer Engine's attention takes; the local one
+    (no parameters, no state) is built without them. The checkpoint tests never run the model forward."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class CoreAttention(DotProductAttention):
+        def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+            super().__init__(*args, **kwargs)
+
+    return CoreAttention
 
 
 def fp32_optimizer(model, lr: float = 1e-2):

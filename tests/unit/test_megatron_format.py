@@ -83,3 +83,38 @@ def test_legacy_merges_tp_files_and_numbers_layers_globally(tmp_path):
     for i in range(2):
         assert torch.equal(ck.read(f"decoder.layers.{i}.mlp.linear_fc1.weight"), fc1[i])
         assert torch.equal(ck.read(f"decoder.layers.{i}.mlp.linear_fc2.weight"), fc2[i])
+
+
+def test_legacy_mla_of_the_transformer_engine_spec(tmp_path):
+    """Multi-latent attention as Megatron-LM's Transformer Engine spec saves it per TP rank: the down-projections
+    whole in every file (duplicated), the up-projections split by heads, the latents' norms fused into the
+    up-projections (``layer_norm_weight``); read as our global tensors, a local-spec file's row-split
+    down-projection put together alike."""
+    h, tp, q_rank, kv_rank, rope = 8, 2, 6, 4, 2
+    args = argparse.Namespace(num_layers=1, hidden_size=h, num_attention_heads=2, tensor_model_parallel_size=tp,
+                              pipeline_model_parallel_size=1, multi_latent_attention=True, q_lora_rank=q_rank,
+                              kv_lora_rank=kv_rank, qk_pos_emb_head_dim=rope, qk_layernorm=True)
+    g = torch.Generator().manual_seed(0)
+    ours = {"self_attention.linear_q_down_proj.weight": torch.randn(q_rank, h, generator=g),
+            "self_attention.linear_kv_down_proj.weight": torch.randn(kv_rank + rope, h, generator=g),
+            "self_attention.linear_q_up_proj.weight": torch.randn(10, q_rank, generator=g),
+            "self_attention.q_layernorm.weight": torch.randn(q_rank, generator=g),
+            "self_attention.kv_layernorm.weight": torch.randn(kv_rank, generator=g)}
+    stored = {"self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
+              "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight"}
+    for t in range(tp):
+        model = {f"decoder.layers.0.{stored.get(k, k)}": v.chunk(tp)[t].clone() if "up_proj" in k else v.clone()
+                 for k, v in ours.items()}
+        # the local spec splits the KV down-projection by rows: one file may hold it either way
+        model["decoder.layers.0.self_attention.linear_kv_down_proj.weight"] = \
+            ours["self_attention.linear_kv_down_proj.weight"].chunk(tp)[t].clone()
+        d = tmp_path / "iter_0000001" / f"mp_rank_{t:02d}"
+        d.mkdir(parents=True)
+        torch.save({"model": model, "args": args, "iteration": 1}, d / "model_optim_rng.pt")
+    ck = Legacy(str(tmp_path / "iter_0000001"))
+    assert sorted(ck.names()) == sorted(f"decoder.layers.0.{k}" for k in ours)
+    for k, v in ours.items():
+        assert ck.shape(f"decoder.layers.0.{k}") == tuple(v.shape), k
+        assert torch.equal(ck.read(f"decoder.layers.0.{k}"), v), k
+    fields = model_fields(args, "common.pt")
+    assert (fields["multi_latent_attention"], fields["q_lora_rank"], fields["qk_layernorm"]) == (True, q_rank, True)
