@@ -157,6 +157,7 @@ class OptimizerConfig:
     override_opt_param_scheduler: bool = False
     use_checkpoint_opt_param_scheduler: bool = False
     overlap_grad_reduce: bool = False
+    overlap_p2p_comm: bool = False  # pipeline receives posted ahead, waited for when used (docs/pipeline.md)
     ddp_bucket_size: int | None = None  # None: DDP's default (Megatron's rule)
     # mixed precision (docs/precision.md)
     fp16: bool = False

@@ -112,9 +112,9 @@ def _schedule_line(kind: str, v: dict) -> str:
         return f"--pipeline-schedule {s!r} is unknown; choose one of {', '.join(PIPELINE_SCHEDULES)}"
     if kind == "schedule_pp":
         return f"--pipeline-schedule {s} needs pipeline parallelism, but {_PP} is 1; raise {_PP} or drop the flag"
-    if s == "zbv":
-        return (f"--pipeline-schedule zbv places exactly 2 chunks on every pipeline rank (a V), but {_VP} gives "
-                f"{v['vp']}; drop the virtual-stage flag (zbv implies 2) or set it to 2")
+    if s in ("zbv", "dualpipev"):
+        return (f"--pipeline-schedule {s} places exactly 2 chunks on every pipeline rank (a V), but {_VP} gives "
+                f"{v['vp']}; drop the virtual-stage flag ({s} implies 2) or set it to 2")
     if s == "interleaved-1f1b":
         return f"--pipeline-schedule interleaved-1f1b needs more than one virtual stage per rank; set {_VP}"
     return (f"--pipeline-schedule {s} runs one chunk per pipeline rank, but {_VP} gives {v['vp']}; drop the "

@@ -64,6 +64,11 @@ def _check_batch(t: configs.TrainingConfig, run: configs.RunConfig | None, error
     elif dims.vp > 1 and not dims.v_shape:
         _collect(errors, lambda: check_interleaving(dims.pp, dims.vp, run.num_microbatches, micro_batch_size=mbs,
                                                     global_batch_size=gbs, data_parallel_size=dims.dp))
+    elif dims.pipeline_schedule == "dualpipev" and run.num_microbatches < 2 * dims.pp:
+        errors.append(f"--pipeline-schedule dualpipev needs at least 2 x --pipeline-model-parallel-size = "
+                      f"{2 * dims.pp} microbatches per iteration, but --global-batch-size {gbs} / (--micro-batch-size "
+                      f"{mbs} x data-parallel size {dims.dp}) is {run.num_microbatches}; raise --global-batch-size "
+                      "or use --pipeline-schedule zbv")
     if t.rampup_batch_size is not None and not gbs % per_step:
         problems = rampup_problems(t.rampup_batch_size, gbs, per_step)
         errors += problems
@@ -262,13 +267,14 @@ def _check_moe(m: configs.ModelConfig | None, dims: ParallelDims | None, sequenc
 
 def _check_pipeline_schedule(m: configs.ModelConfig | None, dims: ParallelDims | None, o: configs.OptimizerConfig,
                              t: configs.TrainingConfig, errors: list[str], for_training: bool = True) -> None:
-    """``--pipeline-schedule`` zb-h1 / zbv (the split backward) against what it does not run with; the degrees'
-    rules (PP, virtual stages) are ``ParallelDims``' (``parallel_config``'s lines)."""
-    if dims is None or dims.pipeline_schedule not in ("zb-h1", "zbv"):
+    """``--pipeline-schedule`` zb-h1 / zbv / dualpipev (the split backward) against what it does not run with; the
+    degrees' rules (PP, virtual stages) are ``ParallelDims``' (``parallel_config``'s lines)."""
+    if dims is None or dims.pipeline_schedule not in ("zb-h1", "zbv", "dualpipev"):
         return
     flag = f"--pipeline-schedule {dims.pipeline_schedule}"
-    if not for_training and dims.pipeline_schedule == "zbv":
-        errors.append(f"{flag}: text generation runs the stages in rank order and zbv places them in a V; "
+    if not for_training and dims.v_shape:
+        errors.append(f"{flag}: text generation runs the stages in rank order and {dims.pipeline_schedule} places "
+                      "them in a V; "
                       "generate without --pipeline-schedule (any checkpoint loads into any layout)")
     if o.use_torch_fsdp2:
         errors.append(f"{flag} with --use-torch-fsdp2 is not supported: FSDP2 reduce-scatters the gradients as the "

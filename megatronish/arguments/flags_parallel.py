@@ -13,8 +13,14 @@ def add_parallel_flags(p) -> None:
     flag(g, "--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     flag(g, "--num-virtual-stages-per-pipeline-rank", type=int, default=None)
     flag(g, "--pipeline-schedule", default=None, choices=list(PIPELINE_SCHEDULES),
-         help="ours: the pipeline schedule (default: 1f1b, interleaved-1f1b with virtual stages); zb-h1 and zbv "
-         "split the backward (docs/pipeline.md); zbv implies 2 virtual stages per rank, placed in a V")
+         help="ours: the pipeline schedule (default: 1f1b, interleaved-1f1b with virtual stages); zb-h1, zbv and "
+         "dualpipev split the backward (docs/pipeline.md); zbv and dualpipev imply 2 virtual stages per rank, in a V")
+    flag(g, "--overlap-p2p-communication", dest="overlap_p2p_comm", **on,
+         help="post each pipeline receive ahead and wait for it only when its step runs (interleaved and "
+         "zero-bubble schedules; 1F1B ignores it, as Megatron-LM)")
+    flag(g, "--overlap-p2p-comm", dest="overlap_p2p_comm", **on, help="the same as --overlap-p2p-communication")
+    flag(g, "--no-overlap-p2p-communication", dest="overlap_p2p_comm", action="store_false",
+         help="every pipeline exchange is posted as one batch and waited for at once (the default here)")
     flag(g, "--decoder-first-pipeline-num-layers", type=int, default=None,
          help="layers on the first pipeline rank (the ranks between the first and last share the rest evenly)")
     flag(g, "--decoder-last-pipeline-num-layers", type=int, default=None,

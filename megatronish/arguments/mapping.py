@@ -107,9 +107,9 @@ def _virtual_stages(args) -> int:
             raise ConfigError(f"--pipeline-model-parallel-layout sets the virtual stages (its stage count / "
                               f"--pipeline-model-parallel-size); drop {given}")
         stages = _layout_stages(args)
-        if args.pipeline_schedule == "zbv" and stages not in (None, 2 * pp):
-            raise ConfigError(f"--pipeline-schedule zbv runs 2 chunks per pipeline rank in a V, so "
-                              f"--pipeline-model-parallel-layout needs 2 x --pipeline-model-parallel-size {pp} = "
+        if args.pipeline_schedule in ("zbv", "dualpipev") and stages not in (None, 2 * pp):
+            raise ConfigError(f"--pipeline-schedule {args.pipeline_schedule} runs 2 chunks per pipeline rank in a V, "
+                              f"so --pipeline-model-parallel-layout needs 2 x --pipeline-model-parallel-size {pp} = "
                               f"{2 * pp} stages; it has {stages}")
         return _layout_vp(args)
     if per_rank is not None:
@@ -121,7 +121,7 @@ def _virtual_stages(args) -> int:
     if per_stage is not None:
         extra = int(args.account_for_embedding_in_pipeline_split) + int(args.account_for_loss_in_pipeline_split)
         return virtual_stages_from_layers(args.num_layers, pp, per_stage, extra)
-    return 2 if args.pipeline_schedule == "zbv" else 1  # zbv: two chunks per rank, in a V
+    return 2 if args.pipeline_schedule in ("zbv", "dualpipev") else 1  # two chunks per rank, in a V
 
 
 def _layout_stages(args) -> int | None:

@@ -39,7 +39,7 @@ from .pipeline import layout as pipeline_layout
 __all__ = ["DegreeError", "ParallelDims", "masked_rank_groups", "layer_split_error", "PIPELINE_SCHEDULES"]
 
 # --pipeline-schedule's values: 1F1B, Megatron's interleaved 1F1B, and the split-backward zero-bubble schedules
-PIPELINE_SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "zbv")
+PIPELINE_SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev")
 
 
 class DegreeError(ValueError):
@@ -226,16 +226,16 @@ class ParallelDims:
             raise DegreeError("schedule", f"unknown pipeline schedule {s!r}", schedule=s)
         if self.pp == 1 and s != "1f1b":
             raise DegreeError("schedule_pp", f"pipeline schedule {s} needs pp > 1", schedule=s, pp=self.pp)
-        need = {"1f1b": "1", "zb-h1": "1", "zbv": "2", "interleaved-1f1b": "> 1"}[s]
+        need = {"1f1b": "1", "zb-h1": "1", "zbv": "2", "dualpipev": "2", "interleaved-1f1b": "> 1"}[s]
         if (need == "> 1" and self.vp == 1) or (need != "> 1" and self.vp != int(need)):
             raise DegreeError("schedule_vp", f"pipeline schedule {s} needs vp {need}, got {self.vp}", schedule=s,
                               vp=self.vp, need=need)
 
     @property
     def v_shape(self) -> bool:
-        """Chunks placed in a V (``zbv``): rank ``r`` holds stages ``r`` and ``2p-1-r``, so the first and the last
-        stage are both on pipeline rank 0."""
-        return self.pipeline_schedule == "zbv"
+        """Chunks placed in a V (``zbv``, ``dualpipev``): rank ``r`` holds stages ``r`` and ``2p-1-r``, so the first
+        and the last stage are both on pipeline rank 0."""
+        return self.pipeline_schedule in ("zbv", "dualpipev")
 
     def stage_of(self, pp_rank: int, vp_stage: int = 0) -> int:
         """Global stage of chunk ``vp_stage`` on pipeline rank ``pp_rank``: ``c*p + r`` (Megatron's interleaving),

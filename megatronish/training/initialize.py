@@ -144,7 +144,7 @@ def setup(cfg, watch: Watch | None = None) -> tuple[TrainContext, TrainState]:
                                                        cfg.parallel.pipeline_schedule),
                                  dtype=o.params_dtype, grad_scale_func=optimizer.scale_loss if grad_scaler else None,
                                  tensor_shape=_tensor_shape(cfg), parallel=parallel,
-                                 per_token_loss=t.calculate_per_token_loss)
+                                 per_token_loss=t.calculate_per_token_loss, overlap_p2p_comm=o.overlap_p2p_comm)
     scheduler = OptimizerParamScheduler(optimizer, **scheduler_steps_from_config(cfg))
     train_ds, valid_ds, test_ds = build_datasets(cfg)
     timers = Timers(cfg.logging.timing_log_level, always=("forward-backward",) if cfg.logging.log_straggler else ())

@@ -1,12 +1,14 @@
-"""Zero-bubble schedules with the split backward give the single-process model: under ZB-H1 at PP 2 and PP 4,
-and ZBV (two chunks per rank in a V: the hand-over on the last rank and both tied-embedding copies on rank 0) at
-PP 2, combined with TP 2 + sequence parallelism, full recompute, data parallelism with overlapped (hook-launched)
-gradient reduction, the distributed optimizer's reduce-scatter and ``--calculate-per-token-loss``, the loss and
-every gradient equal one process running the same microbatches (fp32, rtol 1e-5), and so do the parameters
-after a few SGD (momentum) steps. Each rank executes exactly its action list's F/B/W order. One group of 4 ranks runs
-every case. The same checks cover uneven layer splits (``--decoder-first/last-pipeline-num-layers``: 7 layers
-over PP 2 as 3+4 and 4+3, 10 over PP 4 as 1+3+3+3, 10 over PP 2 with 2 chunks as 4+6) under 1F1B, interleaved
-1F1B, ZB-H1 and ZBV."""
+"""Zero-bubble schedules with the split backward give the single-process model: under ZB-H1 at PP 2 and PP 4, ZBV
+(two chunks per rank in a V: the hand-over on the last rank and both tied-embedding copies on rank 0) at PP 2, and
+DualPipeV (the same V, 2p microbatches or more) at PP 2 and PP 4, combined with TP 2 + sequence parallelism, full
+recompute, data parallelism with overlapped (hook-launched) gradient reduction, the distributed optimizer's
+reduce-scatter and ``--calculate-per-token-loss``, the loss and every gradient equal one process running the same
+microbatches (fp32, rtol 1e-5), and so do the parameters after a few SGD (momentum) steps. Each rank executes
+exactly its action list's F/B/W order. One group of 4 ranks runs every case. The same checks cover uneven layer
+splits (``--decoder-first/last-pipeline-num-layers``: 7 layers over PP 2 as 3+4 and 4+3, 10 over PP 4 as 1+3+3+3,
+10 over PP 2 with 2 chunks as 4+6) under 1F1B, interleaved 1F1B, ZB-H1 and ZBV. Receives posted ahead
+(``--overlap-p2p-communication``) give the same numbers under DualPipeV at PP 4, ZBV and interleaved 1F1B (whose
+steady state then exchanges in two halves)."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,7 +23,7 @@ from megatronish.parallel.init import gather_to_global
 from megatronish.parallel.pipeline.choose import forward_backward_func
 from megatronish.parallel.pipeline.schedules import forward_backward_no_pipelining, pipeline_tensor_shape
 from megatronish.parallel.pipeline.timeline import PipelineTimeline
-from megatronish.parallel.pipeline.zero_bubble import schedule_actions
+from megatronish.parallel.pipeline.zero_bubble import SCHEDULES, schedule_actions
 from megatronish.parallel.random import set_random_seed
 from megatronish.testing import run_distributed
 from tests.distributed.test_pipeline_parity import FLAVORS as PARITY_FLAVORS
@@ -32,14 +34,19 @@ FLAVORS = {name: (lambda layers=4, make=make: make().replace(num_layers=layers))
            for name, make in PARITY_FLAVORS.items()}
 
 
-def _lr(per_token):  # per-token losses are sums: the same step size per token
-    return 0.1 / (NUM_MB * MBS * S) if per_token else 0.1
+def _lr(per_token, num_mb=NUM_MB):  # per-token losses are sums: the same step size per token
+    return 0.1 / (num_mb * MBS * S) if per_token else 0.1
 
 
-def _data():
+def _options(case):
+    """A case's trailing options: ``overlap`` (receives posted ahead), ``microbatches`` per iteration."""
+    return {"overlap": False, "microbatches": NUM_MB, **(case[9] if len(case) > 9 else {})}
+
+
+def _data(num_mb=NUM_MB):
     g = torch.Generator().manual_seed(99)
     return [(torch.randint(0, V, (MBS, S), generator=g), torch.randint(0, V, (MBS, S), generator=g))
-            for _ in range(NUM_MB)]
+            for _ in range(num_mb)]
 
 
 def _forward_step(per_token):
@@ -55,34 +62,37 @@ def _forward_step(per_token):
 
 @pytest.fixture(scope="module")
 def references():
-    """{(flavor, per_token, layers): (losses, {name: first step's grad}, {name: parameter after STEPS steps})}."""
+    """{(flavor, per_token, layers, microbatches): (losses, {name: first step's grad}, {name: parameter after STEPS
+    steps})}."""
     refs = {}
-    for flavor, per_token, layers in sorted({(c[0], c[7], c[8][0]) for c in CASES}):
+    for flavor, per_token, layers, num_mb in sorted({(c[0], c[7], c[8][0], _options(c)["microbatches"])
+                                                     for c in CASES}):
         set_random_seed(SEED)
         model = GPTModel(FLAVORS[flavor](layers))
         model.init_parameters(SEED)
-        opt = build_optimizer(list(model.named_parameters()), "sgd", lr=_lr(per_token), weight_decay=0.1)
+        opt = build_optimizer(list(model.named_parameters()), "sgd", lr=_lr(per_token, num_mb), weight_decay=0.1)
         for step in range(STEPS):
             model.zero_grad(set_to_none=True)
-            stats = forward_backward_no_pipelining(_forward_step(per_token), iter(_data()), model, NUM_MB,
+            stats = forward_backward_no_pipelining(_forward_step(per_token), iter(_data(num_mb)), model, num_mb,
                                                    per_token_loss=per_token)
             if step == 0:
                 losses = torch.stack([s["lm loss"] for s in stats])
                 grads = {n: p.grad.clone() for n, p in model.named_global_parameters()}
             opt.step()
-        refs[(flavor, per_token, layers)] = (losses, grads, {n: p.detach().clone()
+        refs[(flavor, per_token, layers, num_mb)] = (losses, grads, {n: p.detach().clone()
                                                      for n, p in model.named_global_parameters()})
     return refs
 
 
-def _check_case(flavor, schedule, tp, pp, sp, recompute, dist_opt, per_token, split, refs):
+def _check_case(flavor, schedule, tp, pp, sp, recompute, dist_opt, per_token, split, refs, overlap, num_mb):
     layers, first, last = split
     what = f"{flavor} {schedule} TP{tp} PP{pp} DP{WORLD // (tp * pp)} SP={sp} recompute={recompute} " \
-           f"dist-opt={dist_opt} per-token={per_token} layers {layers} first {first} last {last}"
+           f"dist-opt={dist_opt} per-token={per_token} layers {layers} first {first} last {last} " \
+           f"overlap={overlap} microbatches {num_mb}"
     cfg = FLAVORS[flavor](layers)
     if recompute:
         cfg = cfg.replace(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    dims = ParallelDims(world_size=WORLD, tp=tp, pp=pp, vp=2 if schedule in ("zbv", "interleaved-1f1b") else 1,
+    dims = ParallelDims(world_size=WORLD, tp=tp, pp=pp, vp=1 if schedule in ("1f1b", "zb-h1") else 2,
                         tie_embeddings=not cfg.untie_embeddings_and_output_weights, pipeline_schedule=schedule,
                         decoder_first_pipeline_num_layers=first, decoder_last_pipeline_num_layers=last)
     groups.destroy_model_parallel()
@@ -96,12 +106,12 @@ def _check_case(flavor, schedule, tp, pp, sp, recompute, dist_opt, per_token, sp
                                             use_distributed_optimizer=dist_opt, average=not per_token,
                                             bucket_size=2000))
     dp, dp_rank = ctx.dp_size, ctx.dp_rank
-    mine = _data()[dp_rank::dp]
+    mine = _data(num_mb)[dp_rank::dp]
     shape = pipeline_tensor_shape(S, MBS, H, tp=tp, sequence_parallel=sp)
-    ref_losses, ref_grads, ref_params = refs[(flavor, per_token, layers)]
+    ref_losses, ref_grads, ref_params = refs[(flavor, per_token, layers, num_mb)]
     named = [(c, ddp, n, p) for c, ddp in zip(chunks, ddps) for n, p in c.named_global_parameters()]
     optimizer = build_optimizer([(n, p) for c in chunks for n, p in c.named_parameters()], "sgd",
-                                lr=_lr(per_token), weight_decay=0.1)
+                                lr=_lr(per_token, num_mb), weight_decay=0.1)
 
     for step in range(STEPS):
         for ddp in ddps:
@@ -111,14 +121,16 @@ def _check_case(flavor, schedule, tp, pp, sp, recompute, dist_opt, per_token, sp
         data = [iter(mine) for _ in ddps] if len(ddps) > 1 else iter(mine)
         run = forward_backward_func(pp, dims.vp, schedule)
         stats = run(_forward_step(per_token), data, model, len(mine), tensor_shape=shape, parallel=ctx,
-                    timeline=timeline, per_token_loss=per_token)
+                    timeline=timeline, per_token_loss=per_token, overlap_p2p_comm=overlap)
         finalize_model_grads(ddps, ctx)
         if step > 0:
             use_main_grads(optimizer)
             optimizer.step()
             continue
         executed = [(e["name"], e["microbatch"], e["chunk"]) for e in timeline.events if e["cat"] == "compute"]
-        if schedule in ("zb-h1", "zbv"):
+        if overlap:  # the receives posted ahead were waited for when used
+            assert any(e["name"].startswith("wait_") for e in timeline.events), what
+        if schedule in SCHEDULES:
             planned = [(a.op, a.microbatch, a.chunk) for a in schedule_actions(schedule, pp, len(mine))[ctx.pp_rank]
                        if a.op in "FBW"]
             assert executed == planned, f"{what}: executed order differs from the action list"
@@ -156,7 +168,7 @@ def _check_case(flavor, schedule, tp, pp, sp, recompute, dist_opt, per_token, sp
 
 def _worker(rank, world, cases, refs):
     for case in cases:
-        _check_case(*case, refs)
+        _check_case(*case[:9], refs, *_options(case).values())
     groups.destroy_model_parallel()
     return True
 
@@ -170,7 +182,11 @@ CASES = [
     ("llama", "zb-h1", 2, 2, True, False, False, True, EVEN),  # TP 2 + SP x PP 2, per-token loss
     ("gpt2", "zbv", 1, 2, False, False, False, False, EVEN),  # V at PP 2 x DP 2, tied embeddings both on rank 0
     ("gpt2", "zbv", 2, 2, True, False, False, False, EVEN),  # V at TP 2 + SP x PP 2, tied embeddings
-    ("llama", "zbv", 1, 2, False, False, True, True, EVEN),  # V at PP 2 x DP 2, distributed optimizer, per-token loss
+    ("llama", "zbv", 1, 2, False, False, True, True, EVEN, {"overlap": True}),  # V at PP 2 x DP 2, distributed
+    # optimizer, per-token loss, receives posted ahead
+    ("gpt2", "dualpipev", 2, 2, True, False, False, False, EVEN),  # TP 2 + SP x PP 2, tied embeddings, m = 2p
+    ("llama", "dualpipev", 1, 4, False, False, False, False, (8, None, None), {"overlap": True, "microbatches": 8}),
+    ("llama", "interleaved-1f1b", 2, 2, True, False, False, False, EVEN, {"overlap": True}),  # steady state halves
     # uneven splits
     ("llama", "1f1b", 1, 2, False, False, False, False, (7, 3, None)),  # 3 + 4
     ("llama", "zb-h1", 1, 2, False, False, True, False, (7, 3, None)),  # 3 + 4, distributed optimizer

@@ -1,6 +1,7 @@
 """``--pipeline-schedule``: the flag, its config field (``ParallelDims.pipeline_schedule``), one error line per
-rule, the schedule ``setup`` picks, and the V placement of ``zbv`` (layers, pre/post-processing chunks, the
-embedding group, the loss rank) checked without processes; ``--decoder-first/last-pipeline-num-layers``: the
+rule, the schedule ``setup`` picks, and the V placement of ``zbv`` and ``dualpipev`` (layers, pre/post-processing
+chunks, the embedding group, the loss rank) checked without processes; ``--overlap-p2p-communication`` reaches
+the schedule ``setup`` builds; ``--decoder-first/last-pipeline-num-layers``: the
 uneven split's layer ranges under every schedule and its error lines."""
 import functools
 
@@ -28,16 +29,37 @@ def test_default_keeps_megatrons_choice():
     assert forward_backward_func(1, 1, None) is schedules.forward_backward_no_pipelining
 
 
-@pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])
+@pytest.mark.parametrize("schedule", ["zb-h1", "zbv", "dualpipev"])
 def test_zero_bubble_selected(schedule):
-    f = forward_backward_func(2, 2 if schedule == "zbv" else 1, schedule)
+    f = forward_backward_func(2, 1 if schedule == "zb-h1" else 2, schedule)
     assert isinstance(f, functools.partial) and f.func is forward_backward_zero_bubble
     assert f.keywords == {"schedule": schedule}
 
 
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_v_schedules_imply_two_chunks_in_a_v(schedule):
+    dims = cfg_of(["--pipeline-schedule", schedule] + PP2, world=2).parallel
+    assert (dims.vp, dims.pipeline_schedule, dims.v_shape) == (2, schedule, True)
+    for r in range(2):
+        assert [dims.stage_of(r, c) for c in range(2)] == [stage_of(schedule, 2, r, c) for c in range(2)] \
+            == [r, 3 - r]
+
+
+def test_overlap_p2p_flag():
+    """Megatron-LM's spellings, off by default; setup passes it to the schedule."""
+    import inspect
+
+    from megatronish.training import initialize
+
+    assert cfg_of(world=2, extra=PP2).optim.overlap_p2p_comm is False
+    for spelling in ("--overlap-p2p-communication", "--overlap-p2p-comm"):
+        assert cfg_of([spelling] + PP2, world=2).optim.overlap_p2p_comm is True
+    assert cfg_of(["--no-overlap-p2p-communication"] + PP2, world=2).optim.overlap_p2p_comm is False
+    assert "overlap_p2p_comm=o.overlap_p2p_comm" in inspect.getsource(initialize)
+
+
 def test_zbv_implies_two_chunks_in_a_v():
     dims = cfg_of(["--pipeline-schedule", "zbv"] + PP2, world=2).parallel
-    assert (dims.vp, dims.pipeline_schedule, dims.v_shape) == (2, "zbv", True)
     assert cfg_of(["--pipeline-schedule", "zbv", "--num-virtual-stages-per-pipeline-rank", "2"] + PP2,
                   world=2).parallel == dims
     # 16 / 2 = 8 microbatches on PP 4 x DP 1 is fine; 6 would break interleaving's rule but not the V's
@@ -57,6 +79,13 @@ def test_zbv_implies_two_chunks_in_a_v():
     (["--pipeline-schedule", "zbv", "--num-virtual-stages-per-pipeline-rank", "4", "--num-layers", "8"] + PP2, 2,
      "--pipeline-schedule zbv places exactly 2 chunks on every pipeline rank (a V)"),
     (["--pipeline-schedule", "zbv", "--num-layers", "6"] + PP2, 2, "--num-layers 6 is not divisible by"),
+    (["--pipeline-schedule", "dualpipev", "--num-virtual-stages-per-pipeline-rank", "4", "--num-layers", "8"] + PP2,
+     2, "--pipeline-schedule dualpipev places exactly 2 chunks on every pipeline rank (a V)"),
+    (["--pipeline-schedule", "dualpipev", "--global-batch-size", "6", "--pipeline-model-parallel-size", "4",
+      "--num-layers", "8"], 4, "--pipeline-schedule dualpipev needs at least 2 x --pipeline-model-parallel-size = 8 "
+                               "microbatches per iteration, but --global-batch-size 6"),
+    (["--pipeline-schedule", "dualpipev", "--use-torch-fsdp2"] + PP2, 4,
+     "--pipeline-schedule dualpipev with --use-torch-fsdp2 is not supported"),
     (["--pipeline-schedule", "zb-h1", "--use-torch-fsdp2"] + PP2, 4,
      "--pipeline-schedule zb-h1 with --use-torch-fsdp2 is not supported"),
     (["--pipeline-schedule", "zbv", "--torch-compile"] + PP2, 2,
@@ -146,7 +175,8 @@ def test_generation_refuses_the_v_and_takes_zb_h1():
     from megatronish.errors import ConfigError
     from tests.unit.test_arguments import BASE
 
-    with pytest.raises(ConfigError, match=r"^--pipeline-schedule zbv: text generation"):
-        validate_args(parse_args(BASE + ["--pipeline-schedule", "zbv"] + PP2), 2, for_training=False)
+    for v_schedule in ("zbv", "dualpipev"):
+        with pytest.raises(ConfigError, match=rf"^--pipeline-schedule {v_schedule}: text generation"):
+            validate_args(parse_args(BASE + ["--pipeline-schedule", v_schedule] + PP2), 2, for_training=False)
     validate_args(parse_args(BASE + ["--pipeline-schedule", "zb-h1"] + PP2), 2, for_training=False)
     validate_args(parse_args(BASE + ["--pipeline-schedule", "zbv"] + PP2), 2)

@@ -1,6 +1,8 @@
 """Zero-bubble schedules without processes: every rank's action list is valid (each F before its B before its
 W, each stage's steps in microbatch order, sends match receives in order), a replay of all ranks runs to the
-end (no deadlock) for p in 2..8 and m in p..4p; the bubble of a unit-time replay (F = B = W = 1, 1F1B's and the
+end (no deadlock, every step after the steps whose tensors it uses) for p in 2..8 and m in p..4p (dualpipev:
+2p..4p), also with the receives posted ahead (``--overlap-p2p-communication``: each link's messages keep their
+order, the bubble does not grow); the bubble of a unit-time replay (F = B = W = 1, 1F1B's and the
 interleaved schedule's backward B = 2) for p = 4, m = 8 and 16; each rank's peak in-flight microbatches against
 the schedule's formula; and the split backward's gradients equal the unsplit backward's bitwise."""
 import functools
@@ -13,8 +15,10 @@ from megatronish.parallel.pipeline.schedules import schedule_table
 from megatronish.parallel.pipeline.zero_bubble import (
     SCHEDULES,
     Action,
+    dualpipev_order,
     num_chunks,
     peak_in_flight,
+    post_receives_early,
     schedule_actions,
     simulate,
     stage_of,
@@ -29,17 +33,42 @@ def _lists(schedule, p, m):
     return schedule_actions(schedule, p, m)
 
 
-def _replay(schedule, p, m):
+def _replay(schedule, p, m, early=False):
     lists = _lists(schedule, p, m)
-    return lists, simulate(lists, lambda r, c: stage_of(schedule, p, r, c), p * num_chunks(schedule), UNIT)
+    if early:
+        lists = [post_receives_early(actions) for actions in lists]
+    return lists, simulate(lists, lambda r, c: stage_of(schedule, p, r, c), p * num_chunks(schedule), UNIT,
+                           posted_receives=early)
+
+
+def _links(actions):
+    """Each peer's messages in the order this rank posts them."""
+    out = {}
+    for a in actions:
+        if a.op in ("SEND", "RECV"):
+            out.setdefault(a.peer, []).append(a)
+    return out
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_action_lists_valid(schedule):
     for p in range(2, 9):
         v = num_chunks(schedule)
-        for m in range(p, 4 * p + 1):
-            lists, _ = _replay(schedule, p, m)  # raises on a deadlock
+        for m in range(2 * p if schedule == "dualpipev" else p, 4 * p + 1):
+            lists, replay = _replay(schedule, p, m)  # raises on a deadlock
+            if p <= 5:  # the receives posted ahead
+                early, early_replay = _replay(schedule, p, m, early=True)
+                assert early_replay["makespan"] <= replay["makespan"], (schedule, p, m)
+                moved = 0
+                for plain, ahead in zip(lists, early):
+                    assert _links(plain) == _links(ahead) and len(plain) == len(ahead)
+                    moved += sum(x != y for x, y in zip(plain, ahead))
+                    ran = set()  # a receive comes before the step that uses it
+                    for a in ahead:
+                        if a.op == "RECV":
+                            assert ("F" if a.kind == "activation" else "B", a.microbatch, a.chunk) not in ran
+                        ran.add((a.op, a.microbatch, a.chunk))
+                assert moved > 0
             sends, recvs = {}, {}
             for r, actions in enumerate(lists):
                 seen = set()
@@ -70,26 +99,37 @@ def test_bubble_unit_time():
         assert one_f_one_b == pytest.approx((p - 1) / m, rel=0.1)
         assert interleaved == pytest.approx((p - 1) / (2 * m), rel=0.1)
         h1 = _replay("zb-h1", p, m)[1]["bubble"]
-        zbv = _replay("zbv", p, m)[1]["bubble"]
         assert h1 <= 0.4 * one_f_one_b and h1 == pytest.approx((p - 1) / (3 * m), rel=1e-9)
-        assert zbv == pytest.approx((p - 1) / (6 * m), rel=1e-9)  # a sixth of 1F1B's
+        # The V's least possible bubble: rank r's first input arrives after r half-stage forwards and every rank
+        # has 6m half-stage steps, so the window is at least 6m + p - 1 (a sixth of 1F1B's); both V schedules
+        # reach it.
+        for schedule in ("zbv", "dualpipev"):
+            replay = _replay(schedule, p, m)[1]
+            assert replay["makespan"] == 6 * m + p - 1, schedule
+            assert replay["bubble"] == pytest.approx((p - 1) / (6 * m), rel=1e-9)
 
 
 def test_peak_in_flight():
     """ZB-H1: between F and B at most p - r (1F1B's), between F and W min(m, 2p - 1 - r). ZBV (chunk-
-    microbatches, half a stage each): at most 2p between F and B, 3p - 1 between F and W, reached on rank 0."""
+    microbatches, half a stage each): at most 2p between F and W, reached on rank 0. DualPipeV: 2p + 1."""
     for p in range(2, 9):
         for m in range(p, 4 * p + 1):
             for r, actions in enumerate(_lists("zb-h1", p, m)):
                 assert peak_in_flight([a for a in actions if a.op != "W"]) == min(m, p - r)
                 assert peak_in_flight(actions) == min(m, 2 * p - 1 - r)
             lists = _lists("zbv", p, m)
-            for actions in lists:
+            for actions in lists:  # W right after B in the steady state: the same peak until W as until B
                 assert peak_in_flight([a for a in actions if a.op != "W"]) <= 2 * p
-                assert peak_in_flight(actions) <= 3 * p - 1
+                assert peak_in_flight(actions) <= 2 * p
             if m >= 2 * p:
-                assert peak_in_flight([a for a in lists[0] if a.op != "W"]) == 2 * p
-                assert peak_in_flight(lists[0]) == 3 * p - 1
+                assert peak_in_flight(lists[0]) == 2 * p
+                # DualPipeV: 2(p-r-1) + 2(r+1) = 2p forwards before the first backward, one more before a W
+                assert all(peak_in_flight(a) == 2 * p + 1 for a in _lists("dualpipev", p, m))
+
+
+def test_dualpipev_needs_2p_microbatches():
+    with pytest.raises(ValueError, match="at least 2p = 8 microbatches, got 7"):
+        dualpipev_order(4, 7)
 
 
 def _mlp():

@@ -12,6 +12,14 @@ because (a) activations use tag 0 and gradients tag 1 (gloo matches on tags), an
 ops in one fixed order — send activation, send gradient, recv activation, recv gradient — so the i-th send
 to a peer meets that peer's i-th receive from us even where tags are ignored (NCCL).
 
+``overlap`` (``--overlap-p2p-communication``, Megatron's ``overlap_p2p_comm``): each exchange is still posted
+as one batch (both directions together, which keeps NCCL's matching safe), but not waited for; a received
+tensor comes back as a :class:`Pending`, which the schedule waits for (:func:`arrived`) just before the step that
+uses it, and the sends are waited for at the end of the schedule (:meth:`P2PCommunicator.wait_sends`). The
+interleaved schedule then posts the forward half of each steady-state exchange before its backward, so the next
+activation travels while the backward computes. The timeline shows each wait as a ``wait_activation`` /
+``wait_gradient`` span on the p2p row.
+
 Two kinds of methods:
 
 - ``recv_forward``, ``recv_backward``, ``send_forward``, ``send_backward``, ``send_forward_recv_backward``,
@@ -30,9 +38,35 @@ import torch
 from .. import comm_log as comm
 from .timeline import span
 
-__all__ = ["P2PCommunicator"]
+__all__ = ["P2PCommunicator", "Pending", "arrived"]
 
 _TAG_ACTIVATION, _TAG_GRADIENT = 0, 1
+
+
+class Pending:
+    """A posted receive: :meth:`wait` returns the tensor (an activation then requires grad)."""
+
+    def __init__(self, buffer: torch.Tensor, requests, kind: str, timeline=None):
+        self.buffer, self.requests, self.kind, self.timeline = buffer, list(requests), kind, timeline
+
+    def wait(self) -> torch.Tensor:
+        if self.requests:
+            with span(self.timeline, f"wait_{self.kind}", "comm"):
+                for req in self.requests:
+                    req.wait()
+            self.requests = []
+            if self.kind == "activation":
+                self.buffer.requires_grad_(True)
+        return self.buffer
+
+
+def _as_list(x) -> list:
+    return list(x) if isinstance(x, list) else [x]
+
+
+def arrived(x):
+    """``x`` itself, or the tensor of a :class:`Pending` receive once it has arrived."""
+    return x.wait() if isinstance(x, Pending) else x
 
 
 class P2PCommunicator:
@@ -42,7 +76,8 @@ class P2PCommunicator:
     ``timeline``: an optional :class:`~megatronish.parallel.pipeline.timeline.PipelineTimeline`.
     """
 
-    def __init__(self, tensor_shape, dtype=torch.float32, device=None, *, parallel, timeline=None):
+    def __init__(self, tensor_shape, dtype=torch.float32, device=None, *, parallel, timeline=None,
+                 overlap: bool = False):
         self.tensor_shape = tuple(int(d) for d in tensor_shape)
         if len(self.tensor_shape) != 3:
             raise ValueError(f"pipeline tensors are [s, b, h]; got shape {self.tensor_shape}")
@@ -56,6 +91,7 @@ class P2PCommunicator:
         self.pp_rank, self.pp_size = parallel.pp_rank, parallel.pp_size
         self.next_rank, self.prev_rank = parallel.next_pp_rank, parallel.prev_pp_rank
         self.timeline = timeline
+        self.overlap, self._sends = overlap, []  # overlap: receives come back Pending, sends waited at the end
         self._ensure_ready(parallel.p2p_ready)
 
     @property
@@ -102,6 +138,20 @@ class P2PCommunicator:
         if recv_next:
             from_next = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device)
             ops.append(comm.P2POp(comm.IRECV, from_next, self.next_rank, self.group, _TAG_GRADIENT))
+        if ops and self.overlap:
+            with span(self.timeline, name, "comm"):
+                reqs = comm.batch_isend_irecv(ops)
+            sends = len(ops) - (from_prev is not None) - (from_next is not None)
+            self._sends += reqs[:sends]
+            mine = iter(reqs[sends:])
+            if len(reqs) != len(ops):  # NCCL coalesces a batch into one request: the receives wait for it
+                self._sends += reqs
+                mine = iter([reqs] * 2)
+            if from_prev is not None:
+                from_prev = Pending(from_prev, _as_list(next(mine)), "activation", self.timeline)
+            if from_next is not None:
+                from_next = Pending(from_next, _as_list(next(mine)), "gradient", self.timeline)
+            return from_prev, from_next
         if ops:
             with span(self.timeline, name, "comm"):
                 for req in comm.batch_isend_irecv(ops):
@@ -109,6 +159,13 @@ class P2PCommunicator:
         if from_prev is not None:
             from_prev.requires_grad_(True)  # the next chunk's input: backward leaves its gradient in .grad
         return from_prev, from_next
+
+    def wait_sends(self) -> None:
+        """Wait for the sends still in flight (``overlap``)."""
+        with span(self.timeline, "wait_sends", "comm") if self._sends else span(None, ""):
+            for req in self._sends:
+                req.wait()
+        self._sends = []
 
     # ---- 1F1B (pipeline ends skipped) --------------------------------------------------------------------
     def recv_forward(self):

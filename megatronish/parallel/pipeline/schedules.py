@@ -36,6 +36,7 @@ from collections import deque
 import torch
 
 from ..dims import DegreeError
+from .p2p import arrived
 from .timeline import span
 
 __all__ = [
@@ -235,11 +236,13 @@ def _interleaved_1f1b(run, p2p, num_microbatches: int, v: int, forward_only: boo
             inputs[next_c].append(x)
         run.deallocate(y)
 
-    # ---- steady state: forward of virtual microbatch k + warm-up, backward of k, one exchange for both.
+    # ---- steady state: forward of virtual microbatch k + warm-up, backward of k, one exchange for both
+    # (overlapped: the forward half is posted before the backward runs, the backward half after it).
+    overlap = getattr(p2p, "overlap", False)
     for k in range(num_steady):
         fk = k + num_warmup
         y = forward(fk)
-        dx = backward(k)
+        dx = None if overlap else backward(k)
         # Which chunk the next received activation belongs to. The first rank is p-1 virtual microbatches
         # ahead of the last, so what arrives now is the last rank's output of virtual forward fk-(p-1)
         # (none if that was the last chunk: the loss is not sent).
@@ -260,8 +263,13 @@ def _interleaved_1f1b(run, p2p, num_microbatches: int, v: int, forward_only: boo
             next_bc = backward_chunk_id(k + 1, p, v)
         if k == num_steady - 1:
             recv_prev = False  # every forward has run
-        x, dy = p2p.send_forward_backward_recv_forward_backward(y, dx, recv_prev, recv_next)
-        run.deallocate(y)
+        if overlap:
+            x = p2p.send_forward_recv_forward(y, recv_prev)
+            run.deallocate(y)
+            dy = p2p.send_backward_recv_backward(backward(k), recv_next)
+        else:
+            x, dy = p2p.send_forward_backward_recv_forward_backward(y, dx, recv_prev, recv_next)
+            run.deallocate(y)
         if recv_prev:
             inputs[next_fc].append(x)
         if recv_next:
@@ -324,6 +332,7 @@ class _Runner:
                     stack.enter_context(chunk.no_sync())
 
     def forward(self, mb: int, c: int, x):
+        x = arrived(x)  # a receive posted ahead (--overlap-p2p-communication) is waited for here
         chunk = self.chunks[c]
         if hasattr(chunk, "set_input_tensor"):
             chunk.set_input_tensor(x)
@@ -339,6 +348,7 @@ class _Runner:
         return to_send
 
     def backward(self, mb: int, c: int, dy):
+        dy = arrived(dy)
         stored_mb, x, y = self.in_flight[c].popleft()
         if stored_mb != mb:
             raise RuntimeError(f"pipeline schedule error: chunk {c} backward of microbatch {mb} but the oldest "
@@ -383,7 +393,7 @@ def _device_of(chunks):
     return None
 
 
-def _communicator(p2p, tensor_shape, dtype, chunks, timeline, parallel):
+def _communicator(p2p, tensor_shape, dtype, chunks, timeline, parallel, overlap=False):
     if p2p is not None:
         return p2p
     if tensor_shape is None or parallel is None:
@@ -392,14 +402,16 @@ def _communicator(p2p, tensor_shape, dtype, chunks, timeline, parallel):
                          "ParallelContext, or a p2p communicator")
     from .p2p import P2PCommunicator
 
-    return P2PCommunicator(tensor_shape, dtype, _device_of(chunks), parallel=parallel, timeline=timeline)
+    return P2PCommunicator(tensor_shape, dtype, _device_of(chunks), parallel=parallel, timeline=timeline,
+                           overlap=overlap)
 
 
 def forward_backward_pipelining_without_interleaving(
         forward_step, data_iterator, model, num_microbatches: int, forward_only: bool = False, *,
         tensor_shape=None, dtype=torch.float32, timeline=None, p2p=None, grad_scale_func=None,
-        parallel=None, per_token_loss: bool = False) -> list[dict]:
-    """1F1B over this rank's one chunk (``model``: a module or a one-element list).
+        parallel=None, per_token_loss: bool = False, overlap_p2p_comm: bool = False) -> list[dict]:
+    """1F1B over this rank's one chunk (``model``: a module or a one-element list). ``overlap_p2p_comm`` is
+    accepted and ignored, as in Megatron-LM (1F1B waits for each exchange).
 
     ``tensor_shape``: ``(s [/t under SP], b, h)`` of the tensors between stages; ``dtype`` their dtype;
     ``timeline``: optional :class:`~megatronish.parallel.pipeline.timeline.PipelineTimeline`; ``parallel``: the
@@ -421,18 +433,21 @@ def forward_backward_pipelining_without_interleaving(
 def forward_backward_pipelining_with_interleaving(
         forward_step, data_iterator, model, num_microbatches: int, forward_only: bool = False, *,
         tensor_shape=None, dtype=torch.float32, timeline=None, p2p=None, grad_scale_func=None,
-        parallel=None, per_token_loss: bool = False) -> list[dict]:
+        parallel=None, per_token_loss: bool = False, overlap_p2p_comm: bool = False) -> list[dict]:
     """Interleaved 1F1B over this rank's ``v`` chunks (``model``: list of chunks, ``data_iterator``: list of one
     iterator per chunk; each chunk reads microbatches 0..M-1 in order). ``num_microbatches`` must be a
-    multiple of the pipeline size. Other arguments as the non-interleaved schedule."""
+    multiple of the pipeline size. ``overlap_p2p_comm``: receives posted ahead, waited for when used
+    (:class:`~.p2p.P2PCommunicator`'s ``overlap``). Other arguments as the non-interleaved schedule."""
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     data = _as_list(data_iterator, len(chunks), "data_iterator")
-    comm = _communicator(p2p, tensor_shape, dtype, chunks, timeline, parallel)
+    comm = _communicator(p2p, tensor_shape, dtype, chunks, timeline, parallel, overlap_p2p_comm)
     check_interleaving(comm.pp_size, len(chunks), num_microbatches)
     run = _Runner(forward_step, data, chunks, num_microbatches, forward_only, comm.is_last_stage, timeline,
                   grad_scale_func, per_token_loss)
     try:
         _interleaved_1f1b(run, comm, num_microbatches, len(chunks), forward_only)
+        if getattr(comm, "overlap", False):
+            comm.wait_sends()
     finally:
         run.close()
     return run.stats

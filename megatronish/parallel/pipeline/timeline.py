@@ -9,7 +9,9 @@ and costs one ``is None`` test per step. Each event is a dict::
 Times are wall-clock seconds (``time.time_ns``), so ranks on one host (and NTP-synced hosts) share an axis.
 :func:`gather_timeline` collects every rank's events on rank 0; :func:`write_chrome_trace` writes them as
 Chrome trace JSON (one process row per rank, compute and comm on two thread rows), which Perfetto
-(https://ui.perfetto.dev) and ``chrome://tracing`` open; ``tools/plot_timeline.py`` draws it as a PNG.
+(https://ui.perfetto.dev) and ``chrome://tracing`` open; ``tools/plot_timeline.py`` draws it as a PNG and
+:func:`ascii_timeline` as text (one row per rank). Waits for receives posted ahead
+(``--overlap-p2p-communication``) are ``wait_activation`` / ``wait_gradient`` spans in the ``comm`` category.
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ import contextlib
 import json
 import time
 
-__all__ = ["PipelineTimeline", "gather_timeline", "write_chrome_trace", "read_chrome_trace", "bubble_fraction"]
+__all__ = ["PipelineTimeline", "gather_timeline", "write_chrome_trace", "read_chrome_trace", "bubble_fraction",
+           "ascii_timeline"]
 
 
 class PipelineTimeline:
@@ -141,3 +144,27 @@ def bubble_fraction(events: list[dict]) -> dict:
     mean_idle = window - mean_busy
     return {"bubble": mean_idle / mean_busy, "idle_of_total": mean_idle / window, "window": window,
             "per_rank": per_rank}
+
+
+def ascii_timeline(events: list[dict], columns: int = 96) -> str:
+    """The compute spans of all ranks as text, one row per rank over ``columns`` equal time slots from the first
+    compute start to the last end: ``F``/``B``/``W`` for chunk 0 (or a single chunk), ``f``/``b``/``w`` for the
+    other chunks, ``.`` idle. A slot shows the step that covers most of it."""
+    compute = [e for e in events if e["cat"] == "compute"]
+    if not compute:
+        return ""
+    start, end = min(e["start"] for e in compute), max(e["end"] for e in compute)
+    slot = (end - start) / columns or 1.0
+    rows = {}
+    for r in sorted({e["rank"] for e in compute}):
+        cover = [(0.0, ".")] * columns  # (covered time, letter) per slot
+        for e in (e for e in compute if e["rank"] == r):
+            letter = e["name"][0].upper() if not e["chunk"] else e["name"][0].lower()
+            first, last = int((e["start"] - start) / slot), min(int((e["end"] - start) / slot), columns - 1)
+            for i in range(first, last + 1):
+                lo, hi = start + i * slot, start + (i + 1) * slot
+                covered = min(hi, e["end"]) - max(lo, e["start"])
+                if covered > cover[i][0]:
+                    cover[i] = (covered, letter)
+        rows[r] = "".join(letter if covered >= slot / 2 else "." for covered, letter in cover)
+    return "\n".join(f"rank {r} |{row}|" for r, row in rows.items())

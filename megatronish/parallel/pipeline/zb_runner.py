@@ -1,12 +1,14 @@
 """Running a zero-bubble action list (:mod:`.zero_bubble`) with the split backward (:mod:`..weight_grad`).
 
-Each rank walks its list in order: ``F`` runs the chunk's forward (:class:`~.schedules._Runner`), ``B`` the
-input half of its backward, ``W`` the weight half; ``SEND`` posts an asynchronous send of the tensor the step
-before produced (a sent activation's storage is then freed, as in 1F1B); ``RECV`` posts an asynchronous
-receive, waited for by the step that uses it. Only those waits block, and the lists come from a feasible
-schedule (every rank receives in its peer's send order), so no rank waits forever. The hand-over between the
-two legs of ``zbv`` on rank ``p-1`` stays local. Data-parallel reduction stays off until each chunk's last
-``W``, whose hooks then reduce the gradients.
+Each rank walks its list in order: ``F`` runs the chunk's forward (:class:`~.schedules._Runner`), ``B`` the input
+half of its backward, ``W`` the weight half; ``SEND`` posts an asynchronous send of the tensor the step before
+produced (a sent activation's storage is then freed, as in 1F1B); ``RECV`` posts an asynchronous receive, waited for
+by the step that uses it (a ``wait_activation`` / ``wait_gradient`` span on the timeline's p2p row). With
+``overlap_p2p_comm`` every receive is posted one compute step earlier (:func:`.zero_bubble.post_receives_early`), so
+it travels while that step runs. Only those waits block, and the lists come from a feasible schedule (every rank
+receives in its peer's send order), so no rank waits forever. The hand-over between the two legs of the V (``zbv``,
+``dualpipev``) on rank ``p-1`` stays local. Data-parallel reduction stays off until each chunk's last ``W``, whose
+hooks then reduce the gradients.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import torch
 from ..weight_grad import WeightGradStore, attached, backward_input, backward_weight
 from .schedules import _as_list, _communicator, _Runner, _scaled
 from .timeline import span
-from .zero_bubble import num_chunks, place, schedule_actions, stage_of
+from .zero_bubble import num_chunks, place, post_receives_early, schedule_actions, stage_of
 
 __all__ = ["forward_backward_zero_bubble"]
 
@@ -67,7 +69,8 @@ def _execute(actions, run: _SplitRunner, comm, schedule: str, p: int, r: int) ->
         got = inbox.pop((kind, mb, c))
         if isinstance(got, tuple):
             buf, req = got
-            req.wait()
+            with span(run.timeline, f"wait_{kind}", "comm", microbatch=mb, chunk=c):
+                req.wait()
             return buf.requires_grad_(True) if kind == "activation" else buf
         return got
 
@@ -108,9 +111,11 @@ def _execute(actions, run: _SplitRunner, comm, schedule: str, p: int, r: int) ->
 def forward_backward_zero_bubble(
         forward_step, data_iterator, model, num_microbatches: int, forward_only: bool = False, *,
         schedule: str = "zb-h1", tensor_shape=None, dtype=torch.float32, timeline=None, p2p=None,
-        grad_scale_func=None, parallel=None, per_token_loss: bool = False) -> list[dict]:
-    """A zero-bubble schedule (``zb-h1``: one chunk; ``zbv``: two chunks in a V) over this rank's chunks.
-    ``forward_only`` runs the forwards in the same order. Other arguments as the 1F1B schedule."""
+        grad_scale_func=None, parallel=None, per_token_loss: bool = False,
+        overlap_p2p_comm: bool = False) -> list[dict]:
+    """A zero-bubble schedule (``zb-h1``: one chunk; ``zbv``, ``dualpipev``: two chunks in a V) over this rank's
+    chunks. ``forward_only`` runs the forwards in the same order; ``overlap_p2p_comm`` posts each receive one
+    compute step ahead. Other arguments as the 1F1B schedule."""
     v = num_chunks(schedule)
     chunks = _as_list(model, v, "model")
     data = _as_list(data_iterator, v, "data_iterator")
@@ -123,6 +128,8 @@ def forward_backward_zero_bubble(
     actions = schedule_actions(schedule, p, num_microbatches)[r]
     if forward_only:
         actions = [a for a in actions if a.op == "F" or (a.op in ("SEND", "RECV") and a.kind == "activation")]
+    if overlap_p2p_comm:
+        actions = post_receives_early(actions)
     try:
         with attached(chunks, None if forward_only else store):
             _execute(actions, run, comm, schedule, p, r)
