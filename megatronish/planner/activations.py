@@ -17,10 +17,19 @@ expert FFN size does, plus about ``3h`` bytes for the permutation (the permuted 
 output; measured on the saved-tensor hooks). Full recompute keeps each recomputed block's
 input and, during the backward, one block's full activations. Activations are in the parameters' dtype (fp32
 models: twice the 16-bit bytes).
+
+The zero-bubble schedules (``zb-h1``, ``zbv``, ``dualpipev``) split each backward into ``B`` and ``W``: after a
+chunk-microbatch's ``B`` its activations are freed except what its deferred weight GEMMs need, the input ``X`` and
+output gradient ``dY`` of every tensor-parallel linear (:func:`deferred_weight_bytes`: QKV, projection, FC1, FC2,
+the output layer on the loss stage; MLA's up-projections), held until its ``W``. The peak is found by walking the
+rank's action list (``parallel/pipeline/zero_bubble.build_compute_order``): ``F`` adds a chunk-microbatch's
+activations, ``B`` trades them for its deferred bytes, ``W`` frees those; the largest sum is the stage's peak,
+``StageActivations.deferred`` the deferred part of it.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from ..model.moe.layer import is_moe_layer
@@ -37,11 +46,12 @@ class StageActivations:
     output: float
     in_flight: int
     recompute: float = 0.0  # full recompute: one block's activations, rebuilt during the backward
+    deferred: float = 0.0  # zero-bubble schedules: deferred W's linear inputs and output gradients at the peak
 
     @property
     def total(self) -> float:
         """The peak: the recomputed block comes after the last stage's loss activations are freed."""
-        return self.layers + self.embedding + max(self.output, self.recompute)
+        return self.layers + self.embedding + max(self.output, self.recompute) + self.deferred
 
 
 def in_flight(p: int, v: int, r: int, m: int, schedule: str | None = None) -> int:
@@ -57,6 +67,60 @@ def in_flight(p: int, v: int, r: int, m: int, schedule: str | None = None) -> in
     if v == 1:
         return min(m, p - r)
     return min(m * v, 2 * (p - r - 1) + (v - 1) * p + 1)
+
+
+def deferred_weight_bytes(cfg, layers, *, loss_stage: bool = False) -> float:
+    """Bytes one microbatch of a chunk holds from its ``B`` to its ``W`` under a split backward: for each linear
+    whose weight GEMM is deferred, its input ``X`` and output gradient ``dY`` (``dW = dY^T X``), in the parameters'
+    dtype. Per token of a dense layer: QKV ``h`` (the gathered input under SP) and ``(h + 2 kv) / t``; projection
+    ``h_attn / t`` and ``h``; FC1 ``h`` and ``f' / t`` (``f' = 2f`` with SwiGLU); FC2 ``f / t`` and ``h``. MLA
+    replaces QKV by its query projection (or up-projection from the query latent) and its key/value up-projection
+    (the down-projections are replicated and not deferred). ``loss_stage``: the output layer, ``h`` and ``V / t``,
+    and each MTP depth's projection (``2h``, ``h / t``), layer and output layer. A mixture-of-experts layer's
+    routed experts are not deferred (and the split backward refuses MoE)."""
+    m, par = cfg.model, cfg.parallel
+    s, b, h, t = m.seq_length // par.cp, cfg.train.micro_batch_size, m.hidden_size, par.tp
+    at = m.attention
+    if at.multi_latent_attention:
+        a, dq = m.num_attention_heads, at.qk_head_dim + at.qk_pos_emb_head_dim
+        q_in = at.q_lora_rank if at.q_lora_rank is not None else h
+        attn = q_in + a * dq / t + at.kv_lora_rank + a * (at.qk_head_dim + at.v_head_dim) / t
+        attn += a * at.v_head_dim / t + h
+    else:
+        kv, h_attn = m.num_query_groups * m.kv_channels, m.num_attention_heads * m.kv_channels
+        attn = h + (h_attn + 2 * kv) / t + h_attn / t + h
+    f = m.ffn_hidden_size
+    mlp = h + f * (2 if m.swiglu else 1) / t + f / t + h
+    per_token = sum(attn + (0.0 if is_moe_layer(m, i) else mlp) for i in layers)
+    if loss_stage:
+        vocab = m.padded_vocab_size(t) / t
+        per_token += h + vocab + (m.mtp_num_layers or 0) * (2 * h + h / t + attn + mlp + h + vocab)
+    return per_token * s * b * cfg.optim.params_dtype.itemsize
+
+
+@functools.lru_cache(maxsize=64)
+def _compute_orders(schedule: str, p: int, m: int) -> tuple:
+    """Each rank's ``(op, chunk)`` steps of a zero-bubble schedule (cached: the planner asks for every stage)."""
+    from ..parallel.pipeline.zero_bubble import build_compute_order
+
+    return tuple(tuple((a.op, a.chunk) for a in order) for order in build_compute_order(schedule, p, m))
+
+
+def split_backward_peak(steps, held: list[float], deferred: list[float]) -> tuple[list[int], list[int], int]:
+    """Walk one rank's ``(op, chunk)`` steps: ``F`` holds ``held[c]`` bytes, ``B`` trades them for
+    ``deferred[c]``, ``W`` frees those. Returns the chunk-microbatches per chunk between ``F`` and ``B`` and between
+    ``B`` and ``W`` when the sum is largest (the first such moment), and the most ever between ``F`` and ``B``."""
+    v = len(held)
+    fb, bw = [0] * v, [0] * v
+    best, at, most = -1.0, ([0] * v, [0] * v), 0
+    for op, c in steps:
+        fb[c] += (op == "F") - (op == "B")
+        bw[c] += (op == "B") - (op == "W")
+        total = sum(n * x for n, x in zip(fb, held)) + sum(n * x for n, x in zip(bw, deferred))
+        if total > best:
+            best, at = total, (list(fb), list(bw))
+        most = max(most, sum(fb))
+    return at[0], at[1], most
 
 
 def _attention_sizes(m) -> tuple[float, float, float, float]:
@@ -143,9 +207,11 @@ def stage_activations(cfg, pp_rank: int = 0, *, cpu: bool = False) -> StageActiv
     rec = m.recompute
     flight = in_flight(p, v, pp_rank, cfg.num_microbatches, par.pipeline_schedule)
     per_chunk = 0.0
+    chunk_bytes = []  # each chunk's layers, one microbatch
     peak_extra = 0.0
     for c in range(v):
         layers = list(par.layer_range(m.num_layers, pp_rank, c))
+        before = per_chunk
         full = [_layer(cfg, moe=is_moe_layer(m, i), cpu=cpu, recompute=None) for i in layers]
         if rec.recompute_granularity == "full":
             k = rec.recompute_num_layers or 1
@@ -161,11 +227,13 @@ def stage_activations(cfg, pp_rank: int = 0, *, cpu: bool = False) -> StageActiv
         else:
             per_chunk += sum(_layer(cfg, moe=is_moe_layer(m, i), cpu=cpu, recompute=rec.recompute_granularity)
                              for i in layers)
+        chunk_bytes.append(per_chunk - before)
     per_chunk /= v
     embedding = output = 0.0
+    sbh = s * b * h / (t if cfg.sequence_parallel else 1)
+    one_embedding = 8 * s * b + (sbh * (2 if cpu else 1) * scale if m.hidden_dropout else 0)
     if pp_rank == 0:
-        sbh = s * b * h / (t if cfg.sequence_parallel else 1)
-        embedding = flight * (8 * s * b + (sbh * (2 if cpu else 1) * scale if m.hidden_dropout else 0))
+        embedding = flight * one_embedding
     if pp_rank == par.loss_pp_rank:
         vocab = m.padded_vocab_size(t) / t
         norm = 2 * s * b * h * scale  # the final norm's input (on CPU an RMSNorm keeps fp32 copies)
@@ -173,7 +241,34 @@ def stage_activations(cfg, pp_rank: int = 0, *, cpu: bool = False) -> StageActiv
             norm = 8 * s * b * h + 4 * s * b
         output = norm + 2 * s * b * h * scale + 4 * s * b * vocab  # + the output layer's input, fp32 softmax
         output += (m.mtp_num_layers or 0) * _mtp_depth(cfg, cpu=cpu, norm=norm, vocab=vocab)
+    if _split_backward(par.pipeline_schedule):
+        return _split_backward_stage(cfg, pp_rank, chunk_bytes, one_embedding, output, peak_extra)
     return StageActivations(per_chunk * flight, embedding, output, flight, peak_extra)
+
+
+def _split_backward(schedule: str | None) -> bool:
+    from ..parallel.pipeline.zero_bubble import SCHEDULES
+
+    return schedule in SCHEDULES
+
+
+def _split_backward_stage(cfg, pp_rank: int, chunk_bytes: list[float], one_embedding: float, output: float,
+                          recompute: float) -> StageActivations:
+    """A zero-bubble schedule's stage: the peak of its action list's walk (module docstring), each chunk holding
+    its own layers, the embedding on stage 0 and the output layer and loss on the last stage."""
+    m, par = cfg.model, cfg.parallel
+    v, last = len(chunk_bytes), par.pp * par.vp - 1
+    stages = [par.stage_of(pp_rank, c) for c in range(v)]
+    emb = [one_embedding if st == 0 else 0.0 for st in stages]
+    out = [output if st == last else 0.0 for st in stages]
+    deferred = [deferred_weight_bytes(cfg, par.layer_range(m.num_layers, pp_rank, c), loss_stage=st == last)
+                for c, st in enumerate(stages)]
+    held = [x + e + o for x, e, o in zip(chunk_bytes, emb, out)]
+    steps = _compute_orders(par.pipeline_schedule, par.pp, cfg.num_microbatches)[pp_rank]
+    fb, bw, most = split_backward_peak(steps, held, deferred)
+    return StageActivations(sum(n * x for n, x in zip(fb, chunk_bytes)), sum(n * e for n, e in zip(fb, emb)),
+                            sum(n * o for n, o in zip(fb, out)), most, recompute,
+                            sum(n * d for n, d in zip(bw, deferred)))
 
 
 def _mtp_depth(cfg, *, cpu: bool, norm: float, vocab: float) -> float:
@@ -191,4 +286,4 @@ def _mtp_depth(cfg, *, cpu: bool, norm: float, vocab: float) -> float:
     return layer + 3 * norm + 4 * s * b * h * scale + 2 * s * b * h * scale + 4 * s * b * vocab
 
 
-__all__ = ["StageActivations", "stage_activations", "in_flight"]
+__all__ = ["StageActivations", "stage_activations", "in_flight", "deferred_weight_bytes", "split_backward_peak"]

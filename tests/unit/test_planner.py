@@ -152,3 +152,33 @@ def test_mla_and_mtp_in_the_flops():
     assert attention_core_flops(m, B) == 6.0 * B * s * s * a * (16 + 8 + 12) * (4 + 2)
     plan = make_plan(cfg, load_hardware("H100-SXM"))
     assert plan["time"]["flops_per_step"] == num_floating_point_operations(m, cfg.train.global_batch_size)
+
+
+def test_deferred_weight_gradients_in_the_zero_bubble_peak():
+    """Between a chunk-microbatch's B and its W the split backward keeps each tensor-parallel linear's input and
+    output gradient (per token and layer: QKV h and (h + 2kv)/t, projection h/t and h, FC1 h and 2f/t with SwiGLU,
+    FC2 f/t and h; the loss stage's output layer h and V/t); the zero-bubble peak walks the action list: zb-h1 at
+    PP 2 and 4 microbatches (rank 0 ``F0 F1 B0 F2``, rank 1 ``F0 B0 F1``) peaks at 1F1B's activations plus one
+    microbatch's deferred bytes."""
+    from megatronish.arguments import build_parser, configs_from_args
+    from megatronish.planner.activations import deferred_weight_bytes, split_backward_peak, stage_activations
+
+    flags = BASE + ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--swiglu",
+                    "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "96",
+                    "--global-batch-size", "4"]
+    zb = configs_from_args(build_parser().parse_args(flags + ["--pipeline-schedule", "zb-h1"]), 4)
+    one = configs_from_args(build_parser().parse_args(flags), 4)
+    s, b, h, t, kv, f, vocab = 32, 1, 64, 2, 2 * 16, 96, zb.model.padded_vocab_size(2)
+    layer = s * b * (h + (h + 2 * kv) / t + h / t + h + h + 2 * f / t + f / t + h) * 2  # bf16
+    assert deferred_weight_bytes(zb, range(2)) == 2 * layer
+    assert deferred_weight_bytes(zb, range(2), loss_stage=True) == 2 * layer + s * b * (h + vocab / t) * 2
+    for rank in (0, 1):
+        split, plain = stage_activations(zb, rank), stage_activations(one, rank)
+        assert split.deferred == deferred_weight_bytes(zb, range(2 * rank, 2 * rank + 2), loss_stage=rank == 1)
+        assert (split.layers, split.embedding, split.output, split.in_flight) == \
+            (plain.layers, plain.embedding, plain.output, plain.in_flight)
+        assert split.total == pytest.approx(plain.total + split.deferred, rel=1e-12)
+    # the walk: F F B F W with 10 bytes held per forward and 4 kept for W peaks at two forwards and one W waiting
+    assert split_backward_peak([("F", 0), ("F", 0), ("B", 0), ("F", 0), ("W", 0)], [10.0], [4.0]) == ([2], [1], 2)
+    # with more deferred than held (not a real stage) the peak is the moment of the most waiting W
+    assert split_backward_peak([("F", 0), ("B", 0), ("F", 0), ("B", 0), ("W", 0)], [1.0], [5.0]) == ([0], [2], 1)
