@@ -1,18 +1,25 @@
-"""Pipeline bubble, measured beside Megatron's formula ``(p-1)/(v*m)``.
+"""Pipeline bubble of every schedule, measured from the timeline beside its formula and its unit-time replay.
 
-A synthetic pipeline on forked gloo ranks runs the real schedules and p2p: every stage's forward sleeps
-``tf/v`` and its backward ``tb/v`` per microbatch (the same per-rank work for any v, as when a model's
-layers are split into v chunks), so the cost is uniform and CPU contention does not blur it. Each rank
-records its compute spans with :class:`PipelineTimeline`; the bubble is mean idle / mean busy over the
-iteration window (the quantity the formula describes). Prints one line per configuration.
+A synthetic pipeline on forked gloo ranks runs the real schedules and p2p (``--pipeline-schedule`` 1f1b,
+interleaved-1f1b with 2 chunks, zb-h1, zbv, dualpipev). Every stage costs the same: per microbatch and rank a
+forward sleeps ``t``, the input-gradient half of the backward (``B``) ``t`` and the weight-gradient half (``W``)
+``t``, each split over the rank's chunks; 1F1B and interleaved run ``B`` and ``W`` as one backward of ``2t``.
+The stage sleeps instead of computing: on a shared, loaded CPU, processes that compute slow each other down and
+blur the schedule, while sleeping ranks keep the cost exact. Each rank records its compute spans with
+:class:`PipelineTimeline`; the bubble is mean idle / mean busy over the iteration window (the least over the
+iterations: other load on the machine only adds idle time), from the first compute
+start to the last compute end over all ranks (the quantity Megatron's ``(p-1)/(v*m)`` describes). Beside it: the
+same schedule replayed in unit time without processes (zero-latency messages) and the formula. Also with the
+receives posted ahead (``--overlap-p2p-communication``).
 
-    python benchmarks/bench_pipeline_bubble.py [--tf-ms 20 --tb-ms 40 --iters 3 --trace-dir DIR]
+    python benchmarks/bench_pipeline_bubble.py [--p 4 --m 8 16 --t-ms 20 --iters 3 --ascii-dir DIR]
+
+One warm-up iteration runs before the measured ones.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 
 import torch
@@ -21,70 +28,92 @@ from torch import nn
 
 from megatronish.parallel import groups
 from megatronish.parallel.dims import ParallelDims
-from megatronish.parallel.pipeline.schedules import get_forward_backward_func, schedule_trace
+from megatronish.parallel.pipeline.choose import forward_backward_func
+from megatronish.parallel.pipeline.schedules import schedule_trace
 from megatronish.parallel.pipeline.timeline import (
     PipelineTimeline,
+    ascii_timeline,
     bubble_fraction,
     gather_timeline,
-    write_chrome_trace,
 )
+from megatronish.parallel.pipeline.zero_bubble import num_chunks, schedule_actions, simulate, stage_of
 from megatronish.testing import run_distributed
 
 SHAPE = (4, 1, 8)  # [s, b, h] passed between stages
+SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev")
+CHUNKS = {"1f1b": 1, "interleaved-1f1b": 2, "zb-h1": 1, "zbv": 2, "dualpipev": 2}
+# bubble / ideal with F = B = W (each schedule's own formula, docs/pipeline.md)
+FORMULA = {"1f1b": lambda p, m: (p - 1) / m, "interleaved-1f1b": lambda p, m: (p - 1) / (2 * m),
+           "zb-h1": lambda p, m: (p - 1) / (3 * m), "zbv": lambda p, m: (p - 1) / (6 * m),
+           "dualpipev": lambda p, m: (p - 1) / (6 * m)}
 
 
 class _Sleep(torch.autograd.Function):
-    """forward: sleep tf, identity; backward: sleep tb, identity."""
+    """forward: sleep tf, ``x * w``; backward: sleep tb for the input's gradient, tw for the weight's; with a
+    weight-gradient store deferring (the split backward's ``B``), the weight's part is queued for ``W``."""
 
     @staticmethod
-    def forward(ctx, x, tf, tb):
-        ctx.tb = tb
-        time.sleep(tf)
-        return x.clone()
+    def forward(ctx, x, w, t, store):
+        ctx.save_for_backward(x, w)
+        ctx.t, ctx.store = t, store
+        time.sleep(t)
+        return x * w
 
     @staticmethod
     def backward(ctx, dy):
-        time.sleep(ctx.tb)
-        return dy, None, None
+        x, w = ctx.saved_tensors
+        time.sleep(ctx.t)
+        dx = dy * w
+
+        def weight_grad():
+            time.sleep(ctx.t)
+            return ((dy * x).sum().reshape(1),)
+
+        if ctx.store is not None and ctx.store.deferring:
+            ctx.store.put((w,), weight_grad)
+            return dx, None, None, None
+        return dx, weight_grad()[0], None, None
 
 
 class SleepStage(nn.Module):
-    def __init__(self, tf: float, tb: float):
+    weight_grad_store = None  # set by the split backward (megatronish.parallel.weight_grad.attached)
+
+    def __init__(self, t: float):
         super().__init__()
         self.w = nn.Parameter(torch.ones(1))
-        self.tf, self.tb, self.input_tensor = tf, tb, None
+        self.t, self.input_tensor = t, None
 
     def set_input_tensor(self, t):
         self.input_tensor = t
 
     def forward(self, x):
         x = x if self.input_tensor is None else self.input_tensor
-        return _Sleep.apply(x * self.w, self.tf, self.tb)  # [s, b, h]
+        return _Sleep.apply(x, self.w, self.t, self.weight_grad_store)  # [s, b, h]
 
 
-def _worker(rank, world, v, m, tf, tb, iters, trace_path):
-    dims = ParallelDims(world_size=world, pp=world, vp=v)
+def _worker(rank, world, schedule, m, t, iters, overlap):
+    v = CHUNKS[schedule]
+    dims = ParallelDims(world_size=world, pp=world, vp=v, pipeline_schedule=schedule)
     ctx = groups.initialize_model_parallel(dims)
-    chunks = [SleepStage(tf / v, tb / v) for _ in range(v)]
+    chunks = [SleepStage(t / v) for _ in range(v)]
 
     def forward_step(data_iterator, model):
         out = model(next(data_iterator))
         return out, lambda y: (y.sum(), {"loss": y.sum().detach()})
 
-    func = get_forward_backward_func(world, v)
+    func = forward_backward_func(world, v, schedule)
     bubbles, events = [], None
-    for _ in range(iters):
+    for i in range(iters + 1):  # the first is a warm-up (the autograd engine's first call is slow)
         timeline = PipelineTimeline(rank)
         data = [iter([torch.ones(SHAPE) for _ in range(m)]) for _ in range(v)]
         dist.barrier()
         func(forward_step, data if v > 1 else data[0], chunks if v > 1 else chunks[0], m, tensor_shape=SHAPE,
-             timeline=timeline, parallel=ctx)
+             timeline=timeline, parallel=ctx, overlap_p2p_comm=overlap)
         events = gather_timeline(timeline)
-        if rank == 0:
+        if rank == 0 and i > 0:
             bubbles.append(bubble_fraction(events))
-    if rank == 0 and trace_path:
-        write_chrome_trace(trace_path, events, {"p": world, "v": v, "m": m})
-    return bubbles
+    groups.destroy_model_parallel()
+    return bubbles, events
 
 
 def simulated_bubble(p: int, v: int, m: int, tf: float, tb: float) -> float:
@@ -133,32 +162,50 @@ def simulated_bubble(p: int, v: int, m: int, tf: float, tb: float) -> float:
     return (max(clock) - busy) / busy
 
 
+def replayed_bubble(schedule: str, p: int, m: int) -> float:
+    """The schedule's own bubble in unit time: zero-bubble lists through ``zero_bubble.simulate`` (F = B = W = 1),
+    1F1B and interleaved through their tables' message replay (forward 1, backward 2)."""
+    if schedule in ("1f1b", "interleaved-1f1b"):
+        return simulated_bubble(p, CHUNKS[schedule], m, 1.0, 2.0)
+    lists = schedule_actions(schedule, p, m)
+    return simulate(lists, lambda r, c: stage_of(schedule, p, r, c), p * num_chunks(schedule),
+                    {"F": 1, "B": 1, "W": 1})["bubble"]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--p", type=int, default=4)
-    ap.add_argument("--m", type=int, default=8)
-    ap.add_argument("--tf-ms", type=float, default=20.0, help="forward time per microbatch per rank")
-    ap.add_argument("--tb-ms", type=float, default=40.0, help="backward time per microbatch per rank")
+    ap.add_argument("--m", type=int, nargs="+", default=[8, 16])
+    ap.add_argument("--t-ms", type=float, default=20.0, help="F, B and W time per microbatch per rank (sleep)")
     ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--trace-dir", default=None, help="write the last iteration's Chrome trace per config here")
+    ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
+    ap.add_argument("--ascii-dir", default=None, help="write each run's last timeline as text here")
     args = ap.parse_args(argv)
-    p, m = args.p, args.m
-    print(f"synthetic pipeline: p={p}, m={m}, forward {args.tf_ms} ms + backward {args.tb_ms} ms per microbatch "
-          f"per rank (split over v chunks), gloo, {args.iters} iterations, median")
-    for v in (1, 2):
-        trace = os.path.join(args.trace_dir, f"bubble_p{p}_v{v}_m{m}.json") if args.trace_dir else None
-        if trace:
-            os.makedirs(args.trace_dir, exist_ok=True)
-        bubbles = run_distributed(_worker, p, v, m, args.tf_ms / 1e3, args.tb_ms / 1e3, args.iters, trace,
-                                  timeout=600)[0]
-        measured = statistics.median(b["bubble"] for b in bubbles)
-        window = statistics.median(b["window"] for b in bubbles)
-        formula = (p - 1) / (v * m)
-        simulated = simulated_bubble(p, v, m, args.tf_ms, args.tb_ms)
-        print(f"p={p} m={m} v={v}: measured bubble {measured:.3f}  schedule replayed without processes "
-              f"{simulated:.3f}  formula (p-1)/(v*m) = {formula:.3f}  "
-              f"ratio {measured / formula:.2f}  (iteration {window * 1e3:.0f} ms, ideal "
-              f"{m * (args.tf_ms + args.tb_ms):.0f} ms)" + (f"  trace {trace}" if trace else ""))
+    p, t = args.p, args.t_ms / 1e3
+    print(f"synthetic pipeline: p={p}, F = B = W = {args.t_ms:g} ms per microbatch per rank (sleep, split over the "
+          f"chunks), gloo, the least of {args.iters} iterations; bubble = mean idle / mean busy over the window")
+    print(f"{'schedule':<17}{'m':>3}  {'measured':>8}  {'overlap':>8}  {'replayed':>8}  {'formula':>8}  "
+          f"{'vs formula':>10}  {'vs 1F1B':>7}  iteration")
+    for m in args.m:
+        base = None
+        for schedule in args.schedules:
+            got = {}
+            for overlap in (False, True):
+                bubbles, events = run_distributed(_worker, p, schedule, m, t, args.iters, overlap, timeout=600)[0]
+                best = min(bubbles, key=lambda b: b["bubble"])  # load on the machine only adds idle time
+                got[overlap] = (best["bubble"], best["window"], events)
+                if args.ascii_dir:
+                    os.makedirs(args.ascii_dir, exist_ok=True)
+                    name = f"{schedule}_p{p}_m{m}" + ("_overlap" if overlap else "") + ".txt"
+                    with open(os.path.join(args.ascii_dir, name), "w") as f:
+                        f.write(ascii_timeline(events) + "\n")
+            measured, window, _ = got[False]
+            base = measured if schedule == "1f1b" else base
+            formula = FORMULA[schedule](p, m)
+            vs_base = f"{measured / base:7.2f}" if base else f"{'':>7}"
+            print(f"{schedule:<17}{m:>3}  {measured:8.4f}  {got[True][0]:8.4f}  {replayed_bubble(schedule, p, m):8.4f}"
+                  f"  {formula:8.4f}  {measured / formula:10.2f}  {vs_base}  {window * 1e3:.0f} ms "
+                  f"(ideal {3 * m * args.t_ms:.0f} ms)", flush=True)
 
 
 if __name__ == "__main__":
