@@ -4,7 +4,8 @@ end (no deadlock, every step after the steps whose tensors it uses) for p in 2..
 2p..4p), also with the receives posted ahead (``--overlap-p2p-communication``: each link's messages keep their
 order, the bubble does not grow); the bubble of a unit-time replay (F = B = W = 1, 1F1B's and the
 interleaved schedule's backward B = 2) for p = 4, m = 8 and 16; each rank's peak in-flight microbatches against
-the schedule's formula; and the split backward's gradients equal the unsplit backward's bitwise."""
+the schedule's formula; the split backward's gradients equal the unsplit backward's bitwise; and the text
+timeline of a few spans."""
 import functools
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 from megatronish.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatronish.parallel.pipeline.schedules import schedule_table
+from megatronish.parallel.pipeline.timeline import ascii_timeline
 from megatronish.parallel.pipeline.zero_bubble import (
     SCHEDULES,
     Action,
@@ -177,3 +179,14 @@ def test_split_backward_bitwise():
     norm(row(torch.relu(col(xc)[0]))[0]).backward(torch.linspace(-1, 1, 64).view(4, 2, 8))
     for u, p in zip(g1, c.parameters()):
         torch.testing.assert_close(u, p.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_ascii_timeline():
+    """One slot per quarter of the window: a step shows where it covers half a slot or more; chunk 1 lower case;
+    comm spans (a wait) are not compute."""
+    def ev(rank, name, start, end, chunk=0, cat="compute"):
+        return {"rank": rank, "name": name, "cat": cat, "start": start, "end": end, "microbatch": 0, "chunk": chunk}
+
+    events = [ev(0, "F", 0.0, 1.0), ev(0, "W", 1.0, 2.0, chunk=1), ev(1, "wait_activation", 0.0, 1.0, cat="comm"),
+              ev(1, "B", 1.2, 2.0)]
+    assert ascii_timeline(events, columns=4).splitlines() == ["rank 0 |FFww|", "rank 1 |..BB|"]
