@@ -78,6 +78,13 @@ def _check_batch(t: configs.TrainingConfig, run: configs.RunConfig | None, error
                         dims.pp, dims.vp, b // per_step, micro_batch_size=mbs, global_batch_size=b,
                         data_parallel_size=dims.dp)):
                     break
+        if not problems and dims.pipeline_schedule == "dualpipev":  # every ramp size needs 2 x PP microbatches
+            smallest = min(b for _, b in rampup_steps(t.rampup_batch_size, gbs))
+            if smallest // per_step < 2 * dims.pp:
+                errors.append(f"--pipeline-schedule dualpipev needs at least 2 x --pipeline-model-parallel-size = "
+                              f"{2 * dims.pp} microbatches per iteration, but --rampup-batch-size starts at a batch of "
+                              f"{smallest} = {smallest // per_step} microbatches; start the ramp at "
+                              f"{2 * dims.pp * per_step} or more, or use --pipeline-schedule zbv")
 
 
 def _check_schedule(o: configs.OptimizerConfig, errors: list[str]) -> None:

@@ -84,6 +84,9 @@ def test_zbv_implies_two_chunks_in_a_v():
     (["--pipeline-schedule", "dualpipev", "--global-batch-size", "6", "--pipeline-model-parallel-size", "4",
       "--num-layers", "8"], 4, "--pipeline-schedule dualpipev needs at least 2 x --pipeline-model-parallel-size = 8 "
                                "microbatches per iteration, but --global-batch-size 6"),
+    (["--pipeline-schedule", "dualpipev", "--rampup-batch-size", "4", "4", "64"] + PP2, 2,
+     "--pipeline-schedule dualpipev needs at least 2 x --pipeline-model-parallel-size = 4 microbatches per iteration, "
+     "but --rampup-batch-size starts at a batch of 4 = 2 microbatches"),
     (["--pipeline-schedule", "dualpipev", "--use-torch-fsdp2"] + PP2, 4,
      "--pipeline-schedule dualpipev with --use-torch-fsdp2 is not supported"),
     (["--pipeline-schedule", "zb-h1", "--use-torch-fsdp2"] + PP2, 4,
