@@ -15,6 +15,8 @@ A hardware file is TOML with the fields of :class:`Hardware` (``name`` optional)
     hbm_tbps = 2.4
     [peak_tflops]
     bf16 = 989
+    [efficiencies]               # fitted on runs of this card (planner/perf.py's names)
+    GEMM_EFFICIENCY = 0.5
 """
 from __future__ import annotations
 
@@ -31,7 +33,9 @@ from ..errors import ConfigError
 class Hardware:
     """One accelerator and its links. ``peak_tflops``: dense peak per dtype (``fp32``, ``tf32``, ``bf16``, ``fp16``,
     ``fp8``); ``hbm_gib`` memory, ``hbm_tbps`` its bandwidth (TB/s); links in GB/s per direction and seconds of
-    latency per message; ``gpus_per_node``: the size of the fast (NVLink) domain."""
+    latency per message; ``gpus_per_node``: the size of the fast (NVLink) domain. ``efficiencies``: this
+    entry's own achievable fractions (``GEMM_EFFICIENCY``, ... of ``planner/perf.py``), fitted on runs of this
+    card (a hardware file's ``[efficiencies]``); the model's constants where absent."""
 
     name: str
     peak_tflops: dict = field(default_factory=dict)
@@ -43,6 +47,7 @@ class Hardware:
     inter_node_latency_s: float = 8e-6
     gpus_per_node: int = 8
     source: str = ""
+    efficiencies: dict = field(default_factory=dict)
 
     def peak(self, dtype: str) -> float:
         """Dense peak FLOP/s for ``dtype`` (falls back to bf16's for fp16, and fp32's for tf32)."""
@@ -136,6 +141,14 @@ def load_hardware(kind: str, gpus_per_node: int | None = None, hardware_file: st
                           f"known: {', '.join(sorted(fields))}")
     if "peak_tflops" in over:
         over["peak_tflops"] = {**hw.peak_tflops, **over["peak_tflops"]}
+    if "efficiencies" in over:
+        from .perf import EFFICIENCIES
+
+        bad = sorted(set(over["efficiencies"]) - set(EFFICIENCIES))
+        if bad:
+            raise ConfigError(f"--hardware-file {hardware_file}: unknown efficiencies {', '.join(bad)}; "
+                              f"known: {', '.join(EFFICIENCIES)}")
+        over["efficiencies"] = {**hw.efficiencies, **over["efficiencies"]}
     if over:
         over.setdefault("source", hw.source + f"; overridden by {hardware_file}")
         hw = dataclasses.replace(hw, **over)

@@ -48,6 +48,9 @@ MEMORY_BOUND_BYTES = 60  # per token and hidden unit, forward + backward, one la
 COMPILED_MEMORY_FACTOR = 0.5  # torch.compile fuses the elementwise chains: about half the traffic is left
 FP8_CAST_BYTES = 5  # per element cast to fp8: read 16 bits twice (amax, cast), write 8 bits
 EFFICIENCIES = ("GEMM_EFFICIENCY", "ATTENTION_EFFICIENCY", "MEMORY_EFFICIENCY", "LINK_EFFICIENCY")
+# A collective hidden behind compute still costs the compute this share of its time: NCCL's kernels occupy SMs
+# (one per channel, 16 to 32 channels on H100) and HBM bandwidth the GEMMs then lack; stated, not fitted.
+OVERLAP_COST = 0.2
 
 
 def _moved(kind: str, n: int, nbytes: float) -> tuple[float, int]:
@@ -158,13 +161,37 @@ def stage_imbalance(cfg, output_share: float) -> float:
     return max(work) * par.pp / sum(work)
 
 
+def tp_forward_share(cfg) -> float:
+    """The share of a step's TP collectives issued by forward passes (the backward issues as many as the forward,
+    full recompute's second forward runs inside the backward): asynchronous TP micro-pipelines only these."""
+    return 1.0 / (2.0 + _recomputed_share(cfg))
+
+
+def fsdp_exposed(cfg, fsdp_s: float, compute: float) -> tuple[float, float]:
+    """(exposed, hidden) seconds of FSDP2's ``fsdp_s`` of gathers and reduce-scatters: each microbatch's first
+    unit's gather (nothing runs before it) and last unit's reduce-scatter (the backward waits for it) are exposed,
+    one unit's share each (a stage's units: its layers, the embedding and the output layer); the rest hides behind
+    the compute, and what exceeds it is exposed."""
+    if not fsdp_s:
+        return 0.0, 0.0
+    m, p = cfg.model, cfg.parallel.pp
+    units = (m.num_layers + (m.mtp_num_layers or 0)) / p + 2
+    edge = 2 * fsdp_s / units if cfg.num_microbatches else 0.0
+    edge = min(edge, fsdp_s)
+    hidden = min(fsdp_s - edge, compute)
+    return fsdp_s - hidden, hidden
+
+
 def step_time(cfg, hw, state, colls=None, rank: int | None = None, *, tp_overlap: bool = False,
               efficiencies: dict | None = None) -> dict:
     """Predicted seconds of one iteration and its breakdown. ``state``: the fullest rank's
     :class:`~megatronish.planner.state.StateBytes`; ``colls``: that rank's collectives (``comms.step_collectives``
     over its built model), else estimated (:func:`collectives`); ``rank``: that rank (default: the first rank of
-    the last stage). ``efficiencies`` overrides the module's constants by name (a fit)."""
+    the last stage). The efficiencies: the module's constants, then the hardware entry's own
+    (``hw.efficiencies``), then ``efficiencies`` by name (a fit). ``tp_overlap``: asynchronous TP, which hides the
+    forward passes' TP collectives behind their GEMMs (:func:`tp_forward_share`)."""
     eff = {k: globals()[k] for k in EFFICIENCIES}
+    eff.update(getattr(hw, "efficiencies", None) or {})
     eff.update(efficiencies or {})
     m, par, t = cfg.model, cfg.parallel, cfg.train
     s, h = m.seq_length, m.hidden_size
@@ -213,7 +240,8 @@ def step_time(cfg, hw, state, colls=None, rank: int | None = None, *, tp_overlap
     o = cfg.optim
     exposed = {}
     tp = by_role.get("tp", 0.0)
-    exposed["tp"] = max(0.0, tp - gemm_s) if tp_overlap else tp
+    hidden = {"tp": min(tp * tp_forward_share(cfg), gemm_s) if tp_overlap else 0.0}
+    exposed["tp"] = tp - hidden["tp"]
     exposed["cp"] = max(0.0, by_role.get("cp_ring", 0.0) - attn_s)
     exposed["ep"] = by_role.get("ep", 0.0)
     if p > 1:
@@ -225,8 +253,12 @@ def step_time(cfg, hw, state, colls=None, rank: int | None = None, *, tp_overlap
     first_bucket = gather / count["param_gather"] if gather else 0.0
     exposed["dp"] = (max(grad - per_mb * 2 / 3, last_bucket) if o.overlap_grad_reduce else grad) + \
         (max(gather - per_mb / 3, first_bucket) if o.overlap_param_gather else gather)
-    exposed["dp"] += max(0.0, by_role.get("fsdp", 0.0) - compute)
+    hidden["dp"] = grad + gather - exposed["dp"]
+    fsdp, hidden["fsdp"] = fsdp_exposed(cfg, by_role.get("fsdp", 0.0), compute)
+    exposed["dp"] += fsdp
+    hidden["cp"] = by_role.get("cp_ring", 0.0) - exposed["cp"]
     exposed["other"] = by_role.get("exposed", 0.0)
+    exposed["overlap"] = OVERLAP_COST * sum(hidden.values())  # what hidden collectives cost the compute
     exposed = {k: x for k, x in exposed.items() if x}
     step = compute + bubble + sum(exposed.values())
     tokens = t.global_batch_size * s
@@ -239,5 +271,5 @@ def step_time(cfg, hw, state, colls=None, rank: int | None = None, *, tp_overlap
 
 
 __all__ = ["step_time", "collectives", "price", "link", "attention_core_flops", "bubble_fraction",
-           "stage_imbalance", "GEMM_EFFICIENCY", "ATTENTION_EFFICIENCY",
-           "MEMORY_EFFICIENCY", "LINK_EFFICIENCY", "EFFICIENCIES"]
+           "stage_imbalance", "tp_forward_share", "fsdp_exposed", "OVERLAP_COST", "GEMM_EFFICIENCY",
+           "ATTENTION_EFFICIENCY", "MEMORY_EFFICIENCY", "LINK_EFFICIENCY", "EFFICIENCIES"]

@@ -6,7 +6,7 @@ from .activations import stage_activations
 from .comms import fsdp_estimate, step_collectives
 from .hardware import CPU_KIND
 from .perf import step_time
-from .state import build_rank, rank_state_bytes, stage_ranks
+from .state import build_rank, fsdp_in_flight_bytes, fsdp_unit_numels, rank_state_bytes, stage_ranks
 
 GIB = 2 ** 30
 
@@ -14,14 +14,15 @@ GIB = 2 ** 30
 def make_plan(cfg, hw, **time_kw) -> dict:
     """The plan of the validated ``cfg`` on ``hw`` (see docs/planner.md). Activations use the CPU terms of
     ``training/memory.py`` on ``cpu-this-machine``, Korthikanti's elsewhere. ``time_kw``: ``perf.step_time``'s
-    keywords (``tp_overlap``, ``efficiencies``)."""
+    keywords (``tp_overlap``, ``async_tp_hidden``, ``efficiencies``)."""
     stages, state, colls, rank = plan_inputs(cfg, hw)
     return plan_from_inputs(cfg, hw, stages, state, colls, rank, **time_kw)
 
 
-def plan_inputs(cfg, hw) -> tuple[list, object, list, int]:
+def plan_inputs(cfg, hw, *, unsharded_grads: bool = False) -> tuple[list, object, list, int]:
     """Memory per stage, and the fullest rank's state bytes, collectives (counted on its meta model) and rank:
-    what :func:`plan_from_inputs` prices."""
+    what :func:`plan_from_inputs` prices. The peak adds FSDP2's buffers in flight (``state.fsdp_in_flight_bytes``,
+    ``unsharded_grads`` its keyword)."""
     cpu = hw.name == CPU_KIND
     stages, fullest_state, colls, fullest_rank = [], None, [], 0
     for stage, ranks in enumerate(stage_ranks(cfg.parallel)):
@@ -30,12 +31,13 @@ def plan_inputs(cfg, hw) -> tuple[list, object, list, int]:
         rank = max(states, key=lambda r: states[r].total)
         st = states[rank]
         act = stage_activations(cfg, stage, cpu=cpu)
-        total = st.total + act.total
+        fsdp = fsdp_in_flight_bytes(cfg, fsdp_unit_numels(built[rank].models), unsharded_grads=unsharded_grads)
+        total = st.total + act.total + fsdp
         stages.append({"stage": stage, "rank": rank, "num_params": st.num_params, "params": st.params,
                        "grads": st.grads, "optimizer": st.optimizer, "activations": act.total,
                        "activations_layers": act.layers, "activations_embedding": act.embedding,
                        "activations_output": max(act.output, act.recompute), "in_flight": act.in_flight,
-                       "total": total, "fits": total <= hw.hbm_bytes})
+                       "fsdp_in_flight": fsdp, "total": total, "fits": total <= hw.hbm_bytes})
         if fullest_state is None or st.total > fullest_state.total:
             fullest_state, fullest_rank = st, rank
             colls = step_collectives(cfg, rank, built[rank].chunks, built[rank].ctx)

@@ -7,7 +7,8 @@ recompute (none, selective, full), micro-batch size (1, 2, 4, 8); DP is what is 
 analytic per-rank count (:func:`analytic_state`: parameters from every tensor's global description, split as the
 layout splits it, equal to the meta-device count; bytes per element as ``state.py`` counts them, without the
 distributed optimizer's bucket padding and Adam's step counters, under 0.1%), the first and last pipeline stage's
-activations and the step-time model; the printed winners are validated by the launch's own rules.
+activations, FSDP2's buffers in flight (``state.fsdp_in_flight_bytes`` over :func:`analytic_fsdp_units`) and the
+step-time model; the printed winners are validated by the launch's own rules.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from ..parallel.dims import DegreeError, layer_split_error
 from ..parallel.pipeline.schedules import check_interleaving
 from .activations import stage_activations
 from .perf import collectives, step_time
-from .state import StateBytes, build_meta_chunks
+from .state import StateBytes, build_meta_chunks, fsdp_in_flight_bytes
 
 GIB = 2 ** 30
 
@@ -116,6 +117,20 @@ def analytic_state(cfg, table: ParamTable, pp_rank: int) -> StateBytes:
     return StateBytes(n * e, n * grad, int(opt), n)
 
 
+def analytic_fsdp_units(cfg, table: ParamTable, pp_rank: int) -> list[int]:
+    """A rank's FSDP units' elements in execution order (``state.fsdp_unit_numels`` without building the model):
+    the embedding (first stage), each layer of each model chunk, the untied output layer (last stage)."""
+    par, m = cfg.parallel, cfg.model
+    vocab = m.padded_vocab_size(par.tp) // par.tp * m.hidden_size
+    units = [vocab + sum(table._local(d, par.tp, 1, 1) for d in table.first)] if pp_rank == 0 else []
+    for c in range(par.vp):
+        units += [sum(table.layer(i, par.tp, par.ep, par.expert_tp))
+                  for i in par.layer_range(m.num_layers, pp_rank, c)]
+    if pp_rank == par.pp - 1 and m.untie_embeddings_and_output_weights:
+        units.append(vocab)
+    return units
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -178,7 +193,8 @@ def evaluate(cfg, hw, table: ParamTable) -> dict | None:
     mem, state0, stage0 = 0.0, None, 0
     for s in stages:
         st = analytic_state(cfg, table, s)
-        mem = max(mem, st.total + stage_activations(cfg, s).total)
+        fsdp = fsdp_in_flight_bytes(cfg, analytic_fsdp_units(cfg, table, s)) if cfg.fsdp_active else 0
+        mem = max(mem, st.total + stage_activations(cfg, s).total + fsdp)
         if state0 is None or st.total > state0.total:
             state0, stage0 = st, s
     if mem > hw.hbm_bytes:
@@ -245,4 +261,5 @@ def format_search(res: dict, hw) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["ParamTable", "analytic_state", "candidates", "evaluate", "search", "format_search", "describe"]
+__all__ = ["ParamTable", "analytic_state", "analytic_fsdp_units", "candidates", "evaluate", "search", "format_search",
+           "describe"]

@@ -18,6 +18,10 @@ applied to the built meta parameters: each fp32 parameter (this rank's TP slice)
 along dim 0 by ``torch.chunk`` and stored padded to the first piece's rows; the gradients of one FSDP unit (a
 transformer layer, the embedding, an untied output layer, the rest of the chunk) are one flat fp32 buffer of those
 padded pieces (the reduce-scatter's output); the optimizer's states are shaped like the unpadded local piece.
+
+Those are the bytes that live through the step. At the step's peak FSDP2 holds more, a separate term of the peak
+(:func:`fsdp_in_flight_bytes`): the gathered 16-bit copies of the units in flight, their 8-bit casts under FP8,
+and one unit's unsharded gradient with its reduce-dtype copy for the reduce-scatter.
 """
 from __future__ import annotations
 
@@ -158,6 +162,47 @@ def rank_state_bytes(cfg, rank: int, built: BuiltRank | None = None) -> StateByt
     return StateBytes(params, grads, opt, n)
 
 
+def fsdp_unit_numels(models) -> list[int]:
+    """The elements of each FSDP unit of ``models`` (this rank's TP slice, unsharded), as FSDP2 gathers them."""
+    return [sum(p.numel() for p in unit) for model in models for unit in _fsdp_units(model)]
+
+
+def fsdp_in_flight_bytes(cfg, units: list[int], *, unsharded_grads: bool = False) -> int:
+    """Bytes FSDP2 holds at the step's peak beyond the sharded state, for the FSDP units of ``units`` elements
+    (:func:`fsdp_unit_numels`); 0 without FSDP2.
+
+    - Gathered parameters, in the compute dtype (``params_dtype``): resharding after forward (the default without
+      PP), the unit being computed and the ``--fsdp-prefetch-layers`` units prefetched after it, the largest such
+      run of consecutive units (``units`` in execution order: at the backward's start the output layer and the
+      last layer); without resharding (the default under PP) every unit of the stage stays gathered from its
+      first forward to its backward while microbatches are in flight.
+    - Under FP8 GEMMs the 8-bit casts (1 byte an element) of the units being computed: the largest run of
+      ``1 + --fsdp-prefetch-layers`` consecutive units (a cast lives from its layer's forward or recompute to
+      its backward, one layer at a time under recompute).
+    - The largest unit's unsharded gradient in the compute dtype, plus its copy in the reduce dtype that the
+      reduce-scatter reads (none when the two dtypes are equal). ``unsharded_grads``: every unit's unsharded
+      gradient is kept in the reduce dtype until the last microbatch (torch.distributed.pipelining's stages turn
+      FSDP2's gradient reduce-scatter off for all but the last microbatch's backward) instead.
+    """
+    if not cfg.fsdp_active or not units:
+        return 0
+    from ..parallel.fsdp import resolve_reshard_after_forward
+
+    o = cfg.optim
+    e, red = o.params_dtype.itemsize, o.grad_dtype.itemsize
+    big = sorted(units, reverse=True)
+    w = min(len(units), 1 + max(0, o.fsdp_prefetch_layers))
+    window = max(sum(units[i:i + w]) for i in range(len(units) - w + 1))
+    reshard = resolve_reshard_after_forward(o.fsdp_reshard_after_forward, cfg.parallel.pp > 1)
+    gathered = window if reshard else sum(units)
+    fp8 = window if cfg.model.precision.fp8 else 0
+    if unsharded_grads:
+        grads = sum(units) * red + big[0] * (e if e != red else 0)
+    else:
+        grads = big[0] * (e + (red if red != e else 0))
+    return gathered * e + fp8 + grads
+
+
 def stage_ranks(dims) -> list[list[int]]:
     """For each pipeline stage, the ranks whose bytes differ at most: the stage's first and last rank (the last
     holds the padding of the sharded buckets and the shortest FSDP pieces)."""
@@ -165,4 +210,5 @@ def stage_ranks(dims) -> list[list[int]]:
     return [sorted({stage * per, stage * per + per - 1}) for stage in range(dims.pp)]
 
 
-__all__ = ["StateBytes", "BuiltRank", "build_rank", "rank_state_bytes", "build_meta_chunks", "stage_ranks"]
+__all__ = ["StateBytes", "BuiltRank", "build_rank", "rank_state_bytes", "build_meta_chunks", "stage_ranks",
+           "fsdp_unit_numels", "fsdp_in_flight_bytes"]

@@ -154,6 +154,90 @@ def test_mla_and_mtp_in_the_flops():
     assert plan["time"]["flops_per_step"] == num_floating_point_operations(m, cfg.train.global_batch_size)
 
 
+def _gpt_units(h: int, vocab_padded: int, seq: int, layers: int) -> list[int]:
+    """A GPT's FSDP units by hand (biases, LayerNorm, learned positions, FFN 4h, untied output): the embedding
+    (tokens and positions), each layer (two LayerNorms 2h each, QKV 3h x h + 3h, projection h x h + h, FC1
+    4h x h + 4h, FC2 4h x h + h), the output layer, the root (the final LayerNorm)."""
+    layer = 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (4 * h * h + 4 * h) + (4 * h * h + h)
+    return [vocab_padded * h + seq * h] + [layer] * layers + [vocab_padded * h, 2 * h]
+
+
+@pytest.mark.parametrize("world, extra", [
+    (2, []), (2, ["fp32"]), (2, ["--fsdp-prefetch-layers", "2"]), (4, ["--pipeline-model-parallel-size", "2"])])
+def test_fsdp_buffers_in_flight_are_a_term_of_the_peak(world, extra):
+    """FSDP2's gathered units and one unit's unsharded gradient, against a hand count of the units: resharding
+    after forward (no PP) the largest 1 + prefetch consecutive units in 16 bits, under PP the stage's every unit;
+    plus the largest unit's 16-bit gradient and its fp32 copy for the reduce-scatter (bf16 reduces in fp32; an
+    fp32 model has one fp32 gradient). The peak adds the term; the state bytes stay the exact count."""
+    from megatronish.arguments import build_parser, configs_from_args
+    from megatronish.planner.hardware import load_hardware
+    from megatronish.planner.plan import make_plan
+    from megatronish.planner.search import ParamTable, analytic_fsdp_units
+    from megatronish.planner.state import build_meta_chunks, fsdp_in_flight_bytes, fsdp_unit_numels
+
+    fp32 = extra == ["fp32"]
+    flags = [f for f in BASE if not (fp32 and f == "--bf16")] + ["--use-torch-fsdp2",
+                                                                  "--untie-embeddings-and-output-weights"]
+    cfg = configs_from_args(build_parser().parse_args(flags + ([] if fp32 else extra)), world)
+    units = _gpt_units(64, 1024, 32, 4)
+    pp = cfg.parallel.pp
+    stage_units = units if pp == 1 else units[:3]  # PP 2: the embedding and layers 0-1 on stage 0
+    _, models = build_meta_chunks(cfg, 0)
+    assert fsdp_unit_numels(models) == stage_units
+    assert analytic_fsdp_units(cfg, ParamTable(cfg), 0) == stage_units[:-1] if pp == 1 else stage_units
+    e, red = (4, 0) if fp32 else (2, 4)
+    window = 3 if "--fsdp-prefetch-layers" in extra else 2
+    gathered = sum(units[:3]) if pp > 1 else max(sum(units[i:i + window]) for i in range(len(units)))
+    expected = gathered * e + max(stage_units) * (e + red)
+    assert fsdp_in_flight_bytes(cfg, stage_units) == expected
+    if pp > 1:  # gradients kept unsharded in fp32 until the last microbatch, beside the largest unit's 16-bit one
+        assert fsdp_in_flight_bytes(cfg, stage_units, unsharded_grads=True) == \
+            gathered * 2 + sum(stage_units) * 4 + max(stage_units) * 2
+    plan = make_plan(cfg, load_hardware("H100-SXM"))
+    s0 = plan["stages"][0]
+    assert s0["fsdp_in_flight"] == expected
+    assert s0["total"] == s0["params"] + s0["grads"] + s0["optimizer"] + s0["activations"] + expected
+    ddp = configs_from_args(build_parser().parse_args(BASE), world)
+    assert fsdp_in_flight_bytes(ddp, stage_units) == 0
+
+
+def test_overlap_terms_of_the_step_time():
+    """Asynchronous TP hides the forward passes' TP collectives (half of them, a third under full recompute);
+    FSDP2 exposes its first gather and last reduce-scatter (one unit's share of the traffic each, of a stage's
+    layers + 2 units) and hides the rest up to the compute; a hardware file's efficiencies are the step-time
+    model's, as if passed by name."""
+    import dataclasses
+
+    from megatronish.arguments import build_parser, configs_from_args
+    from megatronish.planner.perf import fsdp_exposed, step_time, tp_forward_share
+    from megatronish.planner.state import rank_state_bytes
+
+    parse = build_parser().parse_args
+    assert tp_forward_share(configs_from_args(parse(BASE), 1)) == 0.5
+    full = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    assert tp_forward_share(configs_from_args(parse(BASE + full), 1)) == pytest.approx(1 / 3)
+    cfg = configs_from_args(parse(BASE + ["--use-torch-fsdp2"]), 2)
+    assert fsdp_exposed(cfg, 0.6, 100.0) == pytest.approx((2 * 0.6 / 6, 0.6 - 2 * 0.6 / 6))  # 4 layers + 2
+    assert fsdp_exposed(cfg, 60.0, 10.0) == pytest.approx((50.0, 10.0))  # more than the compute: the rest shows
+    hw = load_hardware("H100-SXM")
+    state = rank_state_bytes(cfg, 0)
+    own = dataclasses.replace(hw, efficiencies={"GEMM_EFFICIENCY": 0.3})
+    assert step_time(cfg, own, state)["step_s"] == \
+        pytest.approx(step_time(cfg, hw, state, efficiencies={"GEMM_EFFICIENCY": 0.3})["step_s"], rel=1e-12)
+    assert step_time(cfg, own, state)["step_s"] > step_time(cfg, hw, state)["step_s"]
+
+
+def test_hardware_file_efficiencies(tmp_path):
+    f = tmp_path / "hw.toml"
+    f.write_text('base = "H100-SXM"\n[efficiencies]\nGEMM_EFFICIENCY = 0.6\n')
+    assert load_hardware("H100-SXM", hardware_file=str(f)).efficiencies == {"GEMM_EFFICIENCY": 0.6}
+    f.write_text('[efficiencies]\nGEMM = 0.6\n')
+    from megatronish.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown efficiencies GEMM"):
+        load_hardware("H100-SXM", hardware_file=str(f))
+
+
 def test_deferred_weight_gradients_in_the_zero_bubble_peak():
     """Between a chunk-microbatch's B and its W the split backward keeps each tensor-parallel linear's input and
     output gradient (per token and layer: QKV h and (h + 2kv)/t, projection h/t and h, FC1 h and 2f/t with SwiGLU,
