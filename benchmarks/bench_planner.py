@@ -28,7 +28,9 @@ import statistics
 import time
 from contextlib import redirect_stdout
 
-HW_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hardware", "h100_96gb_500w.toml")
+HW_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hardware")
+HW_FILE = os.path.join(HW_DIR, "h100_96gb_500w.toml")  # torchtitan's cards
+SXM_FILE = os.path.join(HW_DIR, "h100_sxm_700w.toml")  # Megatron-LM's
 COMMON = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--train-iters", "10", "--lr", "1e-4", "--bf16"]
 LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--group-query-attention",
          "--num-query-groups", "8", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
@@ -82,13 +84,14 @@ RUNS = [
     *[(f"405B FSDP8 TP8 PP8 {name}", f"{TT} Table 5", 512, L405B + seq(8192) + FSDP + FULL + [
         "--tensor-model-parallel-size", "8", "--sequence-parallel", "--pipeline-model-parallel-size", "8",
         "--micro-batch-size", "4", "--global-batch-size", "256", *extra],
-       {"compile": True, "fp8": True, "async_tp": True, "layers_scale": 126 / 128}, tps, mem, False)
+       {"compile": True, "fp8": True, "async_tp": True, "layers_scale": 126 / 128, "torch_pipelining": True},
+       tps, mem, False)
       for name, extra, tps, mem in (("1F1B", [], 100, 82.5),
                                     ("interleaved", ["--num-layers-per-virtual-pipeline-stage", "8"], 128, 72.7))],
     ("GPT-3 175B TP8 PP6 DP48", "Megatron-LM README model table", 2304, GPT3 + SEL + [
         "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "6", "--sequence-parallel",
         "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather", "--micro-batch-size", "1",
-        "--global-batch-size", "1152"], {"hw": "H100-SXM", "tflops": 432.8}, None, None, True),
+        "--global-batch-size", "1152"], {"hw_file": SXM_FILE, "tflops": 432.8}, None, None, True),
 ]
 GIB = 2 ** 30
 
@@ -107,7 +110,7 @@ def _cfg(flags, world, opts):
 def _hw(opts):
     from megatronish.planner.hardware import load_hardware
 
-    return load_hardware(opts["hw"]) if "hw" in opts else load_hardware("H100-SXM", hardware_file=HW_FILE)
+    return load_hardware("H100-SXM", hardware_file=opts.get("hw_file", HW_FILE))
 
 
 def prepared():
@@ -117,7 +120,8 @@ def prepared():
     out = []
     for name, src, world, flags, opts, tps, mem, fit in RUNS:
         cfg, hw = _cfg(flags, world, opts), _hw(opts)
-        out.append((name, src, cfg, hw, opts, tps, mem, fit, plan_inputs(cfg, hw)))
+        inputs = plan_inputs(cfg, hw, unsharded_grads=bool(opts.get("torch_pipelining")))
+        out.append((name, src, cfg, hw, opts, tps, mem, fit, inputs))
     return out
 
 
@@ -148,37 +152,41 @@ def _published_tps(run) -> float:
 
 
 def fit(runs) -> dict:
-    """The efficiencies minimising the squared log ratio of predicted to published tokens/s on the ``fit`` runs
-    (a grid; ties go to the a-priori values)."""
+    """Per hardware table, the efficiencies minimising the squared log ratio of predicted to published tokens/s on
+    that card's ``fit`` runs (a grid; ties go to the model's a-priori constants): {hardware name: efficiencies}."""
     from megatronish.planner import perf
 
     prior = {k: getattr(perf, k) for k in perf.EFFICIENCIES}
-    grid = {"GEMM_EFFICIENCY": [x / 100 for x in range(40, 81, 2)],
+    grid = {"GEMM_EFFICIENCY": [x / 100 for x in range(30, 81, 2)],
             "ATTENTION_EFFICIENCY": [x / 100 for x in range(25, 71, 5)],
             "MEMORY_EFFICIENCY": [x / 100 for x in range(50, 91, 10)],
             "LINK_EFFICIENCY": [x / 100 for x in range(45, 91, 15)]}
-    chosen = [r for r in runs if r[7]]
-    best, best_err = None, math.inf
-    for values in itertools.product(*grid.values()):
-        eff = dict(zip(grid, values))
-        err = sum(math.log(predict(r, eff)["tps"] / _published_tps(r)) ** 2 for r in chosen)
-        err += 1e-4 * sum((eff[k] - prior[k]) ** 2 for k in eff)
-        if err < best_err:
-            best, best_err = eff, err
-    return best
+    out = {}
+    for card in sorted({r[3].name for r in runs if r[7]}):
+        chosen = [r for r in runs if r[7] and r[3].name == card]
+        best, best_err = None, math.inf
+        for values in itertools.product(*grid.values()):
+            eff = dict(zip(grid, values))
+            err = sum(math.log(predict(r, eff)["tps"] / _published_tps(r)) ** 2 for r in chosen)
+            err += 1e-4 * sum((eff[k] - prior[k]) ** 2 for k in eff)
+            if err < best_err:
+                best, best_err = eff, err
+        out[card] = best
+    return out
 
 
 def published(args) -> None:
     runs = prepared()
-    eff = None
+    eff = {}
     if args.fit:
         eff = fit(runs)
-        print("fitted on", ", ".join(r[0] for r in runs if r[7]), ":",
-              ", ".join(f"{k} {v:.2f}" for k, v in eff.items()))
+        for card, values in eff.items():
+            print(f"{card}: fitted on", ", ".join(r[0] for r in runs if r[7] and r[3].name == card), ":",
+                  ", ".join(f"{k} {v:.2f}" for k, v in values.items()))
     print(f"{'run':34s} {'fit':4s} {'tok/s/GPU pub':>13s} {'pred':>7s} {'ratio':>6s} {'TFLOP/s pub':>11s} "
           f"{'pred':>6s} {'MFU pred':>8s} {'GiB pub':>8s} {'pred':>6s} {'ratio':>6s}")
     for r in runs:
-        p = predict(r, eff)
+        p = predict(r, eff.get(r[3].name))
         pub = _published_tps(r)
         name, src, cfg, hw, opts, tps, mem, fitted, _ = r
         pub_tflops = pub * _flops_per_token(cfg) / 1e12
