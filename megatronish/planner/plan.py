@@ -72,12 +72,13 @@ def format_plan(plan: dict) -> str:
     flags = " ".join(f"{k}={v}" for k, v in lay.items() if v not in (None, False))
     lines = [f"layout: {flags}", f"hardware: {hw['name']} ({hw['hbm_gib']:.0f} GiB, {hw['peak_bf16_tflops']:.0f} "
              f"TFLOP/s bf16, {hw['gpus_per_node']} per node)", "",
-             "memory per rank (GiB; the fullest rank of each pipeline stage; params/grads/optimizer exact):",
-             "stage  rank      params     grads  optimizer  activations    total  fits"]
+             "memory per rank (GiB; the fullest rank of each pipeline stage; params/grads/optimizer exact; "
+             "fsdp: FSDP2's buffers in flight):",
+             "stage  rank      params     grads  optimizer  activations     fsdp    total  fits"]
     for s in plan["stages"]:
         lines.append(f"{s['stage']:5d} {s['rank']:5d}  {_gib(s['params'])}  {_gib(s['grads'])}   "
-                     f"{_gib(s['optimizer'])}     {_gib(s['activations'])} {_gib(s['total'])}  "
-                     f"{'yes' if s['fits'] else 'NO'}")
+                     f"{_gib(s['optimizer'])}     {_gib(s['activations'])} {_gib(s['fsdp_in_flight'])} "
+                     f"{_gib(s['total'])}  {'yes' if s['fits'] else 'NO'}")
     lines += ["", f"step time {tm['step_s'] * 1e3:.1f} ms: {tm['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
               f"{tm['model_tflops_per_gpu']:.1f} model TFLOP/s/GPU, MFU {tm['mfu'] * 100:.1f}%",
               "breakdown (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in tm["breakdown_s"].items()),
@@ -87,7 +88,8 @@ def format_plan(plan: dict) -> str:
 
 
 def plot_plan(plan: dict, path: str) -> bool:
-    """A stacked bar per pipeline stage (parameters, gradients, optimizer, activations) against the memory.
+    """A stacked bar per pipeline stage (parameters, gradients, optimizer, activations, FSDP2's buffers in
+    flight) against the memory.
     False (nothing drawn) without matplotlib."""
     try:
         import matplotlib
@@ -101,9 +103,9 @@ def plot_plan(plan: dict, path: str) -> bool:
     bottom = [0.0] * len(stages)
     x = [s["stage"] for s in stages]
     for key, color in (("params", "#4c72b0"), ("grads", "#dd8452"), ("optimizer", "#55a868"),
-                       ("activations", "#c44e52")):
+                       ("activations", "#c44e52"), ("fsdp_in_flight", "#8172b3")):
         vals = [s[key] / GIB for s in stages]
-        ax.bar(x, vals, bottom=bottom, color=color, label=key)
+        ax.bar(x, vals, bottom=bottom, color=color, label=key.replace("_in_flight", " in flight"))
         bottom = [a + b for a, b in zip(bottom, vals)]
     ax.axhline(plan["hardware"]["hbm_gib"], color="black", linestyle="--", label="memory")
     ax.set_xlabel("pipeline stage")
