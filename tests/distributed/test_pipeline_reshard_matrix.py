@@ -4,8 +4,9 @@ sequence 16, 4 microbatches) trains two iterations and saves under each configur
 over VP 2 (``E|ttt|t|L``), a 3 + 1 split (``--decoder-first-pipeline-num-layers 3``) and ``Et|tttL`` (1 + 3), and
 once in one process. Each checkpoint is loaded under every PP 2 configuration, which runs the third iteration:
 every pair's loss and every parameter after it (gathered under its global name) equal the uninterrupted
-one-process run's (fp32, rtol 1e-5). No weights are copied: every run starts from (seed, global name) or from a
-checkpoint.
+one-process run's (fp32, rtol 1e-5). The one-process checkpoint loads through ``setup``'s ``--load``; the others
+are then loaded into that run as ``setup`` loads (a stale optimizer, scheduler or RNG state would show). No
+weights are copied: every run starts from (seed, global name) or from a checkpoint.
 
 In the same worker group, each schedule's peak activation memory per rank (equal stages, PP 2, 4 microbatches,
 hidden 64, sequence 32, dropout on) is measured over one iteration and compared with the planner's per-rank
@@ -150,15 +151,18 @@ def _peak_memory(world):
 
 def _matrix(rank, world, root):
     peaks = _peak_memory(world)
-    runs = {}
     for name, argv in CONFIGS.items():  # two iterations and a save under each configuration
         cfg, run, state = _setup(PP2 + argv + ["--save", os.path.join(root, name)], world)
         _train_and_save(cfg, run, state, SAVED_AT)
-        runs[name] = cfg, run
-    out = {}
+    out, runs = {}, {}
     for saved in [ONE, *CONFIGS]:  # each checkpoint continued under each configuration
-        for name, (cfg, run) in runs.items():
-            state = _resume(cfg, run, os.path.join(root, saved))
+        for name, argv in CONFIGS.items():
+            if saved == ONE:  # the one-process checkpoint through setup's own --load
+                cfg, run, state = _setup(PP2 + argv + ["--load", os.path.join(root, ONE)], world)
+                runs[name] = cfg, run
+            else:  # the others into that run again
+                cfg, run = runs[name]
+                state = _resume(cfg, run, os.path.join(root, saved))
             losses, params = _result([training.train_step(run, state).loss], run)
             out[(saved, name)] = (losses, params if rank == 0 else None)
     groups.destroy_model_parallel()
