@@ -140,7 +140,33 @@ def _tokenizer_files(data_cfg) -> list[tuple[str, str]]:
         return [(model, "tokenizer.json")] if os.path.isfile(model) else []
     if t == "GPT2BPETokenizer" and data_cfg.vocab_file and data_cfg.merge_file:
         return [(data_cfg.vocab_file, "vocab.json"), (data_cfg.merge_file, "merges.txt")]
+    if t in SENTENCEPIECE_TYPES and model and os.path.isfile(model):
+        return [(model, "tokenizer.model")]
     return []
+
+
+# SentencePiece tokenizer types and whether their ``tokenize`` prepends bos (transformers' ``add_bos_token``)
+SENTENCEPIECE_TYPES = {"Llama2Tokenizer": True, "GPTSentencePieceTokenizer": False, "SentencePieceTokenizer": False}
+
+
+def _sentencepiece_config(model_file: str, tokenizer_type: str, max_length: int) -> dict:
+    """transformers' ``tokenizer_config.json`` for a SentencePiece model: its LlamaTokenizer reads
+    ``tokenizer.model`` and, with these settings, encodes text as this run's tokenizer does (the model's own bos /
+    eos / unk pieces, bos prepended only for ``Llama2Tokenizer``, the prefix space only where the model adds its
+    dummy prefix). Megatron's extra special tokens of ``SentencePieceTokenizer`` (<CLS>, <SEP>, <EOD>, <MASK>
+    appended after the model's pieces) are not part of it."""
+    import sentencepiece
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+
+    def piece(i: int, fallback: str | None) -> str | None:
+        return sp.IdToPiece(i) if 0 <= i < sp.GetPieceSize() else fallback
+
+    return {"tokenizer_class": "LlamaTokenizer", "model_max_length": max_length,
+            "add_bos_token": SENTENCEPIECE_TYPES[tokenizer_type], "add_eos_token": False,
+            "add_prefix_space": sp.EncodeAsPieces("a")[0].startswith("\u2581"),
+            "bos_token": piece(sp.bos_id(), None), "eos_token": piece(sp.eos_id(), None),
+            "unk_token": piece(sp.unk_id(), None), "pad_token": piece(sp.pad_id(), None)}
 
 
 def _write_side_files(out: str, cfg, dtype: torch.dtype, source: dict | None, source_dir: str | None) -> None:
@@ -164,6 +190,10 @@ def _write_side_files(out: str, cfg, dtype: torch.dtype, source: dict | None, so
         with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
             json.dump({"tokenizer_class": "GPT2Tokenizer", "model_max_length": mcfg.max_position_embeddings,
                        "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"},
+                      f, indent=2)
+    if cfg.data.tokenizer_type in SENTENCEPIECE_TYPES and copied:
+        with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
+            json.dump(_sentencepiece_config(copied[0][0], cfg.data.tokenizer_type, mcfg.max_position_embeddings),
                       f, indent=2)
 
 
