@@ -5,16 +5,18 @@
 
 ``published``: torchtitan's Llama 3.1 8B / 70B / 405B H100 runs (benchmarks/llama3_h100_202412_torchtitan.md in
 pytorch/torchtitan, December 2024: 96 GB HBM2e H100s at 500 W, ``benchmarks/hardware/h100_96gb_500w.toml``) and
-Megatron-LM's GPT-3 175B (its README's model table, H100-SXM), each modelled as stated (layout, batch, sequence,
-activation checkpointing, Float8 GEMMs, torch.compile, asynchronous TP), predicted vs published tokens/s/GPU,
-TFLOP/s/GPU, MFU and peak memory with ratios. ``--fit`` fits the four efficiencies on the runs marked ``fit``
-(a grid, least squares of log ratios) and prints them; ``--search`` ranks every layout for each published run's
-model, GPU count and batch and says where the published layout lands.
+Megatron-LM's GPT-3 175B (its README's model table: H100 SXM at 700 W, ``benchmarks/hardware/h100_sxm_700w.toml``),
+each modelled as stated (layout, batch, sequence, activation checkpointing, Float8 GEMMs, torch.compile,
+asynchronous TP), predicted vs published tokens/s/GPU, TFLOP/s/GPU, MFU and peak memory with ratios. Each card is
+its own hardware table (``benchmarks/hardware/``) with its own efficiencies; ``--fit`` fits them per card on that
+card's runs marked ``fit`` (a grid, least squares of log ratios), prints them and uses them (the hardware files
+carry the values it printed); ``--search`` ranks every layout for each published run's model, GPU count and batch
+and says where the published layout lands.
 
 ``cpu``: the planner on ``cpu-this-machine`` against the real ``train_step`` in forked gloo ranks (1, 2 and 4
-processes on this machine's cores; each rank runs one thread, so the probed one-thread peak and copy rate are
-shared out when there are more ranks than cores), median of ``--iters`` steps after two warm-up steps, layouts
-alternated over ``--rounds`` rounds (the spread is the rounds' range).
+processes on this machine's cores; each rank runs one thread, so the probed one-thread peak and copy rate are shared
+out when there are more ranks than cores), median of ``--iters`` steps after two warm-up steps, layouts alternated
+over ``--rounds`` rounds (the spread is the rounds' range).
 """
 from __future__ import annotations
 

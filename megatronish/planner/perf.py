@@ -17,18 +17,21 @@ ranks, ``B`` bytes): ring all-reduce moves ``2 (n-1)/n B`` in ``2 (n-1)`` steps,
 ``2 log2 n`` hops, as NCCL does for small messages). The link: NVLink when the group's ranks (rank order tp-cp-ep-dp-pp,
 ``comms.group_span``) lie in one node of ``gpus_per_node``, else the network.
 
-Overlap (each collective's ``role``): TP/SP collectives are exposed (``tp_overlap``: hidden behind the GEMMs,
-as asynchronous TP does); the CP ring hides behind the attention core; EP dispatch is exposed; PP sends are
-exposed, each rank's own and the ``2 (p-1)`` of the warm-up and cool-down; DP gradient reduction is exposed, or
-under ``--overlap-grad-reduce`` hides behind the last microbatch's backward but for its last bucket; the distributed
-optimizer's parameter all-gather likewise behind the first microbatch's forward under ``--overlap-param-gather``;
-FSDP2's gathers and reduce-scatters behind the compute; everything else (loss, gradient norm, the tied
-embedding's and SP parameters' gradients, MoE statistics) is exposed. The pipeline bubble is
-:func:`bubble_fraction` of the compute (1F1B, interleaved, and the zero-bubble schedules' own action lists), and
-the slowest pipeline rank (uneven stages; the loss's logits and MTP depths) sets the compute
-(:func:`stage_imbalance`). MLA's head sizes and the MTP depths count in the FLOPs (``training/flops.py``'s terms).
+Overlap (each collective's ``role``): TP/SP collectives are exposed (``tp_overlap``: asynchronous TP hides the
+forward passes' share behind their GEMMs, :func:`tp_forward_share`); the CP ring hides behind the attention core; EP
+dispatch is exposed; PP sends are exposed, each rank's own and the ``2 (p-1)`` of the warm-up and cool-down; DP
+gradient reduction is exposed, or under ``--overlap-grad-reduce`` hides behind the last microbatch's backward but
+for its last bucket; the distributed optimizer's parameter all-gather likewise behind the first microbatch's forward
+under ``--overlap-param-gather``; FSDP2's gathers and reduce-scatters behind the compute but each microbatch's first
+gather and last reduce-scatter (:func:`fsdp_exposed`); a hidden collective costs the compute ``OVERLAP_COST`` of its
+time; everything else (loss, gradient norm, the tied embedding's and SP parameters' gradients, MoE statistics) is
+exposed. The pipeline bubble is :func:`bubble_fraction` of the compute (1F1B, interleaved, and the zero-bubble
+schedules' own action lists), and the slowest pipeline rank (uneven stages; the loss's logits and MTP depths) sets
+the compute (:func:`stage_imbalance`). MLA's head sizes and the MTP depths count in the FLOPs
+(``training/flops.py``'s terms).
 
-The efficiencies are fitted on three published runs (docs/planner.md, "Against published runs").
+The efficiencies are the module's constants unless the hardware entry carries its own (``hw.efficiencies``,
+fitted per card on published runs: docs/planner.md, "Against published runs").
 """
 from __future__ import annotations
 
@@ -38,8 +41,9 @@ import math
 from ..training.flops import num_floating_point_operations
 from .comms import GroupSizes, ddp_estimate, fsdp_estimate, group_span, step_collectives
 
-# fitted (benchmarks/bench_planner.py published --fit) on torchtitan's Llama 3.1 8B FSDP 8 bf16 and 70B FSDP 32 x TP 8
-# runs and Megatron-LM's GPT-3 175B; the a-priori values were 0.70, 0.45, 0.70, 0.75
+# defaults for a card without its own efficiencies: one fit over both published stacks (torchtitan's Llama 3.1 8B
+# FSDP 8 bf16 and 70B FSDP 32 x TP 8 runs and Megatron-LM's GPT-3 175B); the a-priori values were 0.70, 0.45, 0.70,
+# 0.75. benchmarks/hardware/*.toml carry each published card's own, fitted on its own runs.
 GEMM_EFFICIENCY = 0.52
 ATTENTION_EFFICIENCY = 0.25
 MEMORY_EFFICIENCY = 0.50
