@@ -235,21 +235,49 @@ class KernelConfig:
         return []
 
 
+# --recompute-modules, as Megatron-LM's TransformerConfig lists them: what selective recompute runs again in backward
+# (core attention; MLA's up-projections and RoPE; the dense MLP; the two norms; the experts' activation; the shared
+# experts; the whole MoE layer). Megatron-LM's modules of features megatronish lacks are refused by name.
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+MEGATRON_ONLY_RECOMPUTE_MODULES = {"gdn_norm_out": "the gated delta net attention variant",
+                                   "gdp_in_proj": "the gated delta product attention variant",
+                                   "gdp_qkv": "the gated delta product attention variant",
+                                   "mhc": "hyper-connections"}
+
+
 @dataclass(frozen=True)
 class RecomputeConfig:
     """Activation recompute (Megatron's flags)."""
 
-    recompute_granularity: str | None = None  # "full" | "selective" (core attention)
+    recompute_granularity: str | None = None  # "full" | "selective" (the modules of recompute_modules)
     recompute_method: str | None = None  # "uniform" | "block"
     recompute_num_layers: int | None = None
+    recompute_modules: tuple[str, ...] | None = None  # --recompute-modules (None: core_attn)
+
+    def recomputes(self, module: str) -> bool:
+        """Whether selective recompute covers ``module`` (a name of ``RECOMPUTE_MODULES``)."""
+        if self.recompute_granularity != "selective":
+            return False
+        return module in (("core_attn",) if self.recompute_modules is None else self.recompute_modules)
 
     def problems(self) -> list[str]:
         g, method = self.recompute_granularity, self.recompute_method
         if g not in (None, "full", "selective"):
             return [f"--recompute-granularity {g!r}: choose full or selective"]
+        if self.recompute_modules is not None:
+            if g != "selective":
+                return ["--recompute-modules needs --recompute-granularity selective; add it or drop "
+                        "--recompute-modules"]
+            for name in self.recompute_modules:
+                if name in MEGATRON_ONLY_RECOMPUTE_MODULES:
+                    feature = MEGATRON_ONLY_RECOMPUTE_MODULES[name]
+                    return [f"--recompute-modules {name}: recomputes a part of {feature}, which megatronish does "
+                            "not have; drop it"]
+                if name not in RECOMPUTE_MODULES:
+                    return [f"--recompute-modules {name!r}: choose from {' '.join(RECOMPUTE_MODULES)}"]
         if g == "selective" and method is not None:
             return ["--recompute-method is not supported with --recompute-granularity selective "
-                    "(it recomputes core attention in every layer); drop --recompute-method"]
+                    "(it recomputes its modules in every layer); drop --recompute-method"]
         if g == "full":
             if method not in ("uniform", "block"):
                 return ["--recompute-granularity full needs --recompute-method uniform or block"]
@@ -398,6 +426,7 @@ class ModelConfig:
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             out.append(f"--normalization {self.normalization!r}: choose LayerNorm or RMSNorm")
         out += self.recompute.problems()
+        out += self._recompute_module_problems()
         out += self.kernels.problems()
         out += self.moe.problems(self.num_layers, self.add_bias_linear)
         if self.mtp_num_layers is not None and self.mtp_num_layers < 1:
@@ -406,6 +435,21 @@ class ModelConfig:
                 and not self.attention.multi_latent_attention:
             out.append("--mtp-num-layers needs rotary positions (--position-embedding-type rope or yarn, or "
                        "--multi-latent-attention); learned absolute positions are not supported with it")
+        return out
+
+    def _recompute_module_problems(self) -> list[str]:
+        """Megatron-LM's rules for modules that need a feature (``moe``, ``shared_experts`` and ``mlp`` apply
+        where their layers exist and are ignored elsewhere, as in Megatron-LM)."""
+        r, out = self.recompute, []
+        if r.recomputes("mla_up_proj") and not self.attention.multi_latent_attention:
+            out.append("--recompute-modules mla_up_proj needs --multi-latent-attention; drop mla_up_proj")
+        if r.recomputes("moe_act") and not (self.moe.num_experts and self.moe.moe_grouped_gemm):
+            out.append("--recompute-modules moe_act needs --num-experts with --moe-grouped-gemm (as in Megatron-LM); "
+                       "add them or drop moe_act")
+        delayed = [m for m in ("moe_act", "layernorm") if r.recomputes(m)]
+        if self.precision.fp8 and self.precision.fp8_recipe == "delayed" and delayed:
+            out.append(f"--recompute-modules {' '.join(delayed)}: not supported with --fp8-recipe delayed (as in "
+                       "Megatron-LM); use --fp8-recipe tensorwise or drop them")
         return out
 
     @property

@@ -48,6 +48,9 @@ def add_model_flags(p) -> None:
     flag(g, "--recompute-method", default=None, choices=["uniform", "block"])
     flag(g, "--recompute-num-layers", type=int, default=None)
     flag(g, "--recompute-activations", **on, help="selective recompute (Megatron's shorthand)")
+    flag(g, "--recompute-modules", nargs="*", default=None,
+         help="what selective recompute runs again in backward (default core_attn): core_attn moe_act layernorm "
+              "mla_up_proj mlp moe shared_experts")
 
 
 def add_mla_flags(p) -> None:

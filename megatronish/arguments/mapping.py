@@ -24,6 +24,7 @@ def _rules(args, load_resolved: tuple[str, int | None] | None = None) -> dict[ty
             # Megatron uses --num-query-groups only under --group-query-attention (None: one group per head)
             num_query_groups=args.num_query_groups if args.group_query_attention else None,
             recompute_granularity="selective" if args.recompute_activations else args.recompute_granularity,
+            recompute_modules=None if args.recompute_modules is None else tuple(args.recompute_modules),
             transformer_impl=args.transformer_impl or "local",
             # Megatron: one load-balancing type (and coefficient) given as a list of one is that value
             moe_router_load_balancing_type=_one_or_list(args.moe_router_load_balancing_type),

@@ -90,9 +90,9 @@ class CoreAttention(nn.Module):
         self.cp_comm_type = config.attention.cp_comm_type_of(layer_number)  # --cp-comm-type, one or per layer
         self.dropout = config.attention.attention_dropout
         self.attention_backend = config.attention.attention_backend  # resolved per call on the tensors' device
-        # --recompute-granularity selective: keep no activations of the core attention (scores, softmax,
-        # dropout mask); recompute it in backward with the RNG replayed.
-        self.recompute_core_attention = config.recompute.recompute_granularity == "selective"
+        # --recompute-modules core_attn (selective recompute's default): keep no activations of the core
+        # attention (scores, softmax, dropout mask), only q, k, v; recompute it in backward with the RNG replayed.
+        self.recompute_core_attention = config.recompute.recomputes("core_attn")
         return parallel
 
     def _attention(self, q, k, v, document_ids=None, kv_cache=None) -> torch.Tensor:

@@ -58,6 +58,7 @@ from ..parallel.mappings import copy_to_tensor_model_parallel_region, gather_fro
 from ..parallel.random import RNGStatesTracker
 from .attention import CoreAttention
 from .norms import build_norm
+from .recompute import discard_output
 from .rope import apply_rotary_interleaved, yarn_softmax_mscale
 
 
@@ -93,6 +94,7 @@ class MLASelfAttention(CoreAttention):
         q_head = self.qk_head_dim + self.rope_dim
         self.kv_channels = max(q_head, self.v_head_dim)  # context parallelism's head size (both padded to it)
         self.softmax_scale = yarn_softmax_mscale(a) / math.sqrt(q_head)
+        self.recompute_up_proj = c.recompute.recomputes("mla_up_proj")  # see forward
         std = c.init_method_std
 
         def column(in_size, out_size):
@@ -121,54 +123,71 @@ class MLASelfAttention(CoreAttention):
                                              sequence_parallel=sequence_parallel, init_std=output_init_std,
                                              params_dtype=params_dtype, device=device, tp_group=tp_group)
 
-    def _query(self, x: torch.Tensor) -> torch.Tensor:
+    def _query_latent(self, x: torch.Tensor) -> torch.Tensor:
+        """``norm_q(W_q_down x)`` ``[s(/t), b, r_q]``, or ``x`` itself without ``--q-lora-rank``."""
         if not self.q_lora:
-            return self.linear_q_proj(x)[0]  # [s, b, heads/t * (d_nope + d_rope)]
+            return x
         latent = self.linear_q_down_proj(x)  # [s(/t), b, r_q]
-        if self.q_layernorm is not None:
-            latent = self.q_layernorm(latent)
-        return self.linear_q_up_proj(latent)[0]
+        return latent if self.q_layernorm is None else self.q_layernorm(latent)
+
+    def _query_up(self, latent: torch.Tensor) -> torch.Tensor:
+        """[s(/t), b, r_q or h] -> [s, b, heads/t * (d_nope + d_rope)]"""
+        return (self.linear_q_up_proj if self.q_lora else self.linear_q_proj)(latent)[0]
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, ...] | None = None,
                 document_ids: torch.Tensor | None = None, kv_cache=None):
         """``x``: ``[s, b, h]`` (``[s/t, b, h]`` under sequence parallelism); ``rotary``: the tables of
         ``--qk-pos-emb-head-dim`` (GPTModel's); the rest as :class:`~megatronish.model.attention.SelfAttention`."""
         d_nope, d_rope, d_v, heads = self.qk_head_dim, self.rope_dim, self.v_head_dim, self.local_heads
-        q = self._query(x)
-        s, b = q.shape[:2]
-        q = q.view(s, b, heads, d_nope + d_rope)  # [s, b, heads/t, d_nope + d_rope]
+        q_latent = self._query_latent(x)
         latent, k_rope = self.linear_kv_down_proj(x).split([self.kv_lora_rank, d_rope], dim=-1)  # [s(/t), b, .]
         if self.kv_layernorm is not None:
             latent = self.kv_layernorm(latent)
         if kv_cache is not None:  # generation: the latent cache (no sequence parallelism there)
+            q = self._query_up(q_latent)
+            s, b = q.shape[:2]
             cos, sin = rotary[0], rotary[1]
-            q_nope, q_rope = q.split([d_nope, d_rope], dim=-1)
+            q_nope, q_rope = q.view(s, b, heads, d_nope + d_rope).split([d_nope, d_rope], dim=-1)
             k_rope = apply_rotary_interleaved(k_rope.unsqueeze(2), cos, sin)[:, :, 0]  # [s, b, d_rope]
             ctx = self._cached(q_nope, apply_rotary_interleaved(q_rope, cos, sin), latent, k_rope, kv_cache)
             return self.linear_proj(ctx)
-        kv = self.linear_kv_up_proj(latent)[0].view(s, b, heads, d_nope + d_v)  # [s, b, heads/t, d_nope + d_v]
-        k_nope, v = kv.split([d_nope, d_v], dim=-1)
         # the shared RoPE key feeds every rank's heads: its gradient is summed over TP
         tp_group = self.parallel.tp_group
         if self.sequence_parallel:
             k_rope = gather_from_sequence_parallel_region(k_rope, True, tp_group)  # [s, b, d_rope]
         else:
             k_rope = copy_to_tensor_model_parallel_region(k_rope, tp_group)
+        # --recompute-modules mla_up_proj: keep the latents and the RoPE key, recompute q, k, v in backward
+        (q, k, v), block = discard_output(self.recompute_up_proj and self.training, self._up_proj_and_rope,
+                                          q_latent, latent, k_rope, rotary[0], rotary[1])
+        s, b = k_rope.shape[:2]
+        with block:
+            ctx = self._attention(q, k, v, document_ids)  # [b, heads/t, s, d_v (padded)]
+        if self.parallel.cp_size > 1:
+            ctx = ctx[..., :d_v]
+        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, heads * d_v)  # [s, b, heads/t * d_v]
+        return self.linear_proj(ctx)  # (out, bias)
+
+    def _up_proj_and_rope(self, q_latent, latent, k_rope, cos, sin):
+        """The query and key/value up-projections and RoPE: the latents (``[s(/t), b, r_q or h]``,
+        ``[s(/t), b, r_kv]``) and the RoPE key ``[s, b, d_rope]`` -> q, k, v ``[b, heads/t, s, d]`` (padded to one
+        head size under context parallelism)."""
+        d_nope, d_rope, d_v, heads = self.qk_head_dim, self.rope_dim, self.v_head_dim, self.local_heads
+        q = self._query_up(q_latent)
+        s, b = q.shape[:2]
+        q = q.view(s, b, heads, d_nope + d_rope)  # [s, b, heads/t, d_nope + d_rope]
+        kv = self.linear_kv_up_proj(latent)[0].view(s, b, heads, d_nope + d_v)  # [s, b, heads/t, d_nope + d_v]
+        k_nope, v = kv.split([d_nope, d_v], dim=-1)
         q_nope, q_rope = q.split([d_nope, d_rope], dim=-1)
-        cos, sin = rotary[0], rotary[1]  # (the fused in-place kernel is not used on these slices)
+        # (the fused in-place kernel is not used on these slices)
         q_rope = apply_rotary_interleaved(q_rope, cos, sin)
         k_rope = apply_rotary_interleaved(k_rope.unsqueeze(2), cos, sin)  # [s, b, 1, d_rope]
         q = torch.cat((q_nope, q_rope), dim=-1)
         k = torch.cat((k_nope, k_rope.expand(s, b, heads, d_rope)), dim=-1)  # [s, b, heads/t, d_nope + d_rope]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads/t, s, d]
-        pad = self.parallel.cp_size > 1  # one head size for keys and values: pad
-        if pad:
+        if self.parallel.cp_size > 1:  # one head size for keys and values: pad
             q, k, v = (F.pad(t, (0, self.kv_channels - t.size(-1))) for t in (q, k, v))
-        ctx = self._attention(q, k, v, document_ids)  # [b, heads/t, s, d_v (padded)]
-        if pad:
-            ctx = ctx[..., :d_v]
-        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, heads * d_v)  # [s, b, heads/t * d_v]
-        return self.linear_proj(ctx)  # (out, bias)
+        return q, k, v
 
     def _cached(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
                 cache) -> torch.Tensor:

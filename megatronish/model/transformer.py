@@ -16,12 +16,15 @@ from .mla import MLASelfAttention
 from .mlp import MLP
 from .moe.layer import MoELayer, is_moe_layer
 from .norms import build_norm
+from .recompute import discard_output
+
+
+def _with_bias(x, bias):
+    return x if bias is None else x + bias
 
 
 def _bias_dropout_add(x, bias, residual, p, training):
-    if bias is not None:
-        x = x + bias
-    return residual + F.dropout(x, p=p, training=training)
+    return residual + F.dropout(_with_bias(x, bias), p=p, training=training)
 
 
 class TransformerLayer(nn.Module):
@@ -45,16 +48,33 @@ class TransformerLayer(nn.Module):
         self.self_attention = attention(c, sequence_parallel, out_std, params_dtype, device, parallel, layer_number,
                                         rng_tracker)
         self.pre_mlp_layernorm = norm()
-        if is_moe_layer(c, layer_number):
-            self.mlp = MoELayer(c, sequence_parallel, out_std, params_dtype, device, parallel, layer_number)
+        moe = is_moe_layer(c, layer_number)
+        if moe:
+            self.mlp = MoELayer(c, sequence_parallel, out_std, params_dtype, device, parallel, layer_number,
+                                rng_tracker)
         else:
             self.mlp = MLP(c, sequence_parallel, out_std, params_dtype, device, parallel.tp_group)
+        # --recompute-modules (selective): `layernorm` keeps the two norms' inputs, not their outputs (recomputed
+        # when backward needs them); `mlp` keeps the dense MLP's input only (an MoE layer's is `moe`'s).
+        self.recompute_layernorm = c.recompute.recomputes("layernorm")
+        self.recompute_mlp = c.recompute.recomputes("mlp") and not moe
+        self._rng = Shared(tracker_or_current(rng_tracker))
+
+    def _mlp(self, y: torch.Tensor):
+        if self.recompute_mlp and self.training:
+            return checkpoint(lambda h: _with_bias(*self.mlp(h)), y, tracker=self._rng.value), None
+        return self.mlp(y)
 
     def forward(self, x: torch.Tensor, rotary=None, document_ids=None, inference_params=None) -> torch.Tensor:
         kv_cache = None if inference_params is None else inference_params.layer_cache(self.layer_number)
-        out, bias = self.self_attention(self.input_layernorm(x), rotary, document_ids, kv_cache)
+        norm = self.recompute_layernorm and self.training
+        y, block = discard_output(norm, self.input_layernorm, x)
+        with block:
+            out, bias = self.self_attention(y, rotary, document_ids, kv_cache)
         x = _bias_dropout_add(out, bias, x, self.hidden_dropout, self.training)
-        out, bias = self.mlp(self.pre_mlp_layernorm(x))
+        y, block = discard_output(norm, self.pre_mlp_layernorm, x)
+        with block:
+            out, bias = self._mlp(y)
         return _bias_dropout_add(out, bias, x, self.hidden_dropout, self.training)
 
 

@@ -21,6 +21,7 @@ from torch import nn
 
 from ...parallel.init import TensorDesc, local_shape, set_desc
 from ..mlp import activation
+from ..recompute import discard_output
 
 
 def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -71,6 +72,7 @@ class GroupedExperts(nn.Module):
         self.swiglu, self.openai_gelu = c.swiglu, c.openai_gelu
         self.use_triton_kernels = c.kernels.use_triton_kernels
         self.how = "grouped" if c.moe.moe_grouped_gemm else "sequential"
+        self.recompute_act = c.recompute.recomputes("moe_act")  # see forward
         etp, ep = (parallel.etp_size, parallel.ep_size) if parallel is not None else (1, 1)
         if num_experts % ep:
             raise ValueError(f"{num_experts} experts are not divisible by expert-parallel size {ep}")
@@ -89,6 +91,13 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: list[int], probs: torch.Tensor) -> torch.Tensor:
         h = grouped_linear(x, self.linear_fc1.weight, counts, self.how)  # [N, 2F/etp] or [N, F/etp]
+        # --recompute-modules moe_act: keep fc1's output and the probs, recompute the activation in backward
+        h, block = discard_output(self.recompute_act and self.training,
+                                  lambda fc1, p: self._activation(fc1, p, x.dtype), h, probs)
+        with block:
+            return grouped_linear(h, self.linear_fc2.weight, counts, self.how)  # [N, h]
+
+    def _activation(self, h: torch.Tensor, probs: torch.Tensor, dtype) -> torch.Tensor:
+        """The activation times each row's router probability, in ``dtype``: [N, .] -> [N, F/etp]."""
         h = activation(h, self.swiglu, self.openai_gelu, self.use_triton_kernels)
-        h = (h * probs.unsqueeze(-1)).to(x.dtype)
-        return grouped_linear(h, self.linear_fc2.weight, counts, self.how)  # [N, h]
+        return (h * probs.unsqueeze(-1)).to(dtype)

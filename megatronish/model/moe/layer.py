@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ...parallel.context import Shared
 from ...parallel.init import TensorDesc, set_desc
+from ...parallel.random import checkpoint, tracker_or_current
 from ..mlp import MLP
 from .dispatcher import DISPATCHERS
 from .experts import GroupedExperts
@@ -53,7 +55,7 @@ class SharedExperts(MLP):
 
 class MoELayer(nn.Module):
     def __init__(self, config, sequence_parallel: bool, output_init_std: float, params_dtype=torch.float32,
-                 device=None, parallel=None, layer_number: int = 0):
+                 device=None, parallel=None, layer_number: int = 0, rng_tracker=None):
         super().__init__()
         c = config
         self.layer_number = layer_number  # global, 0-based (metrics are per layer)
@@ -66,14 +68,27 @@ class MoELayer(nn.Module):
         if c.moe.moe_shared_expert_intermediate_size:
             self.shared_experts = SharedExperts(c, sequence_parallel, output_init_std, params_dtype, device,
                                                 parallel.tp_group)
+        self.recompute_moe = c.recompute.recomputes("moe")  # see forward
+        self.recompute_shared_experts = c.recompute.recomputes("shared_experts") and not self.recompute_moe
+        self._rng = Shared(tracker_or_current(rng_tracker))  # the run's streams, for the recompute
 
     def forward(self, x: torch.Tensor):
-        """``x``: ``[s, b, h]`` (``[s/t, b, h]`` under sequence parallelism) -> ``(out [same], None)``."""
+        """``x``: ``[s, b, h]`` (``[s/t, b, h]`` under sequence parallelism) -> ``(out [same], None)``.
+        ``--recompute-modules moe`` keeps the layer's input only and runs it all again in backward (routing,
+        dispatch, experts, shared experts); ``shared_experts`` does so for the shared experts alone."""
+        if self.recompute_moe and self.training:
+            return checkpoint(self._forward, x, tracker=self._rng.value), None
+        return self._forward(x), None
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         s, b, h = x.shape
         probs, routing_map = self.router(x)  # [T, E] each
         rows, counts, row_probs = self.dispatcher.dispatch(x.reshape(-1, h), probs, routing_map)
         out = self.dispatcher.combine(self.experts(rows, counts, row_probs)).view(s, b, h)
         if self.shared_experts is not None:
-            shared, _ = self.shared_experts(x)
+            if self.recompute_shared_experts and self.training:
+                shared = checkpoint(lambda y: self.shared_experts(y)[0], x, tracker=self._rng.value)
+            else:
+                shared, _ = self.shared_experts(x)
             out = out + shared
-        return out, None
+        return out
