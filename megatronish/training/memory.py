@@ -73,34 +73,48 @@ def bytes_per_parameter(params_dtype=torch.float32, grad_dtype=torch.float32, *,
     return p + g + (sharded / dp if distributed else sharded)
 
 
+def _modules(recompute: str | None, modules) -> tuple:
+    """The modules selective recompute covers (``--recompute-modules``; None: core attention)."""
+    if recompute != "selective":
+        return ()
+    return ("core_attn",) if modules is None else tuple(modules)
+
+
 def activation_bytes_per_layer(s: int, b: int, h: int, a: int, *, t: int = 1, sequence_parallel: bool = False,
                                recompute: str | None = None, ffn_hidden_size: int | None = None,
-                               kv_hidden_size: int | None = None, swiglu: bool = False) -> float:
+                               kv_hidden_size: int | None = None, swiglu: bool = False,
+                               recompute_modules=None) -> float:
     """Korthikanti et al. 2022, Table 2 (16-bit activations, 1-byte dropout masks), one layer, one microbatch.
 
     The 34 of the paper is 10 replicated bytes per ``s*b*h`` (two norm inputs 4, the QKV and FC1 inputs 4, two
     dropout masks 2) plus 24 TP-sharded ones (Q and K 4, V 2, projection input 2, activation input 8, FC2 input
     8). With ``kv_hidden_size`` (GQA: query groups x head size) K and V shrink to ``2*kv/h`` each; with FFN size
     ``f`` the MLP terms are ``4*f/h``, or ``6*f/h`` with SwiGLU (its input holds gate and up).
-    ``sequence_parallel`` is the resolved one (``RunConfig.sequence_parallel``)."""
+    ``sequence_parallel`` is the resolved one (``RunConfig.sequence_parallel``).
+
+    Selective recompute drops the terms of its ``recompute_modules`` (None: ``core_attn``): ``core_attn`` the
+    ``5*a*s/h`` of the scores; ``mlp`` the MLP's sharded terms (its input, the norm's output, stays);
+    ``layernorm`` the two norms' outputs (the QKV and FC1 inputs, 4 of the replicated 10). ``mla_up_proj``,
+    ``moe_act``, ``moe`` and ``shared_experts`` are not modelled: the formula is the dense multi-head layer's."""
     f = default_ffn_hidden_size(h, swiglu) if ffn_hidden_size is None else ffn_hidden_size
     kv = h if kv_hidden_size is None else kv_hidden_size
-    sharded = 4 + 4 * kv / h + (6 if swiglu else 4) * f / h  # 24 for MHA, f = 4h, no SwiGLU
-    linear = 10 + sharded
-    attn = 5 * a * s / h  # scores, softmax, dropout mask and output
+    modules = _modules(recompute, recompute_modules)
+    mlp = 0.0 if "mlp" in modules else (6 if swiglu else 4) * f / h
+    sharded = 4 + 4 * kv / h + mlp  # 24 for MHA, f = 4h, no SwiGLU
+    replicated = 6.0 if "layernorm" in modules else 10.0
+    attn = 0.0 if "core_attn" in modules else 5 * a * s / h  # scores, softmax, dropout mask and output
     sp = sequence_parallel
     if recompute == "full":
         return 2 * s * b * h / (t if sp else 1)
-    if recompute == "selective":
-        attn = 0.0
     if t == 1 or sp:
-        return s * b * h * (linear / t + attn / t)
-    return s * b * h * (10 + (linear - 10) / t + attn / t)
+        return s * b * h * (replicated + sharded + attn) / t
+    return s * b * h * (replicated + sharded / t + attn / t)
 
 
 def cpu_activation_bytes_per_layer(s: int, b: int, h: int, a: int, *, t: int = 1, sequence_parallel: bool = False,
                                    recompute: str | None = None, ffn_hidden_size: int | None = None,
-                                   kv_hidden_size: int | None = None, swiglu: bool = False) -> float:
+                                   kv_hidden_size: int | None = None, swiglu: bool = False,
+                                   recompute_modules=None) -> float:
     """What this implementation saves per layer in 16-bit on CPU: :func:`activation_bytes_per_layer` plus three
     known deviations (accounted for tensor by tensor with the saved-tensor hooks):
 
@@ -112,10 +126,12 @@ def cpu_activation_bytes_per_layer(s: int, b: int, h: int, a: int, *, t: int = 1
       them (4 bytes more per element: ``+(2 + 4*kv/h)*s*b*h/t``, 6 for multi-head attention) and fp32
       probabilities, dropout mask and dropped probabilities (12 bytes per score instead of 5: ``+7*a*s*s*b/t``);
     - SwiGLU as ``silu(gate) * up`` also keeps ``silu(gate)`` for the product's backward: ``+2*f/h * s*b*h/t``.
-    (``full`` recompute is the formula's.)"""
+    (``full`` recompute is the formula's; with ``recompute_modules``, the deviations of the modules recomputed
+    go with them, for ``t = 1``.)"""
     base = activation_bytes_per_layer(s, b, h, a, t=t, sequence_parallel=sequence_parallel, recompute=recompute,
                                       ffn_hidden_size=ffn_hidden_size, kv_hidden_size=kv_hidden_size,
-                                      swiglu=swiglu)
+                                      swiglu=swiglu, recompute_modules=recompute_modules)
+    modules = _modules(recompute, recompute_modules)
     if recompute == "full":
         return base
     sp = sequence_parallel
@@ -124,9 +140,9 @@ def cpu_activation_bytes_per_layer(s: int, b: int, h: int, a: int, *, t: int = 1
     if sp:
         extra += 4 * sbh * (1 - 1 / t)
     kv = h if kv_hidden_size is None else kv_hidden_size
-    if recompute != "selective":
+    if "core_attn" not in modules:
         extra += (2 + 4 * kv / h) * sbh / t + 7 * a * s * s * b / t
-    if swiglu:
+    if swiglu and "mlp" not in modules:
         f = default_ffn_hidden_size(h, swiglu) if ffn_hidden_size is None else ffn_hidden_size
         extra += 2 * f / h * sbh / t
     return base + extra
@@ -150,6 +166,7 @@ def activation_bytes(model_cfg, *, micro_batch_size: int, tp: int = 1, pp: int =
     per_layer = activation_bytes_per_layer(s, b, h, m.num_attention_heads, t=tp,
                                            sequence_parallel=sequence_parallel,
                                            recompute=m.recompute.recompute_granularity,
+                                           recompute_modules=m.recompute.recompute_modules,
                                            ffn_hidden_size=m.ffn_hidden_size,
                                            kv_hidden_size=m.num_query_groups * m.kv_channels, swiglu=m.swiglu)
     if pp == 1:
