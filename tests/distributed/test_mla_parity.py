@@ -48,6 +48,9 @@ CASES = {  # name: (world, layout flags, model variant)
     "tp2-sp-recompute-full": (2, TP2 + SP + ["--recompute-granularity", "full", "--recompute-method", "uniform",
                                              "--recompute-num-layers", "1"], "mla-yarn"),
     "tp2-sp-recompute-selective": (2, TP2 + SP + ["--recompute-granularity", "selective"], "mla-yarn"),
+    # the up-projections and RoPE recomputed from the kept latents (their all-gathers again in backward)
+    "tp2-sp-recompute-mla-up-proj": (2, TP2 + SP + ["--recompute-granularity", "selective", "--recompute-modules",
+                                                    "mla_up_proj", "core_attn"], "mla-yarn"),
     "pp2": (2, PP2, "mla-yarn"),
     "cp2-p2p": (2, ["--context-parallel-size", "2"], "mla-yarn"),
     "dp2-distopt": (2, ["--use-distributed-optimizer"], "mla-yarn"),
