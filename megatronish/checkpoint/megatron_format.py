@@ -35,6 +35,20 @@ Both are read; the writer stores these three norms under both names, so its outp
 local spec (``ColumnParallelLinear``) and whole on every rank in the Transformer Engine spec
 (``parallel_mode="duplicated"``): the same global tensor in ``torch_dist``; a legacy TP file holding the whole
 tensor is read as replicated.
+
+**Mixture of experts** (``num_experts`` in the args; megatronish/model/moe/, whose names are megatron-core's but
+for the experts): the router (``mlp.router.weight``, ``mlp.router.expert_bias``) and the shared experts
+(``mlp.shared_experts.linear_fc1/linear_fc2.weight``, ``gate_weight``) keep their names. megatron-core's three
+expert modules (SequentialMLP, TEGroupedMLP, the legacy GroupedMLP) store the same ``torch_dist`` tensors,
+``mlp.experts.experts.linear_fc1.weight`` ``[E, 2F, h]`` (each expert's ``[gate; up]``) and ``linear_fc2.weight``
+``[E, h, F]``, global expert numbers along their first axis: our stacked expert tensors
+(``mlp.experts.linear_fc1.weight``). A model whose layers differ (``--moe-layer-freq`` other than 1) is stored
+one key per layer (``decoder.layers.<i>.<suffix>``, no layer axis; megatron-core's ``non_homogeneous_layers``),
+so a layer's tensor is looked up under either form. In legacy files each rank holds its EP rank's local experts
+(``mp_rank_TT[_PPP]_EEE``; ``local_experts.<j>.``, TEGroupedMLP's ``linear_fc1.weight<j>`` or GroupedMLP's
+``weight1/weight2``), split over expert tensor parallelism (:mod:`.megatron_legacy`). With the Transformer Engine
+spec an MoE layer keeps ``pre_mlp_layernorm`` as a module (its dense layers fuse it): both names are read per
+layer, and the writer stores it under both.
 """
 from __future__ import annotations
 
@@ -47,122 +61,16 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from . import dcp_io, layout
 from .dcp_io import CheckpointError
+from .megatron_legacy import LEGACY_FILE, Legacy, legacy_files
+from .megatron_names import ALT_KEYS, LAYER_KEYS, split_layer, stored_arg
 from .megatron_pickle import safe_load
 
 METADATA_JSON = "metadata.json"
 COMMON_PT = "common.pt"
-LEGACY_FILE = "model_optim_rng.pt"
-
-# our per-layer suffix -> the megatron-core torch_dist key suffix (after "decoder.layers.")
-LAYER_KEYS = {
-    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-    "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
-    "self_attention.linear_qkv.weight": "self_attention.linear_qkv.weight",
-    "self_attention.linear_qkv.bias": "self_attention.linear_qkv.bias",
-    "self_attention.linear_proj.weight": "self_attention.linear_proj.weight",
-    "self_attention.linear_proj.bias": "self_attention.linear_proj.bias",
-    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
-    "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
-    "mlp.linear_fc1.weight": "mlp.linear_fc1.weight",
-    "mlp.linear_fc1.bias": "mlp.linear_fc1.bias",
-    "mlp.linear_fc2.weight": "mlp.linear_fc2.weight",
-    "mlp.linear_fc2.bias": "mlp.linear_fc2.bias",
-    # multi-latent attention (the norms as the Transformer Engine spec fuses them)
-    "self_attention.linear_q_proj.weight": "self_attention.linear_q_proj.weight",
-    "self_attention.linear_q_down_proj.weight": "self_attention.linear_q_down_proj.weight",
-    "self_attention.linear_q_up_proj.weight": "self_attention.linear_q_up_proj.weight",
-    "self_attention.linear_kv_down_proj.weight": "self_attention.linear_kv_down_proj.weight",
-    "self_attention.linear_kv_up_proj.weight": "self_attention.linear_kv_up_proj.weight",
-    "self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
-    "self_attention.q_layernorm.bias": "self_attention.linear_q_up_proj.layer_norm_bias",
-    "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight",
-    "self_attention.kv_layernorm.bias": "self_attention.linear_kv_up_proj.layer_norm_bias",
-}
-# norms stored under their module names (a layer spec with a separate norm module; legacy files)
-_ALT_KEYS = {"input_layernorm.weight": "input_layernorm.weight", "input_layernorm.bias": "input_layernorm.bias",
-             "pre_mlp_layernorm.weight": "pre_mlp_layernorm.weight",
-             "pre_mlp_layernorm.bias": "pre_mlp_layernorm.bias",
-             **{f"self_attention.{n}_layernorm.{k}": f"self_attention.{n}_layernorm.{k}"
-                for n in ("q", "kv") for k in ("weight", "bias")}}
-# norms of a multi-latent-attention layer stored under both names by the writer (the module docstring)
-_MLA_BOTH = ("pre_mlp_layernorm", "self_attention.q_layernorm", "self_attention.kv_layernorm")
-# MLA's down-projections: (their suffix, the stored args that give their rows)
-_MLA_DOWN = {"self_attention.linear_q_down_proj.weight": ("q_lora_rank",),
-             "self_attention.linear_kv_down_proj.weight": ("kv_lora_rank", "qk_pos_emb_head_dim")}
-# linear layers that have an ``_extra_state`` in megatron-core's model
-EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
-
-
-def extra_state_modules(mla: bool, q_lora: bool) -> tuple[str, ...]:
-    """The linear layers of one transformer layer that have an ``_extra_state`` (``mla``: multi-latent attention,
-    ``q_lora``: with its query down-projection)."""
-    if not mla:
-        return EXTRA_STATE_MODULES
-    q = ("linear_q_down_proj", "linear_q_up_proj") if q_lora else ("linear_q_proj",)
-    attn = tuple(f"self_attention.{m}" for m in (*q, "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj"))
-    return attn + EXTRA_STATE_MODULES[2:]
-
-
-
-def tp_split(name: str, swiglu: bool) -> tuple[int, int] | None:
-    """How Megatron's model splits our global tensor ``name`` over TP ranks: ``(dim, stride)`` (stride 2: each rank
-    holds its block of both halves, SwiGLU's ``[gate_t; up_t]``), or None when it is replicated."""
-    suffix = name.split(".", 3)[-1] if name.startswith("decoder.layers.") else name
-    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-        return (0, 1)
-    if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
-                  "self_attention.linear_q_proj.weight", "self_attention.linear_q_up_proj.weight",
-                  "self_attention.linear_kv_up_proj.weight") or suffix in _MLA_DOWN:
-        return (0, 1)  # (MLA's down-projections as the local spec splits them)
-    if suffix in ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias"):
-        return (0, 2 if swiglu else 1)
-    if suffix in ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight"):
-        return (1, 1)
-    return None
-
-
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-
-
-def split_layer(name: str) -> tuple[int | None, str]:
-    """``decoder.layers.7.mlp.linear_fc1.weight`` -> ``(7, "mlp.linear_fc1.weight")``; others ``(None, name)``."""
-    m = _LAYER.match(name)
-    return (int(m.group(1)), m.group(2)) if m else (None, name)
-
-
-def torch_dist_keys(name: str, mla: bool = False) -> tuple[tuple[str, ...], int | None]:
-    """Our global name -> (the megatron-core keys the writer stores it under, layer index in their prepended axis
-    or None); ``mla``: a multi-latent-attention model (its norms' names, the module docstring)."""
-    layer, suffix = split_layer(name)
-    if layer is None:
-        return (name,), None
-    module = suffix.rsplit(".", 1)[0]
-    if mla and module == "input_layernorm":
-        keys = (suffix,)
-    elif mla and module in _MLA_BOTH:
-        keys = (LAYER_KEYS[suffix], suffix)
-    elif module in _MLA_BOTH[1:]:
-        keys = (suffix,)  # (standard attention's per-head query norm: megatron-core's module name)
-    else:
-        keys = (LAYER_KEYS.get(suffix, suffix),)
-    return tuple("decoder.layers." + k for k in keys), layer
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # Formats
 # ---------------------------------------------------------------------------------------------------------------
-def legacy_files(iter_dir: str) -> dict[tuple[int, int], str]:
-    """``{(tp rank, pp stage): path}`` of a legacy iteration directory (empty when it is not one)."""
-    out = {}
-    if not os.path.isdir(iter_dir):
-        return out
-    for d in os.listdir(iter_dir):
-        m = re.fullmatch(r"mp_rank_(\d{2})(?:_(\d{3}))?", d)
-        if m:
-            out[(int(m.group(1)), int(m.group(2) or 0))] = os.path.join(iter_dir, d, LEGACY_FILE)
-    return out
-
-
 def detect(iter_dir: str) -> str | None:
     """``"torch_dist"``, ``"legacy"``, or None for a directory that is not Megatron's. A Megatron format this
     reader does not read is an error naming it."""
@@ -194,21 +102,19 @@ def resolve(path: str) -> tuple[str, int | None]:
     return found
 
 
-def stored_arg(args, name, default=None):
-    """A stored arg (``args``: Megatron's ``argparse.Namespace``, or a dict of it)."""
-    if isinstance(args, dict):
-        return args.get(name, default)
-    return getattr(args, name, default) if args is not None else default
-
-
 # Megatron args that this reader cannot represent: (arg, the value that is fine)
-_UNSUPPORTED = (("num_experts", None), ("qk_layernorm", False), ("apply_layernorm_1p", False),
+_UNSUPPORTED = (("qk_layernorm", False), ("apply_layernorm_1p", False),
                 ("squared_relu", False), ("rotary_interleaved", False), ("use_rope_scaling", False),
                 ("apply_residual_connection_post_layernorm", False))
 # multi-latent attention's args (Megatron's names, ours alike) and its RoPE/YaRN settings
 _MLA_ARGS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
              "rotary_scaling_factor", "mscale", "mscale_all_dim", "yarn_original_max_position_embeddings",
              "yarn_beta_fast", "yarn_beta_slow", "yarn_correction_range_round_to_int")
+# mixture of experts' args that shape or route the model (Megatron's names, ours alike)
+MOE_ARGS = ("num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_score_function",
+            "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_num_groups",
+            "moe_router_group_topk", "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size",
+            "moe_shared_expert_gate", "moe_grouped_gemm")
 
 
 def model_fields(args, where: str) -> dict:
@@ -222,8 +128,8 @@ def model_fields(args, where: str) -> dict:
             continue  # multi-latent attention's latent norms (Qwen3-style per-head norms are not read)
         if value is not None and value != fine:
             raise CheckpointError(f"{where}: --{name.replace('_', '-')} {value!r} is not supported when reading "
-                                  "Megatron checkpoints (dense GPT-2/Llama-style models, with or without "
-                                  "--multi-latent-attention)")
+                                  "Megatron checkpoints (GPT-2/Llama-style models, with or without "
+                                  "--multi-latent-attention or --num-experts)")
     heads = stored_arg(args, "num_attention_heads")
     groups = stored_arg(args, "num_query_groups") if stored_arg(args, "group_query_attention") else heads
     fields = {
@@ -248,6 +154,10 @@ def model_fields(args, where: str) -> dict:
     if mla:
         fields.update({k: stored_arg(args, k) for k in _MLA_ARGS})
         fields["q_lora_rank"] = stored_arg(args, "q_lora_rank")  # None: a full-rank query projection
+    if stored_arg(args, "num_experts"):
+        fields.update({k: stored_arg(args, k) for k in MOE_ARGS})
+        if isinstance(fields["moe_layer_freq"], tuple):
+            fields["moe_layer_freq"] = list(fields["moe_layer_freq"])
     missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads") if fields[k] is None]
     if missing:
         raise CheckpointError(f"{where}: the stored args have no {missing[0]}; the model shape is unknown")
@@ -287,16 +197,32 @@ class TorchDist:
         keys = self.md.state_dict_metadata
         self.tensor_keys = {k: v for k, v in keys.items() if hasattr(v, "size")}
         for k in self.tensor_keys:
-            if ".experts." in k or ".router." in k:
-                raise CheckpointError(f"{iter_dir} holds Mixture-of-Experts tensor {k!r}; only dense models are read")
-        self.layer_key = {}
-        self.aliases = set()  # a norm's second name where both are stored (our writer's MLA norms)
-        for ours, key in LAYER_KEYS.items():
-            found = [c for c in dict.fromkeys(("decoder.layers." + key, "decoder.layers." + _ALT_KEYS.get(ours, key)))
-                     if c in self.tensor_keys]
-            if found:
-                self.layer_key[ours] = found[0]
-                self.aliases.update(found[1:])
+            if re.search(r"\.experts\.\d+\.", k):
+                raise CheckpointError(f"{iter_dir} stores experts one key each ({k!r}, megatron-core's "
+                                      "singleton_local_shards); re-save it without that option")
+        # megatron-core suffix -> {layer: (key, index in its layer axis or None)}: stacked keys and per-layer ones
+        self._stored: dict[str, dict[int, tuple[str, int | None]]] = {}
+        for k, tmd in self.tensor_keys.items():
+            layer, rest = split_layer(k)
+            if layer is not None:
+                self._stored.setdefault(rest, {})[layer] = (k, None)
+            elif k.startswith("decoder.layers."):
+                at = self._stored.setdefault(k[len("decoder.layers."):], {})
+                for c in tmd.chunks:
+                    at.update({i: (k, i) for i in range(c.offsets[0], c.offsets[0] + c.sizes[0])})
+        # a norm's second name where both are stored (our writer's): every layer it holds has the first too
+        self.aliases = set()
+        shadowed: dict[str, set] = {}
+        for ours in LAYER_KEYS:
+            found = [self._stored.get(c, {}) for c in self._candidates(ours)]
+            for i, later in enumerate(found):
+                for layer, (k, _) in later.items():
+                    shadowed.setdefault(k, set()).add(any(layer in f for f in found[:i]))
+        self.aliases = {k for k, flags in shadowed.items() if all(flags)}
+
+    @staticmethod
+    def _candidates(suffix: str) -> tuple[str, ...]:
+        return tuple(dict.fromkeys((LAYER_KEYS.get(suffix, suffix), ALT_KEYS.get(suffix, suffix))))
 
     @property
     def iteration(self) -> int:
@@ -304,10 +230,16 @@ class TorchDist:
         return int(it) if it is not None else 0
 
     def key_of(self, name: str) -> tuple[str, int | None]:
+        """The stored key of our global tensor ``name`` and its index in the key's layer axis (None: the key is
+        the tensor: a non-layer tensor, or a layer stored under its own key)."""
         layer, suffix = split_layer(name)
         if layer is None:
             return name, None
-        return self.layer_key.get(suffix, "decoder.layers." + LAYER_KEYS.get(suffix, suffix)), layer
+        for cand in self._candidates(suffix):
+            hit = self._stored.get(cand, {}).get(layer)
+            if hit is not None:
+                return hit
+        return "decoder.layers." + LAYER_KEYS.get(suffix, suffix), layer
 
     def model_keys(self) -> list[str]:
         """Tensor keys of the model (not optimizer, not RNG)."""
@@ -366,147 +298,6 @@ def read_region(iter_dir: str, md, key: str, offsets, sizes) -> torch.Tensor:
     return out
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# legacy
-# ---------------------------------------------------------------------------------------------------------------
-class Legacy:
-    """A legacy iteration directory: TP files merged, PP stages' local layer numbers made global. Files are opened
-    memory-mapped one pipeline stage at a time."""
-
-    def __init__(self, iter_dir: str):
-        self.iter_dir = iter_dir
-        self.files = legacy_files(iter_dir)
-        first = self.files[min(self.files)]
-        if not os.path.isfile(first):
-            raise CheckpointError(f"missing checkpoint file {first}")
-        self._stage, self._sds = None, None
-        head = self._load(first)
-        self.args = head.get("args")
-        self.where = first
-        self.common = {k: v for k, v in head.items() if not k.startswith("model")}
-        self.tp = int(stored_arg(self.args, "tensor_model_parallel_size", 1) or 1)
-        self.pp = int(stored_arg(self.args, "pipeline_model_parallel_size", 1) or 1)
-        if "model" not in head:
-            chunks = sorted(k for k in head if k.startswith("model"))
-            raise CheckpointError(f"{first} holds model chunks {chunks} (virtual pipeline stages); convert it to "
-                                  "torch_dist or save without --num-layers-per-virtual-pipeline-stage")
-        for t in range(self.tp):
-            for p in range(self.pp):
-                path = self.files.get((t, p))
-                if path is None or not os.path.isfile(path):
-                    expect = os.path.join(iter_dir, f"mp_rank_{t:02d}" + (f"_{p:03d}" if self.pp > 1 else ""),
-                                          LEGACY_FILE)
-                    raise CheckpointError(f"missing checkpoint file {expect} (the args say TP {self.tp} x PP "
-                                          f"{self.pp})")
-        layers = int(stored_arg(self.args, "num_layers"))
-        if any(stored_arg(self.args, f"decoder_{end}_pipeline_num_layers") for end in ("first", "last")):
-            raise CheckpointError(f"{first}: uneven pipeline stages (--decoder-first/last-pipeline-num-layers) are "
-                                  "not supported by the legacy reader")
-        if layers % self.pp:
-            raise CheckpointError(f"{first}: {layers} layers do not split evenly over {self.pp} pipeline stages")
-        self.per_stage = layers // self.pp
-        self.swiglu = bool(stored_arg(self.args, "swiglu", False))
-
-    def _load(self, path: str) -> dict:
-        if not os.path.isfile(path):
-            raise CheckpointError(f"missing checkpoint file {path}")
-        obj = safe_load(path, path)
-        if not isinstance(obj, dict):
-            raise CheckpointError(f"{path} does not hold a dict")
-        return obj
-
-    @property
-    def iteration(self) -> int:
-        return int(self.common.get("iteration") or 0)
-
-    def _stage_sds(self, stage: int) -> list[dict]:
-        if self._stage != stage:
-            self._sds = None
-            self._sds = [self._load(self.files[(t, stage)])["model"] for t in range(self.tp)]
-            self._stage = stage
-        return self._sds
-
-    def _local(self, name: str) -> tuple[int, list[str]]:
-        """(stage, candidate local names) of our global ``name``."""
-        layer, suffix = split_layer(name)
-        if layer is not None:
-            stage, local = divmod(layer, self.per_stage)
-            cands = [f"decoder.layers.{local}.{s}" for s in dict.fromkeys((suffix, _ALT_KEYS.get(suffix, suffix),
-                                                                          LAYER_KEYS[suffix]))]
-            return stage, cands
-        if name.startswith("embedding."):
-            return 0, [name]
-        return self.pp - 1, [name]
-
-    def names(self) -> list[str]:
-        """Our global names of every model tensor in the files (extra states dropped)."""
-        out = []
-        inverse = {}
-        for ours, key in LAYER_KEYS.items():
-            inverse[key] = ours
-            inverse[_ALT_KEYS.get(ours, ours)] = ours
-        for stage in range(self.pp):
-            for k, v in self._stage_sds(stage)[0].items():
-                if k.endswith("_extra_state") or not isinstance(v, torch.Tensor):
-                    continue
-                layer, suffix = split_layer(k)
-                if k == "output_layer.weight" and not stored_arg(self.args, "untie_embeddings_and_output_weights"):
-                    continue  # the last stage's copy of the tied word embedding
-                if layer is None:
-                    if k not in out:
-                        out.append(k)
-                    continue
-                if suffix not in inverse:
-                    raise CheckpointError(f"{self.files[(0, stage)]}: unexpected tensor {k!r}")
-                out.append(f"decoder.layers.{stage * self.per_stage + layer}.{inverse[suffix]}")
-        return out
-
-    def shape(self, name: str) -> tuple[int, ...] | None:
-        try:
-            parts = self._parts(name)
-        except CheckpointError:
-            return None
-        shape = list(parts[0].shape)
-        split = self._split(name, parts[0])
-        if split is not None:
-            shape[split[0]] *= self.tp
-        return tuple(shape)
-
-    def dtype(self, name: str) -> torch.dtype:
-        return self._parts(name)[0].dtype
-
-    def _parts(self, name: str) -> list[torch.Tensor]:
-        """The TP ranks' local tensors of our global ``name`` (memory-mapped)."""
-        stage, cands = self._local(name)
-        sds = self._stage_sds(stage)
-        key = next((c for c in cands if c in sds[0]), None)
-        if key is None:
-            raise CheckpointError(f"{self.files[(0, stage)]}: no tensor {cands[0]!r} (needed for {name})")
-        parts = []
-        for t, sd in enumerate(sds):
-            if not isinstance(sd.get(key), torch.Tensor):
-                raise CheckpointError(f"{self.files[(t, stage)]}: no tensor {key!r} (needed for {name})")
-            parts.append(sd[key])
-        return parts
-
-    def _split(self, name: str, part: torch.Tensor) -> tuple[int, int] | None:
-        """:func:`tp_split` of ``name`` in these files; None for an MLA down-projection each file holds whole (the
-        Transformer Engine spec's, duplicated over TP)."""
-        rows = _MLA_DOWN.get(split_layer(name)[1])
-        if rows is not None and part.size(0) == sum(int(stored_arg(self.args, a) or 0) for a in rows):
-            return None
-        return tp_split(name, self.swiglu)
-
-    def read(self, name: str) -> torch.Tensor:
-        parts = self._parts(name)
-        split = self._split(name, parts[0])
-        if split is None or self.tp == 1:
-            return parts[0].clone()
-        dim, stride = split
-        blocks = [p.chunk(stride, dim) for p in parts]
-        return torch.cat([blocks[t][k] for k in range(stride) for t in range(self.tp)], dim)
-
-
 def open_checkpoint(path: str) -> TorchDist | Legacy:
     """The Megatron checkpoint at ``path`` (a save directory with a tracker, or an iteration directory)."""
     iter_dir, _ = resolve(path)
@@ -529,4 +320,4 @@ def is_megatron(path: str) -> bool:
 
 
 __all__ = ["CheckpointError", "Legacy", "TorchDist", "detect", "is_megatron", "model_fields", "open_checkpoint",
-           "read_region"]
+           "read_region", "stored_arg"]

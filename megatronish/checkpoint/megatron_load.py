@@ -19,7 +19,8 @@ from ..parallel.init import split_global, split_ranks
 from . import dcp_io
 from .common import check_model_config
 from .dcp_io import CheckpointError, Piece, Sharded
-from .megatron_format import Legacy, TorchDist, model_fields, stored_arg
+from .megatron_format import TorchDist, model_fields, stored_arg
+from .megatron_legacy import Legacy
 from .state import Entries, tp_pieces
 
 # our optimizer state key -> Megatron's names for it (fp32_param: Float16Optimizer; param: distributed optimizer

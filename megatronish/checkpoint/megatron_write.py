@@ -7,6 +7,7 @@ import argparse
 import io
 import json
 import os
+import re
 from collections.abc import Iterator
 
 import torch
@@ -15,7 +16,8 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 
 from . import dcp_io
 from .dcp_io import CheckpointError
-from .megatron_format import COMMON_PT, METADATA_JSON, extra_state_modules, torch_dist_keys, tp_split
+from .megatron_format import COMMON_PT, METADATA_JSON, MOE_ARGS
+from .megatron_names import extra_state_modules, per_layer_keys, torch_dist_keys, tp_split
 
 
 def args_to_namespace(cfg, *, tp: int, pp: int, padded_vocab: int, iteration: int = 0) -> argparse.Namespace:
@@ -28,8 +30,11 @@ def args_to_namespace(cfg, *, tp: int, pp: int, padded_vocab: int, iteration: in
                                           "v_head_dim", "rope_type", "rotary_scaling_factor", "mscale",
                                           "mscale_all_dim", "yarn_original_max_position_embeddings", "yarn_beta_fast",
                                           "yarn_beta_slow", "yarn_correction_range_round_to_int")}
+    moe = {"num_experts": None}
+    if cfg.moe.num_experts:  # Megatron's names (megatron_format.MOE_ARGS reads them back)
+        moe = {k: getattr(cfg.moe, k) for k in MOE_ARGS}
     return argparse.Namespace(
-        multi_latent_attention=a.multi_latent_attention, qk_layernorm=a.qk_layernorm, **mla,
+        multi_latent_attention=a.multi_latent_attention, qk_layernorm=a.qk_layernorm, **mla, **moe,
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
         num_attention_heads=cfg.num_attention_heads, group_query_attention=gqa,
         num_query_groups=cfg.num_query_groups if gqa else 1, kv_channels=cfg.kv_channels,
@@ -69,6 +74,37 @@ def extra_state_bytes() -> bytes:
     return buf.getvalue()
 
 
+def _is_moe_layer(moe, i: int) -> bool:
+    """Whether layer ``i`` (0-based) is a mixture-of-experts layer under ``--moe-layer-freq``."""
+    if not moe.num_experts:
+        return False
+    freq = moe.moe_layer_freq
+    return bool(freq[i]) if isinstance(freq, (list, tuple)) else i % freq == 0
+
+
+def extra_state_keys(cfg, per_layer: bool) -> list[str]:
+    """The ``ShardedObject`` keys of megatron-core's ``_extra_state`` entries: one per layer and linear layer
+    (``<key>/shard_<layer>_<layers>``; ``/shard_0_1`` when layers are stored one key each), and one per expert for
+    the experts' (``shard_<layer>.<expert>_<layers>.<experts>``, or ``shard_<expert>_<experts>``)."""
+    L, E = cfg.num_layers, cfg.moe.num_experts
+    modules = extra_state_modules(cfg.attention.multi_latent_attention, cfg.attention.q_lora_rank is not None)
+    out = []
+    for i in range(L):
+        prefix = f"decoder.layers.{i}." if per_layer else "decoder.layers."
+        at, of = ("0", "1") if per_layer else (str(i), str(L))
+        if not _is_moe_layer(cfg.moe, i):
+            out += [f"{prefix}{m}._extra_state/shard_{at}_{of}" for m in modules]
+            continue
+        mods = [m for m in modules if not m.startswith("mlp.")]
+        if cfg.moe.moe_shared_expert_intermediate_size:
+            mods += ["mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2"]
+        out += [f"{prefix}{m}._extra_state/shard_{at}_{of}" for m in mods]
+        for e in range(E):
+            where = f"shard_{e}_{E}" if per_layer else f"shard_{i}.{e}_{L}.{E}"
+            out += [f"{prefix}mlp.experts.experts.{fc}._extra_state/{where}" for fc in ("linear_fc1", "linear_fc2")]
+    return out
+
+
 def write_torch_dist(iter_dir: str, cfg, specs, tensors: Iterator, *, tp: int, pp: int, padded_vocab: int,
                      iteration: int = 0) -> None:
     """Write our global tensors (``specs``: ``(name, shape, dtype)`` in the order ``tensors`` yields
@@ -77,11 +113,13 @@ def write_torch_dist(iter_dir: str, cfg, specs, tensors: Iterator, *, tp: int, p
     ``_extra_state`` object per layer and linear layer, ``common.pt`` and ``metadata.json``."""
     L = cfg.num_layers
     mla = cfg.attention.multi_latent_attention
+    moe = bool(cfg.moe.num_experts)
+    per_layer = moe and per_layer_keys(cfg.moe.moe_layer_freq)
     state: dict = {}
     makers: dict[tuple, tuple] = {}
     order = []
     for name, shape, dtype in specs:
-        keys, layer = torch_dist_keys(name, mla)
+        keys, layer = torch_dist_keys(name, mla, moe, per_layer)
         gshape = tuple(shape) if layer is None else (L, *shape)
         for key in keys:
             entry = state.get(key)
@@ -93,9 +131,8 @@ def write_torch_dist(iter_dir: str, cfg, specs, tensors: Iterator, *, tp: int, p
                 entry.pieces.append(dcp_io.Piece(torch.empty(full_size, dtype=dtype, device="meta"), full_off))
                 makers[(key, full_off)] = (name, off, size, layer is not None)
             order.append(key)
-    for i in range(L):
-        for mod in extra_state_modules(mla, cfg.attention.q_lora_rank is not None):
-            state[f"decoder.layers.{mod}._extra_state/shard_{i}_{L}"] = _RawBytes(extra_state_bytes())
+    for key in extra_state_keys(cfg, per_layer):
+        state[key] = _RawBytes(extra_state_bytes())
 
     source = iter(tensors)
     held: dict[str, torch.Tensor] = {}  # tensors produced and not yet written in full
@@ -157,13 +194,17 @@ class _LazyPlanner(dcp_io.SavePlanner):
         finally:
             self.state_dict = everything
         # the source yields layer by layer: write layer 0's tensors first, then layer 1's, ...
-        plan_items = sorted(plan.items, key=lambda w: (w.index.offset[0] if self._stacked(w) else -1,
-                                                       self._rank.get(w.index.fqn, 0)))
+        plan_items = sorted(plan.items, key=lambda w: (self._layer(w), self._rank.get(w.index.fqn, 0)))
         self.plan = SavePlan(items + plan_items)
         return self.plan
 
-    def _stacked(self, w) -> bool:
-        return w.index.fqn.startswith("decoder.layers.")
+    @staticmethod
+    def _layer(w) -> int:
+        """The layer a write item belongs to (-1: not a layer's): from its key or its offset on the layer axis."""
+        m = re.match(r"decoder\.layers\.(\d+)\.", w.index.fqn)
+        if m:
+            return int(m.group(1))
+        return w.index.offset[0] if w.index.fqn.startswith("decoder.layers.") else -1
 
     def lookup_object(self, index):
         entry = self.state_dict[index.fqn]

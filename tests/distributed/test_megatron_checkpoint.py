@@ -67,10 +67,16 @@ def _worker(rank, world, root):
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    ps.initialize_model_parallel(TP, PP)
-    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-    out = {"coords": (tp_rank, pp_rank)}
+    ep = 1
+    out = {}
     for flavor in mcs.FLAVORS:
+        if mcs.FLAVORS[flavor].get("ep", 1) != ep or not out:  # expert parallelism folded into TP (ETP 1)
+            ep = mcs.FLAVORS[flavor].get("ep", 1)
+            ps.destroy_model_parallel()
+            ps.initialize_model_parallel(TP, PP, expert_model_parallel_size=ep,
+                                         expert_tensor_parallel_size=1 if ep > 1 else None)
+        tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+        out["coords"] = (tp_rank, pp_rank)
         model = mcs.build_gpt(flavor, TP, PP, seed=1)
         sd = {"model": model.sharded_state_dict(), "iteration": ITER, "checkpoint_version": 3.0,
               "args": mcs.megatron_args(flavor, TP, PP, consumed_train_samples=ITER * 2)}
@@ -86,9 +92,11 @@ def _worker(rank, world, root):
             os.makedirs(os.path.join(dist_dir, f"iter_{ITER:07d}"))
         dist.barrier()
         dist_checkpointing.save(sd, os.path.join(dist_dir, f"iter_{ITER:07d}"))
-        # Megatron's legacy save: torch.save of the local state dict with args, iteration and RNG states
+        # Megatron's legacy save: torch.save of the local state dict with args, iteration and RNG states, in
+        # get_checkpoint_name's mp_rank_TT_PPP[_EEE] (the EP rank appended with expert parallelism)
         legacy_dir = os.path.join(root, flavor, "legacy")
-        rank_dir = os.path.join(legacy_dir, f"iter_{ITER:07d}", f"mp_rank_{tp_rank:02d}_{pp_rank:03d}")
+        rank_dir = os.path.join(legacy_dir, f"iter_{ITER:07d}", f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+                                + (f"_{ps.get_expert_model_parallel_rank():03d}" if ep > 1 else ""))
         os.makedirs(rank_dir, exist_ok=True)
         torch.save({"model": model.state_dict(), "args": mcs.megatron_args(flavor, TP, PP), "iteration": ITER,
                     "checkpoint_version": 3.0,
@@ -219,7 +227,7 @@ def _whole_down_projections(per_rank, r, flavor):
 
 def _global_reference(per_rank, flavor, what="ref"):
     """megatron-core's TP pieces put together (the fused [gate; up] of each rank split and re-stacked)."""
-    from megatronish.checkpoint.megatron_format import tp_split
+    from megatronish.checkpoint.megatron_names import tp_split
 
     pieces = {}
     for r in per_rank:
@@ -488,11 +496,12 @@ def test_bf16_main_params_and_distributed_optimizer_state(tmp_path):
     assert all(len(checked) == 4 for checked in per_rank), per_rank
 
 
-@pytest.mark.parametrize("flavor", ["llama", "mla"])
+@pytest.mark.parametrize("flavor", ["llama", "mla", "moe", "mla-moe"])
 @pytest.mark.parametrize("source", ["torch_dist", "legacy"])
 def test_use_checkpoint_args(results, source, flavor):
     """--use-checkpoint-args takes the model shape (and the NullTokenizer vocabulary) from Megatron's stored args;
-    for multi-latent attention also its ranks and head sizes, the latents' norms and the YaRN settings."""
+    for multi-latent attention also its ranks and head sizes, the latents' norms and the YaRN settings; for mixture
+    of experts the experts, their sizes, the dense layers, the routing and the shared expert."""
     from megatronish.arguments import configs_from_args, parse_args
 
     root, _ = results
@@ -504,6 +513,9 @@ def test_use_checkpoint_args(results, source, flavor):
     assert (a.multi_latent_attention, a.qk_layernorm) == (("mla" in f,) * 2)
     for name, value in f.get("mla", {}).items():
         assert getattr(a, name) == value, (name, getattr(a, name), value)
+    assert model.moe.num_experts == f.get("moe", {}).get("num_experts")
+    for name, value in f.get("moe", {}).items():
+        assert getattr(model.moe, name) == value, (name, getattr(model.moe, name), value)
     assert (model.num_layers, model.hidden_size, model.num_attention_heads, model.num_query_groups,
             model.ffn_hidden_size, model.swiglu, model.normalization, model.attention.position_embedding_type,
             model.add_bias_linear, model.untie_embeddings_and_output_weights, model.vocab_size,

@@ -145,6 +145,22 @@ FLAVORS = {
                 untie=True, mla=dict(q_lora_rank=12, kv_lora_rank=8, qk_head_dim=6, qk_pos_emb_head_dim=4,
                                      v_head_dim=6, rope_type="yarn", rotary_scaling_factor=4.0, mscale_all_dim=1.0,
                                      yarn_original_max_position_embeddings=8)),
+    # Llama style + mixture of experts in every layer (one stacked key per tensor): softmax top-2 routing and a
+    # gated shared expert (Qwen2-MoE style); 4 experts over EP 2 folded into TP 2 (expert TP 1)
+    "moe": dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
+                swiglu=True, normalization="RMSNorm", position_embedding_type="rope", add_bias_linear=False,
+                untie=True, ep=2, moe=dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16,
+                                          moe_shared_expert_intermediate_size=24, moe_shared_expert_gate=True)),
+    # DeepSeek-V3 style: multi-latent attention, the first layer dense (layers stored one key each), sigmoid
+    # scores with an expert bias, group-limited top-k, scaled weights, an ungated shared expert; EP 2
+    "mla-moe": dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=4, ffn_hidden_size=48,
+                    swiglu=True, normalization="RMSNorm", position_embedding_type="rope", add_bias_linear=False,
+                    untie=True, ep=2, mla=dict(q_lora_rank=12, kv_lora_rank=8, qk_head_dim=6, qk_pos_emb_head_dim=4,
+                                               v_head_dim=6, rope_type="rope"),
+                    moe=dict(num_experts=4, moe_layer_freq=[0, 1, 1, 1], moe_router_topk=2, moe_ffn_hidden_size=16,
+                             moe_shared_expert_intermediate_size=24, moe_router_score_function="sigmoid",
+                             moe_router_enable_expert_bias=True, moe_router_num_groups=2, moe_router_group_topk=1,
+                             moe_router_topk_scaling_factor=2.5)),
 }
 VOCAB = 95  # NullTokenizer --vocab-size: 96 tokens with eod
 SEQ = 16
@@ -171,6 +187,16 @@ def our_flags(flavor: str) -> list[str]:
         out += ["--multi-latent-attention", "--qk-layernorm"]
         for name, value in f["mla"].items():
             out += ["--" + name.replace("_", "-"), str(value)]
+    for name, value in f.get("moe", {}).items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            out.append(flag)
+        else:
+            out += [flag, str(value).replace(" ", "")]
+    if "moe" in f:
+        out.append("--sequence-parallel")  # (MoE with TP needs it, as in Megatron-LM)
+    if f.get("ep", 1) > 1:
+        out += ["--expert-model-parallel-size", str(f["ep"]), "--expert-tensor-parallel-size", "1"]
     return out
 
 
@@ -181,7 +207,14 @@ def megatron_args(flavor: str, tp: int, pp: int, **extra) -> argparse.Namespace:
     f = FLAVORS[flavor]
     gqa = f["num_query_groups"] != f["num_attention_heads"]
     mla = dict(multi_latent_attention=True, qk_layernorm=True, **f["mla"]) if "mla" in f else {}
-    extra = {"qk_layernorm": False, "multi_latent_attention": False, **mla, **extra}
+    moe = {"num_experts": None}
+    if "moe" in f:  # Megatron-LM's defaults, then the flavor's
+        moe = dict(moe_layer_freq=1, moe_router_score_function="softmax", moe_router_pre_softmax=False,
+                   moe_router_topk_scaling_factor=None, moe_router_num_groups=None, moe_router_group_topk=None,
+                   moe_router_enable_expert_bias=False, moe_shared_expert_gate=False, moe_grouped_gemm=False,
+                   sequence_parallel=True, expert_model_parallel_size=f.get("ep", 1), expert_tensor_parallel_size=1)
+        moe.update(f["moe"])
+    extra = {"qk_layernorm": False, "multi_latent_attention": False, **mla, **moe, **extra}
     return argparse.Namespace(
         num_layers=f["num_layers"], hidden_size=f["hidden_size"], ffn_hidden_size=f["ffn_hidden_size"],
         num_attention_heads=f["num_attention_heads"], group_query_attention=gqa,
@@ -193,26 +226,32 @@ def megatron_args(flavor: str, tp: int, pp: int, **extra) -> argparse.Namespace:
         tokenizer_type="NullTokenizer", vocab_size=VOCAB, make_vocab_size_divisible_by=DIVISIBLE,
         padded_vocab_size=128, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         params_dtype=torch.float32, attention_backend=AttnBackend.auto, ckpt_format="torch_dist",
-        num_experts=None, init_method_std=0.02, **extra)
+        init_method_std=0.02, **extra)
 
 
 def build_gpt(flavor: str, tp: int, pp: int, seed: int):
     """megatron-core's GPTModel (local spec, CPU initialization) for this rank's pipeline stage."""
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     f = FLAVORS[flavor]
     # the same stream on every TP rank of a stage: replicated tensors agree, split ones are cut from one master
     torch.manual_seed(seed + 100 * ps.get_pipeline_model_parallel_rank())
-    config, mla = TransformerConfig, {}
+    config, mla, moe = TransformerConfig, {}, {}
     if "mla" in f:
         m = f["mla"]
         config = MLATransformerConfig
-        mla = dict(qk_layernorm=True, original_max_position_embeddings=m["yarn_original_max_position_embeddings"],
-                   **{k: m[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
-                                        "v_head_dim", "rope_type", "rotary_scaling_factor", "mscale_all_dim")})
+        mla = dict(qk_layernorm=True, **{k: m[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_head_dim",
+                                                           "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
+                                                           "rotary_scaling_factor", "mscale_all_dim") if k in m})
+        if "yarn_original_max_position_embeddings" in m:
+            mla["original_max_position_embeddings"] = m["yarn_original_max_position_embeddings"]
+    if "moe" in f:
+        moe = dict(f["moe"], num_moe_experts=f["moe"]["num_experts"], expert_model_parallel_size=f.get("ep", 1),
+                   expert_tensor_parallel_size=1)
+        del moe["num_experts"]
     cfg = config(
         num_layers=f["num_layers"], hidden_size=f["hidden_size"], num_attention_heads=f["num_attention_heads"],
         num_query_groups=f["num_query_groups"], ffn_hidden_size=f["ffn_hidden_size"],
@@ -220,19 +259,33 @@ def build_gpt(flavor: str, tp: int, pp: int, seed: int):
         activation_func=torch.nn.functional.silu if f["swiglu"] else torch.nn.functional.gelu,
         normalization=f["normalization"], add_bias_linear=f["add_bias_linear"], layernorm_epsilon=1e-5,
         use_cpu_initialization=True, pipeline_dtype=torch.float32, tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp, hidden_dropout=0.0, attention_dropout=0.0, **mla)
-    spec = get_gpt_layer_local_spec(normalization=f["normalization"], multi_latent_attention=bool(mla),
-                                    qk_layernorm=bool(mla))
+        pipeline_model_parallel_size=pp, hidden_dropout=0.0, attention_dropout=0.0, **mla, **moe)
+    if moe:  # a spec per layer: dense where --moe-layer-freq says 0
+        spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization=f["normalization"])
+        layer_specs = spec.layer_specs
+    else:
+        spec = get_gpt_layer_local_spec(normalization=f["normalization"], multi_latent_attention=bool(mla),
+                                        qk_layernorm=bool(mla))
+        layer_specs = [spec]
     if mla:
-        spec.submodules.self_attention.submodules.core_attention = _mla_core_attention()
+        for s in layer_specs:
+            s.submodules.self_attention.submodules.core_attention = _mla_core_attention()
     model = GPTModel(cfg, spec, vocab_size=128,
                      max_sequence_length=MAX_POS, pre_process=ps.is_pipeline_first_stage(),
                      post_process=ps.is_pipeline_last_stage(), position_embedding_type=f["position_embedding_type"],
                      share_embeddings_and_output_weights=not f["untie"])
-    with torch.no_grad():  # norms start at 1/0: make them distinguishable
+    with torch.no_grad():  # norms start at 1/0, the expert bias at 0: make them distinguishable
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):
+                b.add_(torch.randn_like(b) * 0.1)
+        # each EP rank initializes its experts from the same stream: make the experts of EP ranks differ
+        gen = torch.Generator().manual_seed(seed + 1000 * ps.get_expert_model_parallel_rank())
+        for name, p in model.named_parameters():
+            if ".local_experts." in name:
+                p.add_(torch.randn(p.shape, generator=gen))
     return model
 
 
@@ -272,14 +325,23 @@ def layer_offset(model) -> int:
 
 
 def local_tensors(model) -> dict[str, torch.Tensor]:
-    """This rank's parameters under our global names (global layer numbers); the tied output copy left out."""
+    """This rank's parameters (and the routers' expert bias, a buffer in megatron-core) under our global names
+    (global layer numbers), in megatron-core's parameter order; the tied output copy left out. The local experts'
+    weights (``mlp.experts.local_experts.<i>.linear_fc1.weight``) are stacked as ours hold them
+    (``mlp.experts.linear_fc1.weight``, local expert ``i`` at ``[i]``)."""
     off = layer_offset(model)
-    out = {}
-    for name, p in model.named_parameters():
+    out, experts = {}, {}
+    named = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if n.endswith("expert_bias"))]
+    for name, p in named:
         if name.startswith("decoder.layers."):
             parts = name.split(".", 3)
             name = f"decoder.layers.{int(parts[2]) + off}.{parts[3]}"
+        head, sep, tail = name.partition(".experts.local_experts.")
+        if sep:
+            experts.setdefault(f"{head}.experts.{tail.split('.', 1)[1]}", []).append(p.detach().clone())
+            continue
         out[name] = p.detach().clone()
+    out.update({name: torch.stack(ts) for name, ts in experts.items()})
     return out
 
 

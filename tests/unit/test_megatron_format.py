@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatronish.checkpoint.megatron_format import CheckpointError, Legacy, detect, model_fields
+from megatronish.checkpoint.megatron_format import CheckpointError, detect, model_fields
+from megatronish.checkpoint.megatron_legacy import Legacy
 from megatronish.checkpoint.megatron_pickle import EnumValue, safe_load
 
 
@@ -45,8 +46,9 @@ def test_allow_list_reads_megatron_types_and_refuses_code(monkeypatch):
 def test_args_we_cannot_represent_are_named():
     base = dict(num_layers=2, hidden_size=32, num_attention_heads=4)
     assert model_fields(argparse.Namespace(**base), "common.pt")["hidden_size"] == 32
-    with pytest.raises(CheckpointError, match="--num-experts 8 is not supported"):
-        model_fields(argparse.Namespace(**base, num_experts=8), "common.pt")
+    moe = model_fields(argparse.Namespace(**base, num_experts=8, moe_layer_freq=(0, 1), moe_router_topk=2),
+                       "common.pt")
+    assert (moe["num_experts"], moe["moe_layer_freq"], moe["moe_router_topk"]) == (8, [0, 1], 2)
     with pytest.raises(CheckpointError, match="--qk-layernorm True"):
         model_fields(argparse.Namespace(**base, qk_layernorm=True), "common.pt")
 
