@@ -5,6 +5,7 @@ import enum
 import io
 import json
 import os
+import shutil
 import sys
 import types
 
@@ -120,3 +121,71 @@ def test_legacy_mla_of_the_transformer_engine_spec(tmp_path):
         assert torch.equal(ck.read(f"decoder.layers.0.{k}"), v), k
     fields = model_fields(args, "common.pt")
     assert (fields["multi_latent_attention"], fields["q_lora_rank"], fields["qk_layernorm"]) == (True, q_rank, True)
+
+
+def test_legacy_experts_of_grouped_modules_over_ep_and_expert_tp(tmp_path):
+    """Experts as Megatron-LM's TEGroupedMLP (``linear_fc1.weight<j>``, layer 0) and legacy GroupedMLP
+    (``weight1`` ``[h, local * 2F/t]`` / ``weight2`` ``[local * F/t, h]``, each expert transposed, layer 1) save them
+    in ``mp_rank_TT_EEE`` files at TP 2 x EP 2 (expert TP = TP): read as our ``[E, 2F, h]`` / ``[E, h, F]``."""
+    h, ffn, tp, ep, experts = 4, 6, 2, 2, 4
+    args = argparse.Namespace(num_layers=2, hidden_size=h, num_attention_heads=2, ffn_hidden_size=8, swiglu=True,
+                              tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+                              expert_model_parallel_size=ep, num_experts=experts, moe_ffn_hidden_size=ffn)
+    g = torch.Generator().manual_seed(0)
+    fc1 = torch.randn(2, experts, 2 * ffn, h, generator=g)  # [layer, expert, [gate; up], h]
+    fc2 = torch.randn(2, experts, h, ffn, generator=g)
+    part, local = ffn // tp, experts // ep
+    for t in range(tp):
+        for e in range(ep):
+            mine = range(e * local, (e + 1) * local)
+            w1 = [torch.cat([fc1[:, x, :ffn][:, t * part:(t + 1) * part], fc1[:, x, ffn:][:, t * part:(t + 1) * part]],
+                            1) for x in mine]  # each [layer, 2 part, h]
+            w2 = [fc2[:, x, :, t * part:(t + 1) * part] for x in mine]  # each [layer, h, part]
+            model = {f"decoder.layers.0.mlp.experts.linear_fc{k}.weight{j}": w[j][0].clone()
+                     for k, w in ((1, w1), (2, w2)) for j in range(local)}
+            model["decoder.layers.1.mlp.experts.weight1"] = torch.stack([w[1].t() for w in w1]).reshape(h, -1)
+            model["decoder.layers.1.mlp.experts.weight2"] = torch.stack([w[1].t() for w in w2]).reshape(-1, h)
+            model["decoder.layers.0.mlp.router.weight"] = torch.ones(experts, h)
+            d = tmp_path / "iter_0000002" / f"mp_rank_{t:02d}_{e:03d}"
+            d.mkdir(parents=True)
+            torch.save({"model": model, "args": args, "iteration": 2}, d / "model_optim_rng.pt")
+    ck = Legacy(str(tmp_path / "iter_0000002"))
+    assert sorted(ck.names()) == sorted(["decoder.layers.0.mlp.router.weight"] + [
+        f"decoder.layers.{i}.mlp.experts.linear_fc{k}.weight" for i in range(2) for k in (1, 2)])
+    for i in range(2):
+        for k, want in ((1, fc1[i]), (2, fc2[i])):
+            name = f"decoder.layers.{i}.mlp.experts.linear_fc{k}.weight"
+            assert ck.shape(name) == tuple(want.shape) and torch.equal(ck.read(name), want), name
+    shutil.rmtree(tmp_path / "iter_0000002" / "mp_rank_01_001")
+    with pytest.raises(CheckpointError, match="missing checkpoint file .*mp_rank_01_001"):
+        Legacy(str(tmp_path / "iter_0000002"))
+
+
+def test_torch_dist_norm_names_per_layer(tmp_path):
+    """Layers stored one key each (megatron-core's non-homogeneous layers) with the Transformer Engine spec's
+    pre-MLP norm fused in a dense layer and a module of its own in an MoE layer: each layer's tensor is found; a
+    stacked second name that every layer also has under the first (our writer's) is an alias."""
+    import torch.distributed.checkpoint as dcp
+
+    from megatronish.checkpoint.megatron_format import TorchDist
+
+    def write(d, tensors):
+        d.mkdir()
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(d)), no_dist=True)
+        torch.save({"args": None, "iteration": 1}, d / "common.pt")
+        (d / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+        return TorchDist(str(d))
+
+    dense, moe = torch.randn(4), torch.randn(4)
+    ck = write(tmp_path / "mixed", {"decoder.layers.0.mlp.linear_fc1.layer_norm_weight": dense,
+                                    "decoder.layers.1.pre_mlp_layernorm.weight": moe})
+    assert ck.key_of("decoder.layers.0.pre_mlp_layernorm.weight") == (
+        "decoder.layers.0.mlp.linear_fc1.layer_norm_weight", None)
+    assert torch.equal(ck.read("decoder.layers.0.pre_mlp_layernorm.weight"), dense)
+    assert torch.equal(ck.read("decoder.layers.1.pre_mlp_layernorm.weight"), moe)
+    assert len(ck.model_keys()) == 2
+    both = torch.randn(2, 4)
+    ck = write(tmp_path / "both", {"decoder.layers.mlp.linear_fc1.layer_norm_weight": both,
+                                   "decoder.layers.pre_mlp_layernorm.weight": both.clone()})
+    assert ck.model_keys() == ["decoder.layers.mlp.linear_fc1.layer_norm_weight"]
+    assert torch.equal(ck.read("decoder.layers.1.pre_mlp_layernorm.weight"), both[1])
