@@ -45,6 +45,9 @@ def _flag_problems(args, for_training: bool = True) -> list[str]:
                       "--start-weight-decay and --end-weight-decay")
     if not args.loss_scale_window >= 1 or not float(args.loss_scale_window).is_integer():
         errors.append(f"--loss-scale-window must be a whole number >= 1, got {args.loss_scale_window}")
+    if args.moe_layer_recompute and args.recompute_granularity == "full":
+        errors.append("--moe-layer-recompute (selective recompute of the MoE layers) does not go with "
+                      "--recompute-granularity full; drop one of them (as Megatron-LM)")
     if args.cache_mla_latents and not args.multi_latent_attention:
         errors.append("--cache-mla-latents applies to --multi-latent-attention (its latent generation cache); "
                       "drop it")

@@ -15,6 +15,15 @@ def _one_or_list(value):
     return value[0] if isinstance(value, list) and len(value) == 1 else value
 
 
+def _recompute_modules(args):
+    """``--recompute-modules``; Megatron's ``--moe-layer-recompute`` adds ``moe`` (to the default ``core_attn``)."""
+    modules = None if args.recompute_modules is None else tuple(args.recompute_modules)
+    if not args.moe_layer_recompute:
+        return modules
+    modules = ("core_attn",) if modules is None else modules
+    return modules if "moe" in modules else modules + ("moe",)
+
+
 def _rules(args, load_resolved: tuple[str, int | None] | None = None) -> dict[type, dict]:
     """The config fields whose value is not the flag of the same name: a renamed flag or Megatron's rule (and
     the ``--load`` checkpoint that ``--use-checkpoint-args`` resolved)."""
@@ -23,8 +32,9 @@ def _rules(args, load_resolved: tuple[str, int | None] | None = None) -> dict[ty
         configs.ModelConfig: dict(
             # Megatron uses --num-query-groups only under --group-query-attention (None: one group per head)
             num_query_groups=args.num_query_groups if args.group_query_attention else None,
-            recompute_granularity="selective" if args.recompute_activations else args.recompute_granularity,
-            recompute_modules=None if args.recompute_modules is None else tuple(args.recompute_modules),
+            recompute_granularity="selective" if args.recompute_activations or args.moe_layer_recompute
+            else args.recompute_granularity,
+            recompute_modules=_recompute_modules(args),
             transformer_impl=args.transformer_impl or "local",
             # Megatron: one load-balancing type (and coefficient) given as a list of one is that value
             moe_router_load_balancing_type=_one_or_list(args.moe_router_load_balancing_type),

@@ -52,8 +52,6 @@ NOT_YET_SUPPORTED: dict[str, NotYet] = {
         (None, NotYet("--moe-shared-expert-overlap", (False,), "overlapping shared experts with dispatch", _DROP)),
         (None, NotYet("--moe-use-upcycling", (False,), "dense-to-MoE upcycling", _DROP)),
         (None, NotYet("--moe-input-jitter-eps", (None,), "router input jitter", _DROP)),
-        (None, NotYet("--moe-layer-recompute", (False,), "MoE-layer recompute", "drop the flag (use "
-                      "--recompute-granularity full)")),
         (None, NotYet("--moe-use-legacy-grouped-gemm", (False,), "the legacy grouped GEMM",
                       "drop the flag (--moe-grouped-gemm uses torch's grouped GEMM)")),
         (None, NotYet("--moe-router-force-load-balancing", (False,), "forced (random) routing", _DROP)),

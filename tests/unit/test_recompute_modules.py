@@ -123,11 +123,17 @@ def test_flag_and_error_lines():
     assert r.recompute_modules is None and r.recomputes("core_attn") and not r.recomputes("mlp")
     r = _errors("--recompute-activations", "--recompute-modules", "mlp", "layernorm")
     assert r.recompute_modules == ("mlp", "layernorm") and not r.recomputes("core_attn") and r.recomputes("mlp")
+    # Megatron-LM's older --moe-layer-recompute: selective recompute with moe added
+    assert _errors("--moe-layer-recompute").recompute_modules == ("core_attn", "moe")
+    assert _errors("--moe-layer-recompute", "--recompute-granularity", "selective", "--recompute-modules",
+                   "mlp").recompute_modules == ("mlp", "moe")
     # moe and shared_experts without experts are ignored, as in Megatron-LM
     assert _errors("--recompute-granularity", "selective", "--recompute-modules", "moe", "shared_experts").recomputes(
         "moe")
     for flags, line in [
         (["--recompute-modules", "mlp"], "--recompute-modules needs --recompute-granularity selective"),
+        (["--moe-layer-recompute", "--recompute-granularity", "full", "--recompute-method", "uniform",
+          "--recompute-num-layers", "1"], "--moe-layer-recompute (selective recompute of the MoE layers) does not go"),
         (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
           "--recompute-modules", "mlp"], "--recompute-modules needs --recompute-granularity selective"),
         (["--recompute-granularity", "selective", "--recompute-modules", "attn"],
