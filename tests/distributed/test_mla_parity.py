@@ -41,6 +41,7 @@ MODEL = {  # variant -> its flags
 }
 TP2, SP = ["--tensor-model-parallel-size", "2"], ["--sequence-parallel"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
+CP2 = ["--context-parallel-size", "2"]
 CASES = {  # name: (world, layout flags, model variant)
     "tp2-sp": (2, TP2 + SP, "mla-yarn"),
     "tp2": (2, TP2, "mla-yarn"),
@@ -52,11 +53,16 @@ CASES = {  # name: (world, layout flags, model variant)
     "tp2-sp-recompute-mla-up-proj": (2, TP2 + SP + ["--recompute-granularity", "selective", "--recompute-modules",
                                                     "mla_up_proj", "core_attn"], "mla-yarn"),
     "pp2": (2, PP2, "mla-yarn"),
-    "cp2-p2p": (2, ["--context-parallel-size", "2"], "mla-yarn"),
+    "cp2-p2p": (2, CP2, "mla-yarn"),
+    # Ulysses: the padded keys/values (d_nope + d_rope = 12, d_v = 6) scattered by heads
+    "cp2-a2a": (2, CP2 + ["--cp-comm-type", "a2a"], "mla-yarn"),
     "dp2-distopt": (2, ["--use-distributed-optimizer"], "mla-yarn"),
     "dp2-fsdp2": (2, ["--use-torch-fsdp2"], "mla-yarn"),
     "pp2-vp2": (4, PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"], "mla-yarn"),
-    "cp2-allgather-tp2": (4, TP2 + ["--context-parallel-size", "2", "--cp-comm-type", "allgather"], "mla-yarn"),
+    "cp2-allgather-tp2": (4, TP2 + CP2 + ["--cp-comm-type", "allgather"], "mla-yarn"),
+    # hierarchical: a2a inside pairs of adjacent CP ranks, the ring across the two pairs
+    "cp4-a2a-p2p": (4, ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+                        "--hierarchical-context-parallel-sizes", "2", "2"], "mla-yarn"),
     "ep2-tp2-sp": (4, TP2 + SP + ["--expert-model-parallel-size", "2"], "mla-deepseek-moe"),
     "ep2-tp2-sp-distopt": (4, TP2 + SP + ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"],
                            "mla-deepseek-moe"),
