@@ -3,8 +3,12 @@
 Each case runs 3 iterations through the training step and compares with a one-process run of the same model
 (same seed, no weight copying): the losses and every parameter's reduced gradient of every iteration (assembled
 from the ranks' slices; replicas must agree, so a missing reduction of a replicated down-projection shows), fp32,
-rtol 1e-5. SGD with an active gradient clip, so a wrong reduction shows up again in the next iteration. Then a
-checkpoint saved at TP 2 loads at TP 1 and the next iteration's loss equals the TP 2 run's.
+rtol 1e-5. SGD with an active gradient clip, so a wrong reduction shows up again in the next iteration.
+
+Resharding on resume: a DeepSeek-MoE model's checkpoint saved after iteration 2 at EP 2 x TP 2 + SP with the
+distributed optimizer, and a dense MLA model's saved at TP 2 + SP (Adam, so the moments travel too), resume at
+the saving layout and in others; iterations 3 and 4 have the losses of the uninterrupted run (one process, rtol
+1e-5).
 """
 import pytest
 import torch
@@ -41,7 +45,8 @@ MODEL = {  # variant -> its flags
 }
 TP2, SP = ["--tensor-model-parallel-size", "2"], ["--sequence-parallel"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
-CP2 = ["--context-parallel-size", "2"]
+CP2, EP2 = ["--context-parallel-size", "2"], ["--expert-model-parallel-size", "2"]
+DISTOPT = ["--use-distributed-optimizer"]
 CASES = {  # name: (world, layout flags, model variant)
     "tp2-sp": (2, TP2 + SP, "mla-yarn"),
     "tp2": (2, TP2, "mla-yarn"),
@@ -63,9 +68,15 @@ CASES = {  # name: (world, layout flags, model variant)
     # hierarchical: a2a inside pairs of adjacent CP ranks, the ring across the two pairs
     "cp4-a2a-p2p": (4, ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
                         "--hierarchical-context-parallel-sizes", "2", "2"], "mla-yarn"),
-    "ep2-tp2-sp": (4, TP2 + SP + ["--expert-model-parallel-size", "2"], "mla-deepseek-moe"),
-    "ep2-tp2-sp-distopt": (4, TP2 + SP + ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"],
-                           "mla-deepseek-moe"),
+    "ep2-tp2-sp": (4, TP2 + SP + EP2, "mla-deepseek-moe"),
+    "ep2-tp2-sp-distopt": (4, TP2 + SP + EP2 + DISTOPT, "mla-deepseek-moe"),
+}
+MOE_SAVE = TP2 + SP + EP2 + DISTOPT
+RESUME = {  # checkpoint: (model variant, world and layout that save it, {layout resuming it: (world, flags)})
+    "deepseek-moe": ("mla-deepseek-moe", 4, MOE_SAVE, {
+        "saving": (4, MOE_SAVE), "dp2": (2, []), "pp2": (2, PP2), "ep2-distopt": (2, EP2 + DISTOPT)}),
+    # CP and FSDP2 do not take --num-experts yet: the dense model's checkpoint covers them
+    "mla-yarn": ("mla-yarn", 2, TP2 + SP, {"cp2": (2, CP2), "dp2-fsdp2": (2, ["--use-torch-fsdp2"])}),
 }
 
 
@@ -86,38 +97,53 @@ def _run(argv, world):
     return {"losses": losses, "grads": grads}
 
 
-def _checkpoint_losses(root):
-    """Iteration 3's loss from the checkpoint a TP 2 run saved after iteration 2, loaded at TP 2 and at TP 1."""
-    def run(flags):
-        groups.destroy_model_parallel()
-        argv = BASE + MODEL["mla-yarn"] + ["--optimizer", "adam", "--lr", "1e-2"] + flags
-        return [loss for _, loss in training.pretrain(configs_from_args(parse_args(argv), 2)).state.history]
-
-    saved = run(TP2 + SP + ["--save", root, "--exit-interval", "2"])  # saves when it exits
-    return dict(saved=saved, tp2=run(TP2 + SP + ["--load", root]), tp1=run(["--load", root]))
+def _pretrain_losses(variant, flags, world):
+    groups.destroy_model_parallel()
+    argv = BASE + MODEL[variant] + ["--optimizer", "adam", "--lr", "1e-2", "--train-iters", "4"] + flags
+    return [loss for _, loss in training.pretrain(configs_from_args(parse_args(argv), world)).state.history]
 
 
-def _worker(rank, world, cases, root=None):
+def _checkpoint_losses(world, root):
+    """One process: the uninterrupted 4 iterations of each model of RESUME. Else the checkpoints this world saves
+    (after iteration 2: the saving run's 2 losses), then iterations 3 and 4 of every layout of this world resuming
+    one (worlds run in the order 4, 2, 1). Iteration 3's loss is the loaded weights' (and expert biases');
+    iteration 4's follows the first update after loading, so it also depends on the loaded Adam moments and step."""
+    out = {}
+    for ckpt, (variant, save_world, save_flags, layouts) in RESUME.items():
+        path = f"{root}/{ckpt}"
+        if world == 1:
+            out[(ckpt, "uninterrupted")] = _pretrain_losses(variant, [], 1)
+        if save_world == world:  # saves when it exits
+            out[(ckpt, "saved")] = _pretrain_losses(variant, save_flags + ["--save", path, "--exit-interval", "2"],
+                                                    world)
+        for name, (w, flags) in layouts.items():
+            if w == world:
+                out[(ckpt, name)] = _pretrain_losses(variant, flags + ["--load", path], world)
+    return out
+
+
+def _worker(rank, world, cases, root):
     out = {name: _run(argv, world) for name, argv in cases.items()}
-    if root is not None:
-        out["checkpoint"] = _checkpoint_losses(root)
+    out["checkpoint"] = _checkpoint_losses(world, root)
     return out if rank == 0 else None
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    refs = run_distributed(_worker, 1, MODEL)[0]
-    got = {}
-    for world in (2, 4):
-        cases = {name: flags + MODEL[variant] for name, (w, flags, variant) in CASES.items() if w == world}
-        root = str(tmp_path_factory.mktemp("mla_ckpt")) if world == 2 else None
-        got.update(run_distributed(_worker, world, cases, root, timeout=600)[0])
-    return refs, got
+    root = str(tmp_path_factory.mktemp("mla_ckpt"))
+    refs, got, resumed = {}, {}, {}
+    for world in (4, 2, 1):  # the checkpoints' savers first
+        cases = MODEL if world == 1 else \
+            {name: flags + MODEL[variant] for name, (w, flags, variant) in CASES.items() if w == world}
+        out = run_distributed(_worker, world, cases, root, timeout=600)[0]
+        resumed.update(out.pop("checkpoint"))
+        (refs if world == 1 else got).update(out)
+    return refs, got, resumed
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_layout_equals_one_process(results, name):
-    refs, got = results
+    refs, got, _ = results
     ref, out = refs[CASES[name][2]], got[name]
     assert_parity(out["losses"], ref["losses"], f"{name} losses")
     assert len(out["grads"]) == len(ref["grads"]) == ITERS
@@ -128,7 +154,7 @@ def test_layout_equals_one_process(results, name):
 
 
 def test_reference_learns_and_every_mla_weight_gets_gradient(results):
-    refs, _ = results
+    refs, _, _ = results
     for variant, ref in refs.items():
         assert ref["losses"][-1] < ref["losses"][0], f"{variant}: {ref['losses']}"
         g = ref["grads"][0]
@@ -145,8 +171,13 @@ def test_reference_learns_and_every_mla_weight_gets_gradient(results):
     assert moe["decoder.layers.1.mlp.experts.linear_fc1.weight"].shape == (4, 16, 32)  # --moe-ffn-hidden-size 8
 
 
-def test_checkpoint_saved_at_tp2_loads_at_tp1(results):
-    _, got = results
-    ck = got["checkpoint"]
-    assert len(ck["saved"]) == 2 and len(ck["tp2"]) == len(ck["tp1"]) == 1, ck
-    torch.testing.assert_close(torch.tensor(ck["tp1"]), torch.tensor(ck["tp2"]), rtol=1e-5, atol=0)
+RESUMED = sorted((ckpt, name) for ckpt, spec in RESUME.items() for name in spec[3])
+
+
+@pytest.mark.parametrize("ckpt,layout", RESUMED, ids=[f"{c}-to-{n}" for c, n in RESUMED])
+def test_checkpoint_resumes_with_the_uninterrupted_losses(results, ckpt, layout):
+    _, _, resumed = results
+    want, saved, got = resumed[(ckpt, "uninterrupted")], resumed[(ckpt, "saved")], resumed[(ckpt, layout)]
+    assert len(want) == 4 and len(saved) == len(got) == 2, (want, saved, got)  # iterations 1-2, then 3-4
+    torch.testing.assert_close(torch.tensor(saved), torch.tensor(want[:2]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want[2:]), rtol=1e-5, atol=0)
