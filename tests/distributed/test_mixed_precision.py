@@ -9,6 +9,13 @@ over the tokens of a loss computed in fp32 from bf16 logits the loss moves by a 
 4e-5: TP 2 + SP); the bf16-vs-fp32 gap is the rounding of every weight, activation and gradient (measured
 7e-5 to 1e-4 after 10 steps). The tolerances are ~5x the measured values.
 
+A DeepSeek-style multi-latent-attention model (q and kv latents, RoPE; 2 layers, 6 steps) at TP 2 + SP matches its
+one-process run in bf16 (BF16_TOL; measured 2.2e-5) and under emulated FP8 (hybrid) within FP8_LAYOUT_TOL: every
+linear is cast with the one-process run's scales, the amaxes being max-reduced over TP (without that reduction the
+losses move by 4e-5 relative; FP8 against fp32 by 8e-5). FP8 losses may drift a little: an fp32 reduction-order
+difference that moves one element across an FP8 rounding boundary changes it by an FP8 step, and the updates carry
+that on (measured 1e-7 relative here; 3.5e-6 over 10 steps of 4 layers).
+
 FP16: with a too-large initial loss scale the first steps overflow, are skipped (parameters untouched, LR
 schedule not advanced) and back the scale off as the rule says; the log record counts them. FP8: a small model
 trains with falling loss under ``--fp8-format hybrid`` and the amax histories are filled.
@@ -26,12 +33,17 @@ from megatronish.training.pretrain import pretrain
 ITERS = 10
 BF16_TOL = 2e-4  # relative, bf16 layouts vs the bf16 one-process run (measured max 4e-5)
 FP32_TOL = 5e-4  # relative, bf16 vs fp32 (measured ~1e-4)
+FP8_LAYOUT_TOL = 1e-5  # relative, FP8 TP 2 + SP vs FP8 at one process (measured 1e-7; without the amax max 4e-5)
 BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--max-position-embeddings", "16", "--vocab-size", "96", "--tokenizer-type", "NullTokenizer", "--mock-data",
         "--global-batch-size", "8", "--train-iters", str(ITERS), "--lr", "3e-3", "--min-lr", "3e-4",
         "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--weight-decay", "0.1", "--clip-grad", "1.0",
         "--attention-dropout", "0", "--hidden-dropout", "0", "--eval-iters", "0", "--log-interval", "1",
         "--seed", "5", "--micro-batch-size", "2"]
+MLA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+       "--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "12", "--qk-head-dim", "8",
+       "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6", "--qk-layernorm", "--num-layers", "2", "--train-iters", "6"]
+TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 
 
 def _run(argv, world, metrics=None):
@@ -64,7 +76,16 @@ def _rel(a, b):
 
 @pytest.fixture(scope="module")
 def single():
-    return run_distributed(_worker, 1, {"fp32": [], "bf16": ["--bf16"], "fp8": ["--fp8-format", "hybrid"]})[0]
+    return run_distributed(_worker, 1, {"fp32": [], "bf16": ["--bf16"], "fp8": ["--fp8-format", "hybrid"],
+                                        "mla-bf16": ["--bf16"] + MLA, "mla-fp8": ["--fp8-format", "hybrid"] + MLA})[0]
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_distributed(_worker, 2, {
+        "dp2": ["--bf16"], "dp2-distopt": ["--bf16", "--use-distributed-optimizer"],
+        "pp2": ["--bf16", "--pipeline-model-parallel-size", "2"], "tp2-sp": ["--bf16"] + TP2_SP,
+        "mla-tp2-sp": ["--bf16"] + MLA + TP2_SP, "mla-tp2-sp-fp8": ["--fp8-format", "hybrid"] + MLA + TP2_SP})
 
 
 def test_bf16_single_process(single):
@@ -79,20 +100,30 @@ def test_bf16_single_process(single):
     assert bf["losses"][-1] < bf["losses"][0] - 0.05
 
 
-def test_bf16_layouts_match_single_process(single):
-    ref, ref32 = single["bf16"]["losses"], single["fp32"]["losses"]
-    two = {"dp2": ["--bf16"], "dp2-distopt": ["--bf16", "--use-distributed-optimizer"],
-           "pp2": ["--bf16", "--pipeline-model-parallel-size", "2"],
-           "tp2-sp": ["--bf16", "--tensor-model-parallel-size", "2", "--sequence-parallel"]}
-    results = run_distributed(_worker, 2, two)
-    for name in two:
-        got = results[0][name]
+def test_bf16_layouts_match_single_process(single, two_ranks):
+    for name, ref_name in (("dp2", "bf16"), ("dp2-distopt", "bf16"), ("pp2", "bf16"), ("tp2-sp", "bf16"),
+                           ("mla-tp2-sp", "mla-bf16")):
+        got, ref = two_ranks[0][name], single[ref_name]["losses"]
         assert got["main_dtypes"] == ["torch.float32"] and got["model_dtypes"] == ["torch.bfloat16"], name
         assert got["master_rounds_to_model"], name
         assert _rel(got["losses"], ref) < BF16_TOL, (name, _rel(got["losses"], ref), got["losses"], ref)
-        assert _rel(got["losses"], ref32) < FP32_TOL, (name, got["losses"], ref32)
-        for r in results[1:]:
+        if ref_name == "bf16":
+            ref32 = single["fp32"]["losses"]
+            assert _rel(got["losses"], ref32) < FP32_TOL, (name, got["losses"], ref32)
+        for r in two_ranks[1:]:
             assert r[name]["losses"] == got["losses"]  # every rank reports the same loss
+    mla = single["mla-bf16"]["losses"]
+    assert mla[-1] < mla[0] - 0.05 and single["mla-bf16"]["model_dtypes"] == ["torch.bfloat16"], mla
+
+
+def test_mla_fp8_tp2_sp_matches_single_process(single, two_ranks):
+    ref, got = single["mla-fp8"], two_ranks[0]["mla-tp2-sp-fp8"]
+    # FP8 in use: the query/key-value up-projections, the output projection and the MLP's two linears of each of the
+    # 2 layers keep amax histories of their input, weight and output gradient (the replicated down-projections run
+    # in high precision)
+    assert len(ref["fp8_amax"]) == len(got["fp8_amax"]) == 2 * 5 * 3 and min(got["fp8_amax"]) > 0
+    assert _rel(got["losses"], ref["losses"]) < FP8_LAYOUT_TOL, (got["losses"], ref["losses"])
+    assert ref["losses"][-1] < ref["losses"][0] - 0.05, ref["losses"]
 
 
 def test_fp8_hybrid_trains_through_pretrain(single):
