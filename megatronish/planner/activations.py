@@ -16,7 +16,9 @@ is padded to capacity): each routed copy keeps its expert's FC1 input and activa
 expert FFN size does, plus about ``3h`` bytes for the permutation (the permuted copy and the weighted expert
 output; measured on the saved-tensor hooks). Full recompute keeps each recomputed block's
 input and, during the backward, one block's full activations. Activations are in the parameters' dtype (fp32
-models: twice the 16-bit bytes).
+models: twice the 16-bit bytes). The formula's score terms stay only where the attention core runs an unfused path
+(:func:`attention_core_path`); a flash-type kernel keeps its fp32 log-sum-exp instead, and what its inputs hold
+alive (:func:`_flash_extra`).
 
 The zero-bubble schedules (``zb-h1``, ``zbv``, ``dualpipev``) split each backward into ``B`` and ``W``: after a
 chunk-microbatch's ``B`` its activations are freed except what its deferred weight GEMMs need, the input ``X`` and
@@ -147,6 +149,47 @@ def _mla_latents(m) -> tuple[float, int]:
     return q + kv, norms
 
 
+def attention_core_path(cfg, *, cpu: bool) -> str:
+    """The attention core's kernel family a run takes, by what it keeps for the backward: ``"flash"`` (q, k, v,
+    the output and the fp32 log-sum-exp, no score matrix: context parallelism's block kernels; on CUDA SDPA's
+    flash, memory-efficient and cuDNN kernels under ``--attention-backend auto/flash/fused``; on CPU SDPA's flash
+    kernel, which ``auto`` takes without attention dropout when queries and values have one head size), ``"math"``
+    (SDPA's math path: ``unfused``, and on CPU ``auto`` with dropout or MLA's unequal head sizes) or ``"local"``
+    (the explicit softmax). The backend is the one ``model/attention.py`` resolves on the device the run uses."""
+    from ..model.attention import resolve_attention_backend
+
+    m = cfg.model
+    if cfg.parallel.cp > 1:
+        return "flash"
+    backend = resolve_attention_backend(m.attention.attention_backend, "cpu" if cpu else "cuda")[0]
+    if backend in ("local", "unfused"):
+        return "math" if backend == "unfused" else "local"
+    q, _, _, proj = _attention_sizes(m)
+    same_head_size = not m.attention.multi_latent_attention or q == proj
+    return "flash" if not cpu or (not m.attention.attention_dropout and same_head_size) else "math"
+
+
+def _flash_extra(cfg) -> float:
+    """Elements per token (over TP) a flash-type core keeps beyond the query, key, value and output projection
+    input that :func:`_attention_sizes` counts (its fp32 log-sum-exp is the caller's). Standard attention: the
+    value is a view of the fused QKV output, so that whole output stays (``h + 2 kv``), and the query and key are
+    new tensors when rotated or normalized (the query also when a rank's query groups hold several heads: its
+    reshape copies); the output is the projection's input, but under context parallelism (whose blocks merge into
+    a new output tensor) a copy of it. MLA under context parallelism: the query, key, value and output padded to
+    one head size ``max(d_nope + d_rope, d_v)``."""
+    m, par = cfg.model, cfg.parallel
+    at = m.attention
+    if at.multi_latent_attention:
+        if par.cp == 1:
+            return 0.0
+        q, k, v, proj = _attention_sizes(m)
+        return 4 * max(q, proj) - (q + k + v)
+    kv, hpg = m.num_query_groups * m.kv_channels, m.num_attention_heads // m.num_query_groups
+    new = at.rotary or at.qk_layernorm
+    q_copy = new or (m.num_query_groups // par.tp > 1 and hpg > 1)
+    return m.hidden_size * (q_copy + (par.cp > 1)) + kv * new
+
+
 def _layer(cfg, *, moe: bool, cpu: bool, recompute: str | None) -> float:
     """One layer, one microbatch, in the parameters' dtype."""
     m, par = cfg.model, cfg.parallel
@@ -159,10 +202,11 @@ def _layer(cfg, *, moe: bool, cpu: bool, recompute: str | None) -> float:
     q, k, v, proj = _attention_sizes(m)
     mla = m.attention.multi_latent_attention
     keeps_scores = recompute is None
+    flash = keeps_scores and attention_core_path(cfg, cpu=cpu) == "flash"
     upcast = 2 * (q + k + v) * s * b / t  # the CPU SDPA's fp32 copies of q, k, v (bytes over the 16-bit ones)
     if mla and recompute != "full":  # MLA's query, key, value, projection input and latents for the formula's
         value += 2 * (q + k + v + proj - 2 * h - 2 * kv) * s * b / t + _mla_latents(m)[0] * s * b / (t if sp else 1)
-        if cpu and recompute != "selective":
+        if cpu and recompute != "selective" and not flash:
             value += upcast - 2 * (h + 2 * kv) * s * b / t
     if moe:  # the router and the experts' share of the routed token copies
         mo, etp = m.moe, par.expert_tp
@@ -177,17 +221,21 @@ def _layer(cfg, *, moe: bool, cpu: bool, recompute: str | None) -> float:
             value += s * b / t * shared * ((6 if m.swiglu else 4) + (2 if cpu and m.swiglu else 0))
     sbh = s * b * h / (t if sp else 1)
     scores = a * s * s * b / t
-    if keeps_scores and not m.attention.attention_dropout:  # softmax output only: no mask, no dropped copy
+    if flash:  # no score matrix (nor, on CPU, the math path's fp32 copies of q, k, v)
+        value -= (12 if cpu else 5) * scores + (2 * (h + 2 * kv) * s * b / t if cpu else 0.0)
+    elif keeps_scores and not m.attention.attention_dropout:  # softmax output only: no mask, no dropped copy
         value -= (8 if cpu else 3) * scores
     if not m.hidden_dropout:  # the two hidden dropouts' masks
         value -= (4 if cpu else 2) * sbh
     fp32 = cfg.optim.params_dtype.itemsize == 4
-    if cpu and fp32:  # everything doubles but the fp32 scores; the SDPA's fp32 copies shrink to its scaled query
-        # (MLA's: none; the kernel's scaled query and reshaped key are the copies of q and k counted above)
+    if cpu and fp32 and not flash:  # everything doubles but the fp32 scores; SDPA's fp32 copies shrink to its scaled
+        # query (MLA's: none; the kernel's scaled query and reshaped key are the copies of q and k counted above)
         score_bytes = (12 if m.attention.attention_dropout else 4) * scores if keeps_scores else 0.0
         value = 2 * (value - score_bytes) - ((2 if mla else 1) * upcast if keeps_scores else 0.0) + score_bytes
     elif fp32:
         value *= 2
+    if flash:  # the fp32 log-sum-exp [b, a, s] and what the kernel's inputs keep alive (_flash_extra)
+        value += (4 * a + cfg.optim.params_dtype.itemsize * _flash_extra(cfg)) * s * b / t
     if cpu and m.normalization == "RMSNorm":  # fp32 input and output copies, and the rstd, of the norms
         latent = 0.0
         if mla and recompute != "full":

@@ -266,3 +266,39 @@ def test_deferred_weight_gradients_in_the_zero_bubble_peak():
     assert split_backward_peak([("F", 0), ("F", 0), ("B", 0), ("F", 0), ("W", 0)], [10.0], [4.0]) == ([2], [1], 2)
     # with more deferred than held (not a real stage) the peak is the moment of the most waiting W
     assert split_backward_peak([("F", 0), ("B", 0), ("F", 0), ("B", 0), ("W", 0)], [1.0], [5.0]) == ([0], [2], 1)
+
+
+def test_attention_core_follows_the_backend():
+    """On a GPU the fused backends (auto, flash, fused) keep the fp32 log-sum-exp and no score matrix, the unfused
+    ones (local, unfused) Korthikanti's ``5 a s^2 b`` bytes (``2 a s^2 b`` without attention dropout); on CPU
+    SDPA takes its flash kernel only without dropout and with one head size (not MLA's), and context
+    parallelism's block kernels are flash kernels everywhere."""
+    from megatronish.arguments import build_parser, configs_from_args
+    from megatronish.planner.activations import attention_core_path, stage_activations
+
+    def cfg(*extra):
+        return configs_from_args(build_parser().parse_args(BASE + ["--position-embedding-type", "rope", *extra]), 2)
+
+    def layers(backend, dropout):
+        gqa = ["--group-query-attention", "--num-query-groups", "2"]
+        return stage_activations(cfg(*gqa, "--attention-backend", backend, "--attention-dropout", dropout), 0).layers
+
+    s, b, a, h, kv, n = 32, 1, 4, 64, 32, 4
+    # per layer, bf16: the query and key rotated apart from the fused QKV output the value is a view of
+    lse_and_copies = 4 * a * s * b + 2 * (h + kv) * s * b
+    for dropout, score_bytes in (("0.1", 5), ("0", 2)):
+        fused = {backend: layers(backend, dropout) for backend in ("auto", "flash", "fused")}
+        assert len(set(fused.values())) == 1
+        assert layers("local", dropout) == layers("unfused", dropout)
+        assert layers("local", dropout) - fused["auto"] == pytest.approx(
+            n * (score_bytes * a * s * s * b - lse_and_copies), rel=1e-12)
+    mla = ["--multi-latent-attention", "--kv-lora-rank", "16", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8",
+           "--v-head-dim", "16"]
+    paths = {("0",): "flash", ("0.1",): "math", ("0", "--attention-backend", "unfused"): "math",
+             ("0", "--attention-backend", "local"): "local", ("0", *mla): "math",
+             ("0", *mla, "--context-parallel-size", "2"): "flash", ("0", "--attention-backend", "flash"): "flash"}
+    for (dropout, *extra), path in paths.items():
+        c = cfg("--attention-dropout", dropout, *extra)
+        assert attention_core_path(c, cpu=True) == path, extra
+        assert attention_core_path(c, cpu=False) == ("local" if "local" in extra else
+                                                      "math" if "unfused" in extra else "flash"), extra
