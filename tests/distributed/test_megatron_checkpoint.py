@@ -1,7 +1,9 @@
 """Megatron-LM checkpoints in and out, against megatron-core itself (installed with the dev extra).
 
 One group of 4 forked gloo ranks: megatron-core builds its GPTModel (local layer spec) at TP 2 x PP 2 for a
-Llama-style, a GPT-2-style and a DeepSeek-style multi-latent-attention model and saves it with its own
+Llama-style, a GPT-2-style and a DeepSeek-style multi-latent-attention model (and at TP 2 x PP 2 x EP 2 for a
+Llama-style mixture-of-experts model and a DeepSeek-V3-style one, MLA + MoE with the first layer dense, which our
+loader also reads at TP 1 x EP 4) and saves it with its own
 ``dist_checkpointing.save`` (with its FP32
 optimizer's state for the Llama model) and in Megatron's legacy per-rank files; ``pretrain``'s set-up loads
 them at TP 2 x PP 2 (every local tensor equal to megatron-core's; Adam moments, step, iteration, consumed samples
@@ -125,6 +127,9 @@ def _worker(rank, world, root):
             res["lr"] = run_.scheduler.num_steps
             res["continued"] = _continue(run_, state)
         _, _, res["ours_legacy"] = _ours(flavor, legacy_dir, ("--no-load-optim",))
+        if ep > 1:  # ours at TP 1 x PP 1 x EP 4 (DP 4): one expert per rank, the rest whole
+            _, _, res["ours_ep4"] = _ours(flavor, dist_dir, ("--no-load-optim", "--expert-model-parallel-size", "4"),
+                                          tp=1, pp=1)
         if flavor not in FULL:
             res.update(_save_back(root, flavor, rank))
             out[flavor] = res
@@ -213,6 +218,19 @@ def test_loads_at_tp2_pp2_and_saves_back(results, flavor):
             _compare(res["ref_exp_avg"], res["ours_exp_avg"], "Adam exp_avg")
 
 
+@pytest.mark.parametrize("flavor", [f for f in mcs.FLAVORS if mcs.FLAVORS[f].get("ep", 1) > 1])
+def test_moe_loads_at_ep4(results, flavor):
+    """A mixture-of-experts checkpoint saved at TP 2 x PP 2 x EP 2 loads at TP 1 x PP 1 x EP 4: each rank's one
+    expert, and every other tensor whole, equal to megatron-core's pieces put together."""
+    _, per_rank = results
+    ref = _global_reference(per_rank, flavor)
+    for rank, r in enumerate(per_rank):
+        got = r[flavor]["ours_ep4"]
+        want = {k: v[rank:rank + 1] if ".experts.linear_fc" in k else v for k, v in ref.items()}
+        assert set(got) == set(want), sorted(set(got) ^ set(want))
+        _compare(want, got, "torch_dist at TP1 x EP4")
+
+
 def _whole_down_projections(per_rank, r, flavor):
     """megatron-core's local tensors of rank ``r`` in our layout: multi-latent attention's down-projections, split
     by rows over TP in megatron-core's local spec and whole on every TP rank in ours, put together from its stage's
@@ -227,7 +245,7 @@ def _whole_down_projections(per_rank, r, flavor):
 
 def _global_reference(per_rank, flavor, what="ref"):
     """megatron-core's TP pieces put together (the fused [gate; up] of each rank split and re-stacked)."""
-    from megatronish.checkpoint.megatron_names import tp_split
+    from megatronish.checkpoint.megatron_names import EXPERT_SPLIT, split_layer, tp_split
 
     pieces = {}
     for r in per_rank:
@@ -237,6 +255,8 @@ def _global_reference(per_rank, flavor, what="ref"):
     out = {}
     for name, by_rank in pieces.items():
         split = tp_split(name, mcs.FLAVORS[flavor]["swiglu"])
+        if split_layer(name)[1] in EXPERT_SPLIT:  # whole experts, EP rank = TP rank (EP folded into TP)
+            split = (0, 1)
         if name == "output_layer.weight" and not mcs.FLAVORS[flavor]["untie"]:
             continue
         if split is None:
