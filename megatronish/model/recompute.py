@@ -13,6 +13,8 @@ saved-activation counter of ``training/memory.py``, an enclosing block), so nest
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 
@@ -38,7 +40,7 @@ class _RunDiscarded(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rec, *args):
         ctx.rec = rec
-        rec._ctx = ctx
+        rec._ctx = weakref.ref(ctx)  # (the graph owns ctx; ctx owns rec)
         with torch.no_grad():
             outs = rec.fn(*args)
         ctx.save_for_backward(*args)
@@ -74,7 +76,7 @@ class OutputRecompute:
 
     def _recompute(self):
         if self._outs is None:
-            inputs = [t.detach().requires_grad_(t.requires_grad) for t in self._ctx.saved_tensors]
+            inputs = [t.detach().requires_grad_(t.requires_grad) for t in self._ctx().saved_tensors]
             with torch.enable_grad():
                 outs = self.fn(*inputs)
             self._inputs, self._outs = inputs, ((outs,) if self._single else tuple(outs))

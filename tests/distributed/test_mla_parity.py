@@ -54,9 +54,10 @@ CASES = {  # name: (world, layout flags, model variant)
     "tp2-sp-recompute-full": (2, TP2 + SP + ["--recompute-granularity", "full", "--recompute-method", "uniform",
                                              "--recompute-num-layers", "1"], "mla-yarn"),
     "tp2-sp-recompute-selective": (2, TP2 + SP + ["--recompute-granularity", "selective"], "mla-yarn"),
-    # the up-projections and RoPE recomputed from the kept latents (their all-gathers again in backward)
-    "tp2-sp-recompute-mla-up-proj": (2, TP2 + SP + ["--recompute-granularity", "selective", "--recompute-modules",
-                                                    "mla_up_proj", "core_attn"], "mla-yarn"),
+    # the up-projections and RoPE recomputed from the kept latents (their all-gathers again in backward), with
+    # the norms' outputs and the dense MLP (its fc1's all-gather again in backward)
+    "tp2-sp-recompute-modules": (2, TP2 + SP + ["--recompute-granularity", "selective", "--recompute-modules",
+                                                "mla_up_proj", "core_attn", "layernorm", "mlp"], "mla-yarn"),
     "pp2": (2, PP2, "mla-yarn"),
     "cp2-p2p": (2, CP2, "mla-yarn"),
     # Ulysses: the padded keys/values (d_nope + d_rope = 12, d_v = 6) scattered by heads

@@ -3,8 +3,8 @@ without recompute (fp32, dropout on, so the RNG replay shows), and the saved act
 keeps no more (measured with the saved-tensor hooks; ``mlp`` and ``layernorm`` against the memory report's
 formula). The flag's error lines are Megatron-LM's rules.
 
-A tiny GPT model of two layers, one process; the parallel case (MLA TP 2 + SP with ``mla_up_proj core_attn``)
-is ``tests/distributed/test_mla_parity.py``'s ``tp2-sp-recompute-mla-up-proj``.
+A tiny GPT model of two layers, one process; the parallel case (MLA at TP 2 + SP with ``mla_up_proj core_attn
+layernorm mlp``) is ``tests/distributed/test_mla_parity.py``'s ``tp2-sp-recompute-modules``.
 """
 import pytest
 import torch
@@ -42,6 +42,7 @@ def _run(model: str, modules):
     with SavedActivationCounter(m.parameters()) as counter:
         loss = m(tokens, labels=tokens.roll(-1, 1)).mean()
     loss.backward()
+    assert counter.current == 0  # everything saved (recipes and kept inputs included) released by backward
     return loss.detach(), {n: p.grad for n, p in m.named_parameters()}, counter.peak
 
 
