@@ -56,7 +56,7 @@ class _RunDiscarded(torch.autograd.Function):
         inputs, outs = rec._recompute()
         pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad and g is not None]
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        rec._ctx = rec._inputs = rec._outs = None  # done: drop the recomputed tensors
+        rec._inputs = rec._outs = None  # done: drop the recomputed tensors (a retained graph recomputes again)
         return (None, *[x.grad if x.requires_grad else None for x in inputs])
 
 

@@ -148,3 +148,25 @@ def test_flag_and_error_lines():
     ]:
         err = _errors(*flags)
         assert isinstance(err, str) and line in err, (flags, err)
+
+
+def test_output_recompute_twice_through_a_retained_graph():
+    """The discarded output is recomputed for each backward through a retained graph, bitwise as kept."""
+    from megatronish.model.recompute import discard_output
+
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    w = torch.randn(8, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+
+    def grads(enabled):
+        y, block = discard_output(enabled, lambda t: torch.nn.functional.layer_norm(t, (8,)), x)
+        with block:
+            z = (y @ w).tanh().sum()
+        out = []
+        for retain in (True, False):
+            z.backward(retain_graph=retain)
+            out += [x.grad, w.grad]
+            x.grad = w.grad = None
+        return out
+
+    for kept, recomputed in zip(grads(False), grads(True)):
+        assert torch.equal(kept, recomputed)
