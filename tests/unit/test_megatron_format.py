@@ -189,3 +189,6 @@ def test_torch_dist_norm_names_per_layer(tmp_path):
                                    "decoder.layers.pre_mlp_layernorm.weight": both.clone()})
     assert ck.model_keys() == ["decoder.layers.mlp.linear_fc1.layer_norm_weight"]
     assert torch.equal(ck.read("decoder.layers.1.pre_mlp_layernorm.weight"), both[1])
+    with pytest.raises(CheckpointError, match=r"one key each \('decoder\.layers\.1\.mlp\.experts\.experts\.3\..*"
+                                              r"singleton_local_shards\); re-save it without that option$"):
+        write(tmp_path / "singleton", {"decoder.layers.1.mlp.experts.experts.3.linear_fc1.weight": torch.ones(2, 2)})
