@@ -211,7 +211,6 @@ class TorchDist:
                 for c in tmd.chunks:
                     at.update({i: (k, i) for i in range(c.offsets[0], c.offsets[0] + c.sizes[0])})
         # a norm's second name where both are stored (our writer's): every layer it holds has the first too
-        self.aliases = set()
         shadowed: dict[str, set] = {}
         for ours in LAYER_KEYS:
             found = [self._stored.get(c, {}) for c in self._candidates(ours)]
