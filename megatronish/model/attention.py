@@ -46,6 +46,23 @@ def resolve_attention_backend(backend: str, device_type: str) -> tuple[str, str]
     return backend, ""
 
 
+def attention_core_kind(model_cfg, cp: int, device_type: str) -> str:
+    """What the attention core keeps for its backward on ``device_type``: ``"flash"`` (q, k, v, the output and the
+    fp32 log-sum-exp, no score matrix: context parallelism's block kernels; on CUDA SDPA's flash, memory-efficient
+    and cuDNN kernels under ``--attention-backend auto/flash/fused``; elsewhere SDPA's flash kernel, which ``auto``
+    takes without attention dropout when queries and values have one head size), ``"math"`` (SDPA's math path:
+    ``unfused``, and off CUDA ``auto`` with dropout or MLA's unequal head sizes, the probabilities kept) or
+    ``"local"`` (the explicit softmax). The memory report and the planner read it."""
+    at = model_cfg.attention
+    if cp > 1:
+        return "flash"
+    backend = resolve_attention_backend(at.attention_backend, device_type)[0]
+    if backend in ("local", "unfused"):
+        return "math" if backend == "unfused" else "local"
+    same_head_size = not at.multi_latent_attention or at.qk_head_dim + at.qk_pos_emb_head_dim == at.v_head_dim
+    return "flash" if device_type == "cuda" or (not at.attention_dropout and same_head_size) else "math"
+
+
 def _sdpa_backends(backend: str):
     """The SDPA kernel-priority context of ``backend`` (a no-op context for ``auto``)."""
     names = _SDPA_PRIORITY.get(backend)

@@ -83,8 +83,9 @@ def _modules(recompute: str | None, modules) -> tuple:
 def activation_bytes_per_layer(s: int, b: int, h: int, a: int, *, t: int = 1, sequence_parallel: bool = False,
                                recompute: str | None = None, ffn_hidden_size: int | None = None,
                                kv_hidden_size: int | None = None, swiglu: bool = False,
-                               recompute_modules=None) -> float:
+                               recompute_modules=None, scores: bool = True) -> float:
     """Korthikanti et al. 2022, Table 2 (16-bit activations, 1-byte dropout masks), one layer, one microbatch.
+    ``scores=False``: an attention core that keeps no score matrix (flash-type kernels) has no ``5*a*s/h`` term.
 
     The 34 of the paper is 10 replicated bytes per ``s*b*h`` (two norm inputs 4, the QKV and FC1 inputs 4, two
     dropout masks 2) plus 24 TP-sharded ones (Q and K 4, V 2, projection input 2, activation input 8, FC2 input
@@ -102,7 +103,7 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, *, t: int = 1, se
     mlp = 0.0 if "mlp" in modules else (6 if swiglu else 4) * f / h
     sharded = 4 + 4 * kv / h + mlp  # 24 for MHA, f = 4h, no SwiGLU
     replicated = 6.0 if "layernorm" in modules else 10.0
-    attn = 0.0 if "core_attn" in modules else 5 * a * s / h  # scores, softmax, dropout mask and output
+    attn = 0.0 if "core_attn" in modules or not scores else 5 * a * s / h  # scores, softmax, dropout mask, output
     sp = sequence_parallel
     if recompute == "full":
         return 2 * s * b * h / (t if sp else 1)
@@ -155,12 +156,14 @@ def interleave_factor(p: int, v: int) -> float:
 
 def activation_bytes(model_cfg, *, micro_batch_size: int, tp: int = 1, pp: int = 1, vp: int = 1, cp: int = 1,
                      sequence_parallel: bool = False, num_microbatches: int | None = None,
-                     padded_vocab_size: int | None = None, stage_layers: tuple[int, int] | None = None) -> float:
+                     padded_vocab_size: int | None = None, stage_layers: tuple[int, int] | None = None,
+                     scores: bool = True) -> float:
     """Peak activation bytes of the fullest pipeline stage's rank for one iteration: the first, or with
     ``--mtp-num-layers`` the last if its depths make it fuller. Under context parallelism a rank holds ``s / cp``
     tokens of every sequence. ``stage_layers``: the first and the last pipeline rank's transformer layers (all
     their chunks; :meth:`~megatronish.parallel.dims.ParallelDims.rank_num_layers`) when the split is uneven;
-    by default ``L / pp`` each."""
+    by default ``L / pp`` each. ``scores``: whether the attention core keeps its score matrix
+    (:func:`activation_bytes_per_layer`)."""
     m = model_cfg
     s, b, h = m.seq_length // cp, micro_batch_size, m.hidden_size
     per_layer = activation_bytes_per_layer(s, b, h, m.num_attention_heads, t=tp,
@@ -168,7 +171,8 @@ def activation_bytes(model_cfg, *, micro_batch_size: int, tp: int = 1, pp: int =
                                            recompute=m.recompute.recompute_granularity,
                                            recompute_modules=m.recompute.recompute_modules,
                                            ffn_hidden_size=m.ffn_hidden_size,
-                                           kv_hidden_size=m.num_query_groups * m.kv_channels, swiglu=m.swiglu)
+                                           kv_hidden_size=m.num_query_groups * m.kv_channels, swiglu=m.swiglu,
+                                           scores=scores)
     if pp == 1:
         in_flight = 1.0
     elif vp > 1:
@@ -200,7 +204,11 @@ def theoretical_memory(cfg, num_params: int, num_expert_params: int = 0) -> dict
     (each rank holds ``E/EP`` experts of every MoE layer of its stage, split over expert-TP). Under the
     distributed optimizer the expert weights' optimizer state is sharded over their own replicas, the
     expert-data-parallel group (``TP*CP*DP / (ETP*EP)`` ranks), the rest over data parallelism (as Megatron-LM's
-    ``compute_weight_and_optimizer_memory``). Activations use the dense formula for every layer."""
+    ``compute_weight_and_optimizer_memory``). Activations use the dense formula for every layer, without the
+    score matrix where the run's attention core keeps none (flash-type kernels on this device:
+    :func:`~megatronish.model.attention.attention_core_kind`)."""
+    from ..model.attention import attention_core_kind
+
     o, par = cfg.optim, cfg.parallel
     fsdp = cfg.fsdp_active
 
@@ -214,7 +222,8 @@ def theoretical_memory(cfg, num_params: int, num_expert_params: int = 0) -> dict
                            vp=par.vp, cp=par.cp, sequence_parallel=cfg.sequence_parallel,
                            num_microbatches=cfg.num_microbatches,
                            stage_layers=(par.rank_num_layers(cfg.model.num_layers, 0),
-                                         par.rank_num_layers(cfg.model.num_layers, par.pp - 1)))
+                                         par.rank_num_layers(cfg.model.num_layers, par.pp - 1)),
+                           scores=attention_core_kind(cfg.model, par.cp, device.current_device().type) != "flash")
     weights = bpp * (num_params - num_expert_params) + expert_bpp * num_expert_params
     return {"num_params": num_params, "num_expert_params": num_expert_params, "bytes_per_param": bpp,
             "bytes_per_expert_param": expert_bpp, "weights_and_optimizer": weights, "activations": act}

@@ -139,3 +139,29 @@ def test_measured_saved_activations_per_layer(t, capsys):
         assert formula <= peak <= (1.25 if rec else 2.0) * formula, rows[-1]
     with capsys.disabled():
         print("\n" + "\n".join(rows))
+
+
+def test_report_leaves_out_the_scores_a_flash_type_core_does_not_keep():
+    """The report's activations drop Korthikanti's ``5 a s / h`` where the attention core keeps no score matrix:
+    the term is exactly the difference, and the core's kind follows the backend and the device."""
+    from megatronish.arguments import configs_from_args, parse_args
+    from megatronish.model.attention import attention_core_kind
+    from megatronish.training.memory import theoretical_memory
+
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--vocab-size", "128", "--mock-data", "--tokenizer-type",
+            "NullTokenizer", "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "1",
+            "--lr", "1e-3"]
+    acts, kinds = {}, {}
+    for drop in ("0", "0.1"):
+        for backend in ("auto", "unfused", "local"):
+            cfg = configs_from_args(parse_args(base + ["--attention-dropout", drop, "--attention-backend", backend]),
+                                    1)
+            kinds[drop, backend] = (attention_core_kind(cfg.model, 1, "cpu"), attention_core_kind(cfg.model, 1, "cuda"),
+                                    attention_core_kind(cfg.model, 2, "cpu"))
+            acts[drop, backend] = theoretical_memory(cfg, 1000)["activations"]
+    assert kinds["0", "auto"] == ("flash", "flash", "flash") and kinds["0.1", "auto"] == ("math", "flash", "flash")
+    assert kinds["0", "unfused"][:2] == ("math", "math") and kinds["0.1", "local"][:2] == ("local", "local")
+    scores = 5 * 4 * 32 / 64 * 32 * 2 * 64 * 2  # 5 a s / h * s b h, two layers (one stage, one microbatch)
+    assert acts["0.1", "auto"] - acts["0", "auto"] == pytest.approx(scores)
+    assert acts["0", "unfused"] == acts["0.1", "auto"] == acts["0", "local"]
