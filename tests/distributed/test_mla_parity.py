@@ -6,9 +6,9 @@ from the ranks' slices; replicas must agree, so a missing reduction of a replica
 rtol 1e-5. SGD with an active gradient clip, so a wrong reduction shows up again in the next iteration.
 
 Resharding on resume: a DeepSeek-MoE model's checkpoint saved after iteration 2 at EP 2 x TP 2 + SP with the
-distributed optimizer, and a dense MLA model's saved at TP 2 + SP (Adam, so the moments travel too), resume at
-the saving layout and in others; iterations 3 and 4 have the losses of the uninterrupted run (one process, rtol
-1e-5).
+distributed optimizer, and a dense MLA model's saved at TP 2 + SP (Adam, so the moments travel too), resume in
+other layouts; iterations 3 and 4 have the losses of the uninterrupted run (one process, rtol 1e-5), which the
+saving run's first 2 iterations share.
 """
 import pytest
 import torch
@@ -75,7 +75,7 @@ CASES = {  # name: (world, layout flags, model variant)
 MOE_SAVE = TP2 + SP + EP2 + DISTOPT
 RESUME = {  # checkpoint: (model variant, world and layout that save it, {layout resuming it: (world, flags)})
     "deepseek-moe": ("mla-deepseek-moe", 4, MOE_SAVE, {
-        "saving": (4, MOE_SAVE), "dp2": (2, []), "pp2": (2, PP2), "ep2-distopt": (2, EP2 + DISTOPT)}),
+        "dp2": (2, []), "pp2": (2, PP2), "ep2-distopt": (2, EP2 + DISTOPT)}),
     # CP and FSDP2 do not take --num-experts yet: the dense model's checkpoint covers them
     "mla-yarn": ("mla-yarn", 2, TP2 + SP, {"cp2": (2, CP2), "dp2-fsdp2": (2, ["--use-torch-fsdp2"])}),
 }
