@@ -83,19 +83,25 @@ RUNS = [
     ("70B FSDP32 TP8 AsyncTP", f"{TT} Table 4", 256, L70B + seq(8192) + FSDP + FULL + [
         "--tensor-model-parallel-size", "8", "--sequence-parallel", "--micro-batch-size", "16",
         "--global-batch-size", "512"], {"compile": True, "fp8": True, "async_tp": True}, 876, 67.6, False),
+    # torchtitan's default microbatches: one per stage (8 of 4 sequences; interleaved 2 stages a rank, 16 of 2)
     *[(f"405B FSDP8 TP8 PP8 {name}", f"{TT} Table 5", 512, L405B + seq(8192) + FSDP + FULL + [
         "--tensor-model-parallel-size", "8", "--sequence-parallel", "--pipeline-model-parallel-size", "8",
-        "--micro-batch-size", "4", "--global-batch-size", "256", *extra],
+        "--micro-batch-size", mbs, "--global-batch-size", "256", *extra],
        {"compile": True, "fp8": True, "async_tp": True, "layers_scale": 126 / 128, "torch_pipelining": True},
        tps, mem, False)
-      for name, extra, tps, mem in (("1F1B", [], 100, 82.5),
-                                    ("interleaved", ["--num-layers-per-virtual-pipeline-stage", "8"], 128, 72.7))],
+      for name, mbs, extra, tps, mem in (
+          ("1F1B", "4", [], 100, 82.5),
+          ("interleaved", "2", ["--num-layers-per-virtual-pipeline-stage", "8"], 128, 72.7))],
     ("GPT-3 175B TP8 PP6 DP48", "Megatron-LM README model table", 2304, GPT3 + SEL + [
         "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "6", "--sequence-parallel",
         "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather", "--micro-batch-size", "1",
         "--global-batch-size", "1152"], {"hw_file": SXM_FILE, "tflops": 432.8}, None, None, True),
 ]
 GIB = 2 ** 30
+# torchtitan's activations (docs/planner.md, "Another stack's activations"): its loss's fp32 copies of the logits
+# (``activations.loss_fp32_copies``) and its per-op "selective" policy; under PP also the outputs that
+# torch.distributed.pipelining keeps (``pipelining_outputs``)
+TORCHTITAN_ACTIVATIONS = {"loss": "torchtitan", "selective": "per-op"}
 
 
 def _cfg(flags, world, opts):
@@ -122,7 +128,10 @@ def prepared():
     out = []
     for name, src, world, flags, opts, tps, mem, fit in RUNS:
         cfg, hw = _cfg(flags, world, opts), _hw(opts)
-        inputs = plan_inputs(cfg, hw, unsharded_grads=bool(opts.get("torch_pipelining")))
+        act_kw = {}
+        if src.startswith(TT):
+            act_kw = dict(TORCHTITAN_ACTIVATIONS, pipelining_outputs=bool(opts.get("torch_pipelining")))
+        inputs = plan_inputs(cfg, hw, unsharded_grads=bool(opts.get("torch_pipelining")), **act_kw)
         out.append((name, src, cfg, hw, opts, tps, mem, fit, inputs))
     return out
 

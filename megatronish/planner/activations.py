@@ -27,6 +27,10 @@ the output layer on the loss stage; MLA's up-projections), held until its ``W``.
 rank's action list (``parallel/pipeline/zero_bubble.build_compute_order``): ``F`` adds a chunk-microbatch's
 activations, ``B`` trades them for its deferred bytes, ``W`` frees those; the largest sum is the stage's peak,
 ``StageActivations.deferred`` the deferred part of it.
+
+Another stack's runs (:func:`stage_activations`' keywords; docs/planner.md, "Another stack's activations"): its
+loss's fp32 copies of the logits (:func:`loss_fp32_copies`), torchtitan's per-op selective policy
+(:func:`per_op_selective_layer`), and torch.distributed.pipelining's outputs kept on the loss stage.
 """
 from __future__ import annotations
 
@@ -49,11 +53,12 @@ class StageActivations:
     in_flight: int
     recompute: float = 0.0  # full recompute: one block's activations, rebuilt during the backward
     deferred: float = 0.0  # zero-bubble schedules: deferred W's linear inputs and output gradients at the peak
+    kept_outputs: float = 0.0  # torch.distributed.pipelining: the loss stage's outputs kept until the step's end
 
     @property
     def total(self) -> float:
         """The peak: the recomputed block comes after the last stage's loss activations are freed."""
-        return self.layers + self.embedding + max(self.output, self.recompute) + self.deferred
+        return self.layers + self.embedding + max(self.output, self.recompute) + self.deferred + self.kept_outputs
 
 
 def in_flight(p: int, v: int, r: int, m: int, schedule: str | None = None) -> int:
@@ -246,8 +251,58 @@ def _layer(cfg, *, moe: bool, cpu: bool, recompute: str | None) -> float:
     return value
 
 
-def stage_activations(cfg, pp_rank: int = 0, *, cpu: bool = False) -> StageActivations:
-    """Peak activation bytes of a rank of pipeline stage ``pp_rank`` (module docstring)."""
+SELECTIVE_POLICIES = ("megatron", "per-op")
+LOSSES = ("megatron", "torchtitan")
+
+
+def loss_fp32_copies(cfg, loss: str = "megatron") -> int:
+    """The fp32 ``[tokens, V / t]`` tensors the loss holds at its peak. ``"megatron"`` (our vocab-parallel cross
+    entropy): 1, the softmax it computes in place and turns into its gradient in place. ``"torchtitan"``
+    (``F.cross_entropy`` on the logits its model upcasts, ``self.output(h).float()``): without TP 3, at the
+    backward's start the saved log-softmax, ``nll_loss``'s gradient and the log-softmax's input gradient (the
+    forward's upcast logits and log-softmax are 2); with TP its ``loss_parallel`` (torch's
+    ``distributed/tensor/parallel/loss.py``) 4, the fused backward ``(grad_input + exp(x)) * grad_output`` holding
+    the saved log-softmax ``x``, the zeros-and-scatter ``grad_input``, ``exp(x)`` and their sum (its forward 3:
+    the upcast logits, ``shifted`` and ``exp(shifted)``)."""
+    if loss not in LOSSES:
+        raise ValueError(f"loss {loss!r} not in {LOSSES}")
+    if loss == "megatron":
+        return 1
+    return 4 if cfg.parallel.tp > 1 else 3
+
+
+def per_op_selective_layer(cfg) -> float:
+    """One dense layer, one microbatch, under torchtitan's per-op selective checkpointing
+    (``torchtitan/models/llama/parallelize_llama.py``: ``_save_list`` and ``_custom_policy``): the block's input
+    (the checkpoint's argument) and the outputs of the ops it saves; everything else is recomputed in the
+    backward. Saved: every other ``aten.mm`` of the block, counted from the first (Llama's order wq, wk, wv, wo,
+    w1, w3, w2 keeps wq, wv, w1, w2; without SwiGLU q, v, fc1), SDPA's output and its fp32 log-sum-exp, and under
+    SP with TP the ``reduce_scatter_tensor`` outputs after the two row-parallel GEMMs. A row-parallel GEMM's
+    output is the full-width partial sum (``h`` a token); a column-parallel one's is ``1/t`` of its width."""
+    m, par = cfg.model, cfg.parallel
+    if m.attention.multi_latent_attention or m.moe.num_experts:
+        raise ValueError("the per-op selective policy is modelled for dense standard-attention layers")
+    s, b, h, t, a = m.seq_length // par.cp, cfg.train.micro_batch_size, m.hidden_size, par.tp, m.num_attention_heads
+    sp = cfg.sequence_parallel
+    kv, h_attn, f = m.num_query_groups * m.kv_channels, m.num_attention_heads * m.kv_channels, m.ffn_hidden_size
+    mms = [h_attn / t, kv / t, kv / t, h] + [f / t] * (2 if m.swiglu else 1) + [h]
+    saved = sum(mms[0::2]) + (h / t if sp else h) + h_attn / t + (2 * h / t if sp else 0.0)
+    return (cfg.optim.params_dtype.itemsize * saved + 4 * a / t) * s * b
+
+
+def stage_activations(cfg, pp_rank: int = 0, *, cpu: bool = False, loss: str = "megatron",
+                      selective: str = "megatron", pipelining_outputs: bool = False) -> StageActivations:
+    """Peak activation bytes of a rank of pipeline stage ``pp_rank`` (module docstring). ``loss``: whose loss
+    computes the cross entropy, :func:`loss_fp32_copies`. ``pipelining_outputs`` (torch.distributed.pipelining
+    under PP, with ``loss="torchtitan"``): the loss stage keeps every microbatch's output, the fp32 logits
+    ``4 s b V / t`` each, in its stage's ``output_chunks`` until the step's end, to merge them; under the loss's
+    backward peak the ``M - 1`` earlier ones and the microbatch's own. ``selective``: what
+    ``--recompute-granularity selective`` keeps, ``"megatron"`` (everything but the attention core) or
+    ``"per-op"`` (torchtitan's op policy, :func:`per_op_selective_layer`; one layer's full activations are
+    rebuilt during its backward)."""
+    if selective not in SELECTIVE_POLICIES:
+        raise ValueError(f"selective policy {selective!r} not in {SELECTIVE_POLICIES}")
+    copies = loss_fp32_copies(cfg, loss)
     m, par = cfg.model, cfg.parallel
     p, v = par.pp, par.vp
     s, b, h, t = m.seq_length // par.cp, cfg.train.micro_batch_size, m.hidden_size, par.tp
@@ -272,6 +327,9 @@ def stage_activations(cfg, pp_rank: int = 0, *, cpu: bool = False) -> StageActiv
                 k = min(k, len(full))
                 per_chunk += k * keep + sum(full[k:])
                 peak_extra = max([peak_extra] + full[:k])
+        elif rec.recompute_granularity == "selective" and selective == "per-op":
+            per_chunk += len(layers) * per_op_selective_layer(cfg)
+            peak_extra = max([peak_extra] + full)
         else:
             per_chunk += sum(_layer(cfg, moe=is_moe_layer(m, i), cpu=cpu, recompute=rec.recompute_granularity)
                              for i in layers)
@@ -287,11 +345,17 @@ def stage_activations(cfg, pp_rank: int = 0, *, cpu: bool = False) -> StageActiv
         norm = 2 * s * b * h * scale  # the final norm's input (on CPU an RMSNorm keeps fp32 copies)
         if cpu and m.normalization == "RMSNorm":
             norm = 8 * s * b * h + 4 * s * b
-        output = norm + 2 * s * b * h * scale + 4 * s * b * vocab  # + the output layer's input, fp32 softmax
+        # + the output layer's input and the loss's fp32 [tokens, V / t] tensors at its peak
+        output = norm + 2 * s * b * h * scale + 4 * copies * s * b * vocab
         output += (m.mtp_num_layers or 0) * _mtp_depth(cfg, cpu=cpu, norm=norm, vocab=vocab)
     if _split_backward(par.pipeline_schedule):
+        if pipelining_outputs:
+            raise ValueError("torch.distributed.pipelining's kept outputs are modelled for 1F1B and interleaving")
         return _split_backward_stage(cfg, pp_rank, chunk_bytes, one_embedding, output, peak_extra)
-    return StageActivations(per_chunk * flight, embedding, output, flight, peak_extra)
+    kept = 0.0
+    if pipelining_outputs and par.pp > 1 and pp_rank == par.loss_pp_rank:
+        kept = cfg.num_microbatches * 4 * s * b * m.padded_vocab_size(t) / t
+    return StageActivations(per_chunk * flight, embedding, output, flight, peak_extra, kept_outputs=kept)
 
 
 def _split_backward(schedule: str | None) -> bool:
@@ -334,4 +398,5 @@ def _mtp_depth(cfg, *, cpu: bool, norm: float, vocab: float) -> float:
     return layer + 3 * norm + 4 * s * b * h * scale + 2 * s * b * h * scale + 4 * s * b * vocab
 
 
-__all__ = ["StageActivations", "stage_activations", "in_flight", "deferred_weight_bytes", "split_backward_peak"]
+__all__ = ["StageActivations", "stage_activations", "per_op_selective_layer", "SELECTIVE_POLICIES",
+           "LOSSES", "loss_fp32_copies", "in_flight", "deferred_weight_bytes", "split_backward_peak"]

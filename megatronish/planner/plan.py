@@ -19,10 +19,11 @@ def make_plan(cfg, hw, **time_kw) -> dict:
     return plan_from_inputs(cfg, hw, stages, state, colls, rank, **time_kw)
 
 
-def plan_inputs(cfg, hw, *, unsharded_grads: bool = False) -> tuple[list, object, list, int]:
+def plan_inputs(cfg, hw, *, unsharded_grads: bool = False, **act_kw) -> tuple[list, object, list, int]:
     """Memory per stage, and the fullest rank's state bytes, collectives (counted on its meta model) and rank:
     what :func:`plan_from_inputs` prices. The peak adds FSDP2's buffers in flight (``state.fsdp_in_flight_bytes``,
-    ``unsharded_grads`` its keyword)."""
+    ``unsharded_grads`` its keyword). ``act_kw``: ``activations.stage_activations``'s ``loss``,
+    ``selective`` and ``pipelining_outputs`` (another stack's loss, checkpointing policy and pipeline runtime)."""
     cpu = hw.name == CPU_KIND
     stages, fullest_state, colls, fullest_rank = [], None, [], 0
     for stage, ranks in enumerate(stage_ranks(cfg.parallel)):
@@ -30,7 +31,7 @@ def plan_inputs(cfg, hw, *, unsharded_grads: bool = False) -> tuple[list, object
         states = {r: rank_state_bytes(cfg, r, built[r]) for r in ranks}
         rank = max(states, key=lambda r: states[r].total)
         st = states[rank]
-        act = stage_activations(cfg, stage, cpu=cpu)
+        act = stage_activations(cfg, stage, cpu=cpu, **act_kw)
         fsdp = fsdp_in_flight_bytes(cfg, fsdp_unit_numels(built[rank].models), unsharded_grads=unsharded_grads)
         total = st.total + act.total + fsdp
         stages.append({"stage": stage, "rank": rank, "num_params": st.num_params, "params": st.params,

@@ -302,3 +302,37 @@ def test_attention_core_follows_the_backend():
         assert attention_core_path(c, cpu=True) == path, extra
         assert attention_core_path(c, cpu=False) == ("local" if "local" in extra else
                                                       "math" if "unfused" in extra else "flash"), extra
+
+
+def test_torchtitan_loss_and_per_op_selective_terms():
+    """torchtitan's activations against hand counts (bf16, s 32, b 1, h 64, 4 heads, 2 query groups of 16, SwiGLU
+    FFN 128, vocab 1000 padded to 1024): its per-op selective policy keeps per token and layer the block's input,
+    the outputs of wq, wv, w1 and w2 (every other GEMM of wq wk wv wo w1 w3 w2; the row-parallel w2's is the
+    full-width partial sum), SDPA's output and fp32 log-sum-exp, and under TP 2 + SP the two reduce-scatters'
+    outputs; its loss holds 3 fp32 [tokens, V / t] tensors (4 under TP's loss_parallel) where ours holds 1;
+    under torch.distributed.pipelining the loss stage adds each microbatch's fp32 logits."""
+    from megatronish.arguments import build_parser, configs_from_args
+    from megatronish.planner.activations import stage_activations
+
+    llama = ["--swiglu", "--ffn-hidden-size", "128", "--group-query-attention", "--num-query-groups", "2",
+             "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--attention-dropout", "0",
+             "--hidden-dropout", "0", "--recompute-granularity", "selective"]
+
+    def cfg(world, *extra):
+        return configs_from_args(build_parser().parse_args(BASE + llama + list(extra)), world)
+
+    s, b, h, kv, f, a, n = 32, 1, 64, 32, 128, 4, 4
+    one = cfg(1)
+    per_token = 2 * (h + h + kv + f + h + h) + 4 * a
+    assert stage_activations(one, 0, selective="per-op").layers == n * per_token * s * b
+    tp = cfg(2, "--tensor-model-parallel-size", "2", "--sequence-parallel")
+    per_token_tp = 2 * (h / 2 + h / 2 + kv / 2 + f / 2 + h + h / 2 + 2 * h / 2) + 4 * a / 2
+    assert stage_activations(tp, 0, selective="per-op").layers == pytest.approx(n * per_token_tp * s * b)
+    for c, vocab, copies in ((one, 1024, 3), (tp, 512, 4)):
+        ours, theirs = stage_activations(c, 0), stage_activations(c, 0, loss="torchtitan")
+        assert theirs.output - ours.output == (copies - 1) * 4 * s * b * vocab
+    pp = cfg(2, "--pipeline-model-parallel-size", "2")  # 16 microbatches
+    kept = [stage_activations(pp, r, loss="torchtitan", pipelining_outputs=True).kept_outputs for r in (0, 1)]
+    assert kept == [0.0, 16 * 4 * s * b * 1024]
+    with pytest.raises(ValueError):
+        stage_activations(one, 0, selective="every-other-layer")
