@@ -43,6 +43,7 @@ class _Bucket:
     param_buffer: torch.Tensor | None = None  # view of the param buffer (distributed optimizer)
     ready: set = field(default_factory=set)
     work: object = None
+    launched: bool = False  # divided (and its reduction started) this iteration; a one-rank group has no work
     gather_work: object = None
     group: object = None  # the group this bucket is reduced over (DP x CP, or expert-DP for expert weights)
 
@@ -167,8 +168,9 @@ class DistributedDataParallel(nn.Module):
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
-        if bucket.work is not None or self.dp_size == 1 and bucket.world == 1:
+        if bucket.launched or self.dp_size == 1 and bucket.world == 1:
             return
+        bucket.launched = True
         if self.average:
             bucket.buffer.div_(self.dp_size)
         if bucket.world == 1:
@@ -198,6 +200,7 @@ class DistributedDataParallel(nn.Module):
             if bucket.work is not None:
                 bucket.work.wait()
             bucket.work = None
+            bucket.launched = False
             bucket.ready.clear()
 
     def scale_gradients(self, factor: float) -> None:
@@ -209,6 +212,7 @@ class DistributedDataParallel(nn.Module):
         for bucket in self.buckets:
             bucket.ready.clear()
             bucket.work = None
+            bucket.launched = False
         for p in self.module.parameters():
             p.grad = None
 
