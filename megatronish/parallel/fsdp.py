@@ -14,7 +14,9 @@ rows; the custom attributes the rest of the package reads (``desc``, ``tensor_mo
 all-gathers its parameters (cast to ``param_dtype``), backward all-gathers again when they were resharded after
 forward, and reduce-scatters the gradients (in ``reduce_dtype``, averaged over the mesh) into the sharded
 parameter's ``.grad``, which accumulates over microbatches (one reduce-scatter per microbatch: no unsharded
-gradient is kept between microbatches). :meth:`FullyShardedDataParallel.finish_grad_sync` exposes each local
+gradient is kept between microbatches; under the zero-bubble schedules' split backward the gradients stay unsharded
+until the last ``W`` and are reduce-scattered once, :meth:`FullyShardedDataParallel.reduce_after_split_backward`).
+:meth:`FullyShardedDataParallel.finish_grad_sync` exposes each local
 gradient shard as ``param.main_grad``, the interface the optimizer and ``finalize_model_grads`` share with DDP.
 
 Mixed precision is FSDP2's ``MixedPrecisionPolicy``: the sharded parameters stay fp32 (they are the master
@@ -158,6 +160,33 @@ class FullyShardedDataParallel(nn.Module):
     def no_sync(self):
         """Gradients are reduce-scattered after every microbatch (nothing unsharded is kept between them)."""
         yield
+
+    @contextlib.contextmanager
+    def reduce_after_split_backward(self):
+        """The split backward (zero-bubble schedules, :mod:`~megatronish.parallel.weight_grad`): while open, no
+        unit reduce-scatters or reshards after a microbatch's ``B`` (its gradients accumulate unsharded, ``W``
+        adds the deferred weight gradients to them); on a normal exit every unit runs FSDP2's post-backward once,
+        one reduce-scatter of the iteration's gradients, then the root's end of backward (as torch's pipelining
+        does after its last ``W``)."""
+        from torch.distributed.fsdp import fully_shard
+
+        def switch(on: bool) -> None:
+            self.module.set_requires_gradient_sync(on)
+            self.module.set_reshard_after_backward(on)
+            self.module.set_is_last_backward(on)
+
+        switch(False)
+        try:
+            yield
+        except BaseException:
+            switch(True)
+            raise
+        switch(True)
+        state = fully_shard.state(self.module)
+        for unit in state._state_ctx.all_states:
+            for group in unit._fsdp_param_groups:
+                group.post_backward()
+        state._root_post_backward_final_callback()
 
     def start_param_sync(self) -> None:
         """Nothing to gather after the step: the next forward all-gathers the updated shards."""

@@ -20,7 +20,10 @@ What is deferred, and how:
 engine (one call, the parameters as roots), so ``.grad`` accumulation and the post-accumulate hooks of DDP and
 the distributed optimizer run exactly as in an unsplit backward, only later. Under full recompute the
 recomputed layer's backward is an inner autograd call: its linears still defer their GEMMs, but its other
-parameters (norms, biases of non-TP ops) accumulate (and fire their hooks) during ``B``.
+parameters (norms, biases of non-TP ops) accumulate (and fire their hooks) during ``B``. Under FSDP2 every
+gradient but the deferred GEMMs' accumulates during ``B`` into the unsharded parameters, and FSDP2's
+reduce-scatter runs once after the last ``W`` (:meth:`~megatronish.parallel.fsdp.FullyShardedDataParallel.
+reduce_after_split_backward`).
 
 The switch is owned by the store object: nothing here is a module global.
 """
@@ -127,15 +130,26 @@ class PendingWeightGrads:
 
 
 def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None, input_: torch.Tensor | None, params,
-                   store: WeightGradStore):
+                   store: WeightGradStore, accumulate: bool = False):
     """``B``: backpropagate ``grad_output`` (None: ``output`` is the scalar loss) and return ``(input's gradient
-    or None, PendingWeightGrads)``; no parameter's ``.grad`` changes (but see the module note on recompute)."""
+    or None, PendingWeightGrads)``; no parameter's ``.grad`` changes (but see the module note on recompute).
+    ``accumulate``: the gradients of the parameters that are not deferred accumulate now (``params`` unused), for
+    a wrapper whose parameters in the graph are not the module's (FSDP2's unsharded ones) and whose gradient
+    reduction waits for the last ``W`` without hooks."""
     if output.grad_fn is None:
         raise RuntimeError("pipeline stage output has no autograd graph (was the forward run under no_grad?)")
-    params = [p for p in params if p.requires_grad]
-    inputs = ([input_] if input_ is not None else []) + params
     if grad_output is None:
         grad_output = torch.ones_like(output)
+    if accumulate:
+        with store.defer():  # the engine itself: a sent output's storage is freed (one element)
+            torch.autograd.Variable._execution_engine.run_backward(
+                tensors=(output,), grad_tensors=(grad_output,), keep_graph=False, create_graph=False, inputs=(),
+                allow_unreachable=True, accumulate_grad=True)
+            queued = store.take()
+        dx = input_.grad if input_ is not None else None
+        return dx, PendingWeightGrads(queued, [])
+    params = [p for p in params if p.requires_grad]
+    inputs = ([input_] if input_ is not None else []) + params
     with store.defer():
         grads = torch.autograd.Variable._execution_engine.run_backward(
             tensors=(output,), grad_tensors=(grad_output,), keep_graph=False, create_graph=False,

@@ -8,10 +8,12 @@ by the step that uses it (a ``wait_activation`` / ``wait_gradient`` span on the 
 it travels while that step runs. Only those waits block, and the lists come from a feasible schedule (every rank
 receives in its peer's send order), so no rank waits forever. The hand-over between the two legs of the V (``zbv``,
 ``dualpipev``) on rank ``p-1`` stays local. Data-parallel reduction stays off until each chunk's last ``W``, whose
-hooks then reduce the gradients.
+hooks then reduce the gradients; an FSDP2 chunk accumulates its gradients unsharded and reduce-scatters them once,
+after the schedule.
 """
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 
 import torch
@@ -43,7 +45,8 @@ class _SplitRunner(_Runner):
                 raise RuntimeError(f"pipeline schedule error: no output gradient for chunk {c} microbatch {mb}, "
                                    f"which is not the last stage")
             out = _scaled(self.grad_scale_func, y) if dy is None else y
-            dx, work = backward_input(out, dy, x, self.params[c], self.store)
+            dx, work = backward_input(out, dy, x, self.params[c], self.store,
+                                      accumulate=getattr(self.chunks[c], "fsdp", False))
         self.pending[c].append((mb, work))
         if x is not None and dx is None:
             raise RuntimeError(f"chunk {c} microbatch {mb}: the stage's input received no gradient")
@@ -131,7 +134,11 @@ def forward_backward_zero_bubble(
     if overlap_p2p_comm:
         actions = post_receives_early(actions)
     try:
-        with attached(chunks, None if forward_only else store):
+        with attached(chunks, None if forward_only else store), contextlib.ExitStack() as fsdp:
+            if not forward_only:  # FSDP2 reduce-scatters once, after the last W
+                for chunk in chunks:
+                    if getattr(chunk, "fsdp", False):
+                        fsdp.enter_context(chunk.reduce_after_split_backward())
             _execute(actions, run, comm, schedule, p, r)
     finally:
         run.close()
