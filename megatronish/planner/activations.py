@@ -155,23 +155,12 @@ def _mla_latents(m) -> tuple[float, int]:
 
 
 def attention_core_path(cfg, *, cpu: bool) -> str:
-    """The attention core's kernel family a run takes, by what it keeps for the backward: ``"flash"`` (q, k, v,
-    the output and the fp32 log-sum-exp, no score matrix: context parallelism's block kernels; on CUDA SDPA's
-    flash, memory-efficient and cuDNN kernels under ``--attention-backend auto/flash/fused``; on CPU SDPA's flash
-    kernel, which ``auto`` takes without attention dropout when queries and values have one head size), ``"math"``
-    (SDPA's math path: ``unfused``, and on CPU ``auto`` with dropout or MLA's unequal head sizes) or ``"local"``
-    (the explicit softmax). The backend is the one ``model/attention.py`` resolves on the device the run uses."""
-    from ..model.attention import resolve_attention_backend
+    """The attention core's kernel family a run takes on CPU or on CUDA, by what it keeps for the backward:
+    ``"flash"``, ``"math"`` or ``"local"`` (:func:`~megatronish.model.attention.attention_core_kind`, the one
+    rule the memory report reads too)."""
+    from ..model.attention import attention_core_kind
 
-    m = cfg.model
-    if cfg.parallel.cp > 1:
-        return "flash"
-    backend = resolve_attention_backend(m.attention.attention_backend, "cpu" if cpu else "cuda")[0]
-    if backend in ("local", "unfused"):
-        return "math" if backend == "unfused" else "local"
-    q, _, _, proj = _attention_sizes(m)
-    same_head_size = not m.attention.multi_latent_attention or q == proj
-    return "flash" if not cpu or (not m.attention.attention_dropout and same_head_size) else "math"
+    return attention_core_kind(cfg.model, cfg.parallel.cp, "cpu" if cpu else "cuda")
 
 
 def _flash_extra(cfg) -> float:
