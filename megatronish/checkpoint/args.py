@@ -35,7 +35,8 @@ _FORCED = ("position_embedding_type", "rotary_percent", "rotary_base", "normaliz
            "moe_router_num_groups", "moe_router_group_topk",
            "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
            "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim", "yarn_original_max_position_embeddings",
-           "yarn_beta_fast", "yarn_beta_slow", "yarn_correction_range_round_to_int")
+           "yarn_beta_fast", "yarn_beta_slow", "yarn_correction_range_round_to_int",
+           "mtp_num_layers", "mtp_loss_scaling_factor")
 # Not taken: the token dispatcher is the run's choice (it changes no weight; Megatron keeps the command line's).
 
 

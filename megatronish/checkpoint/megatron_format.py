@@ -49,6 +49,12 @@ so a layer's tensor is looked up under either form. In legacy files each rank ho
 ``weight1/weight2``), split over expert tensor parallelism (:mod:`.megatron_legacy`). With the Transformer Engine
 spec an MoE layer keeps ``pre_mlp_layernorm`` as a module (its dense layers fuse it): both names are read per
 layer, and the writer stores it under both.
+
+**Multi-token prediction** (``mtp_num_layers`` in the args; megatronish/model/mtp.py): the depths live on the last
+pipeline stage and keep megatron-core's names (``mtp.layers.<k>.enorm``, ``hnorm``, ``eh_proj``,
+``final_layernorm``), one key per tensor (no layer axis); ``eh_proj`` is column-parallel (``[h, 2h]`` split along
+rows). The depth's transformer layer is ``transformer_layer`` in megatron-core 0.16 and before and
+``mtp_model_layer`` (ours) later: either is read, with a decoder layer's suffixes; the writer stores both.
 """
 from __future__ import annotations
 
@@ -62,10 +68,12 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from . import dcp_io, layout
 from .dcp_io import CheckpointError
 from .megatron_legacy import LEGACY_FILE, Legacy, legacy_files
-from .megatron_names import ALT_KEYS, LAYER_KEYS, split_layer, stored_arg
+from .megatron_names import ALT_KEYS, LAYER_KEYS, MTP_LAYER_NAMES, split_layer, split_mtp, stored_arg
 from .megatron_pickle import safe_load
 
 METADATA_JSON = "metadata.json"
+# a stored key of an MTP depth's transformer layer: depth, megatron-core's name for the layer, suffix
+_MTP_STORED = re.compile(r"^mtp\.layers\.(\d+)\.(" + "|".join(MTP_LAYER_NAMES) + r")\.(.+)$")
 COMMON_PT = "common.pt"
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -116,6 +124,9 @@ MOE_ARGS = ("num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_
             "moe_router_group_topk", "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size",
             "moe_shared_expert_gate", "moe_grouped_gemm")
 
+# multi-token prediction's args (Megatron's names, ours alike)
+MTP_ARGS = ("mtp_num_layers", "mtp_loss_scaling_factor")
+
 
 def model_fields(args, where: str) -> dict:
     """Our ``ModelConfig`` fields (all but ``vocab_size``) from Megatron's ``args``."""
@@ -154,6 +165,7 @@ def model_fields(args, where: str) -> dict:
     if mla:
         fields.update({k: stored_arg(args, k) for k in _MLA_ARGS})
         fields["q_lora_rank"] = stored_arg(args, "q_lora_rank")  # None: a full-rank query projection
+    fields.update({k: stored_arg(args, k) for k in MTP_ARGS})
     if stored_arg(args, "num_experts"):
         fields.update({k: stored_arg(args, k) for k in MOE_ARGS})
         if isinstance(fields["moe_layer_freq"], tuple):
@@ -200,28 +212,41 @@ class TorchDist:
             if re.search(r"\.experts\.\d+\.", k):
                 raise CheckpointError(f"{iter_dir} stores experts one key each ({k!r}, megatron-core's "
                                       "singleton_local_shards); re-save it without that option")
-        # megatron-core suffix -> {layer: (key, index in its layer axis or None)}: stacked keys and per-layer ones
-        self._stored: dict[str, dict[int, tuple[str, int | None]]] = {}
+        # (slot, megatron-core suffix) -> (key, index in its layer axis or None); slot: a decoder layer's number
+        # (stacked keys and per-layer ones), or (depth, name) of an MTP depth's transformer layer
+        self._where: dict[tuple, tuple[str, int | None]] = {}
         for k, tmd in self.tensor_keys.items():
             layer, rest = split_layer(k)
+            m = _MTP_STORED.match(k)
             if layer is not None:
-                self._stored.setdefault(rest, {})[layer] = (k, None)
+                self._where[(layer, rest)] = (k, None)
+            elif m:
+                self._where[((int(m.group(1)), m.group(2)), m.group(3))] = (k, None)
             elif k.startswith("decoder.layers."):
-                at = self._stored.setdefault(k[len("decoder.layers."):], {})
                 for c in tmd.chunks:
-                    at.update({i: (k, i) for i in range(c.offsets[0], c.offsets[0] + c.sizes[0])})
-        # a norm's second name where both are stored (our writer's): every layer it holds has the first too
+                    self._where.update({(i, k[len("decoder.layers."):]): (k, i)
+                                        for i in range(c.offsets[0], c.offsets[0] + c.sizes[0])})
+        # a tensor's later name where the writer stored two (a norm's second name, an MTP layer under both of
+        # megatron-core's names): every place it holds has an earlier one too
         shadowed: dict[str, set] = {}
-        for ours in LAYER_KEYS:
-            found = [self._stored.get(c, {}) for c in self._candidates(ours)]
-            for i, later in enumerate(found):
-                for layer, (k, _) in later.items():
-                    shadowed.setdefault(k, set()).add(any(layer in f for f in found[:i]))
+        places = {("mtp", s[0]) if isinstance(s, tuple) else s: None for s, _ in self._where}
+        suffixes = set(LAYER_KEYS) | {rest for _, rest in self._where}
+        for place in places:
+            for ours in suffixes:
+                seen = False
+                for hit in (self._where.get(w) for w in self._tries(place, ours)):
+                    if hit is not None:
+                        shadowed.setdefault(hit[0], set()).add(seen)
+                        seen = True
         self.aliases = {k for k, flags in shadowed.items() if all(flags)}
 
     @staticmethod
-    def _candidates(suffix: str) -> tuple[str, ...]:
-        return tuple(dict.fromkeys((LAYER_KEYS.get(suffix, suffix), ALT_KEYS.get(suffix, suffix))))
+    def _tries(place, suffix: str) -> list[tuple]:
+        """The ``_where`` entries that may hold our ``suffix`` of ``place`` (a decoder layer's number, or
+        ``("mtp", depth)``), in the order they are looked up."""
+        cands = dict.fromkeys((LAYER_KEYS.get(suffix, suffix), ALT_KEYS.get(suffix, suffix)))
+        slots = [(place[1], n) for n in MTP_LAYER_NAMES] if isinstance(place, tuple) else [place]
+        return [(slot, c) for slot in slots for c in cands]
 
     @property
     def iteration(self) -> int:
@@ -232,10 +257,17 @@ class TorchDist:
         """The stored key of our global tensor ``name`` and its index in the key's layer axis (None: the key is
         the tensor: a non-layer tensor, or a layer stored under its own key)."""
         layer, suffix = split_layer(name)
+        depth, inner = split_mtp(name)
+        if depth is not None:
+            for at in self._tries(("mtp", depth), inner):
+                hit = self._where.get(at)
+                if hit is not None:
+                    return hit
+            return f"mtp.layers.{depth}.{MTP_LAYER_NAMES[0]}.{LAYER_KEYS.get(inner, inner)}", None
         if layer is None:
             return name, None
-        for cand in self._candidates(suffix):
-            hit = self._stored.get(cand, {}).get(layer)
+        for at in self._tries(layer, suffix):
+            hit = self._where.get(at)
             if hit is not None:
                 return hit
         return "decoder.layers." + LAYER_KEYS.get(suffix, suffix), layer

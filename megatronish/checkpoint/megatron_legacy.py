@@ -20,10 +20,23 @@ import re
 import torch
 
 from .dcp_io import CheckpointError
-from .megatron_names import ALT_KEYS, EXPERT_SPLIT, LAYER_KEYS, MLA_DOWN, split_layer, stored_arg, tp_split
+from .megatron_names import (
+    ALT_KEYS,
+    EXPERT_SPLIT,
+    LAYER_KEYS,
+    MLA_DOWN,
+    MTP_LAYER_NAMES,
+    layer_suffix,
+    split_layer,
+    split_mtp,
+    stored_arg,
+    tp_split,
+)
 from .megatron_pickle import safe_load
 
 LEGACY_FILE = "model_optim_rng.pt"
+# a key of an MTP depth's transformer layer (on the last stage): depth, suffix
+_MTP_KEY = re.compile(r"^mtp\.layers\.(\d+)\.(?:" + "|".join(MTP_LAYER_NAMES) + r")\.(.+)$")
 
 
 def legacy_files(iter_dir: str) -> dict[tuple[int, ...], str]:
@@ -142,13 +155,18 @@ class Legacy:
     def _of_tp(self, sds: dict, t: int) -> tuple[int, int]:
         return min(k for k in sds if k[0] == t)
 
-    def _local(self, name: str) -> tuple[int, int | None, str]:
-        """(stage, local layer or None, suffix or name) of our global ``name``."""
+    def _local(self, name: str) -> tuple[int, list[str], str]:
+        """(stage, the key prefixes that may hold it, its suffix) of our global ``name``: a decoder layer's
+        (``decoder.layers.<local>.``), an MTP depth's transformer layer's (under either of megatron-core's names),
+        or a tensor outside the layers (prefix ``""``)."""
         layer, suffix = split_layer(name)
         if layer is not None:
             stage, local = divmod(layer, self.per_stage)
-            return stage, local, suffix
-        return (0 if name.startswith("embedding.") else self.pp - 1), None, name
+            return stage, [f"decoder.layers.{local}."], suffix
+        depth, inner = split_mtp(name)
+        if depth is not None:
+            return self.pp - 1, [f"mtp.layers.{depth}.{n}." for n in MTP_LAYER_NAMES], inner
+        return (0 if name.startswith("embedding.") else self.pp - 1), [""], name
 
     def names(self) -> list[str]:
         """Our global names of every model tensor in the files (extra states dropped)."""
@@ -164,22 +182,24 @@ class Legacy:
                 if k.endswith("_extra_state") or not isinstance(v, torch.Tensor):
                     continue
                 layer, suffix = split_layer(k)
+                mtp = _MTP_KEY.match(k)
                 if k == "output_layer.weight" and not stored_arg(self.args, "untie_embeddings_and_output_weights"):
                     continue  # the last stage's copy of the tied word embedding
-                if layer is None:
+                if layer is None and not mtp:
                     out[k] = None
                     continue
-                ours = _ours_suffix(suffix, inverse)
+                ours = _ours_suffix(mtp.group(2) if mtp else suffix, inverse)
                 if ours is None:
                     raise CheckpointError(f"{self.files[(at[0], stage, at[1])]}: unexpected tensor {k!r}")
-                out[f"decoder.layers.{stage * self.per_stage + layer}.{ours}"] = None
+                out[f"mtp.layers.{mtp.group(1)}.mtp_model_layer.{ours}" if mtp else
+                    f"decoder.layers.{stage * self.per_stage + layer}.{ours}"] = None
         return list(out)
 
     def shape(self, name: str) -> tuple[int, ...] | None:
         try:
-            if split_layer(name)[1] in EXPERT_SPLIT:
+            if layer_suffix(name) in EXPERT_SPLIT:
                 piece = self._expert_piece(name, 0, 0)
-                dim = EXPERT_SPLIT[split_layer(name)[1]]
+                dim = EXPERT_SPLIT[layer_suffix(name)]
                 return (self.num_experts, *(n * (self.etp if d == dim else 1) for d, n in enumerate(piece.shape)))
             parts = self._parts(name)
         except CheckpointError:
@@ -191,19 +211,16 @@ class Legacy:
         return tuple(shape)
 
     def dtype(self, name: str) -> torch.dtype:
-        if split_layer(name)[1] in EXPERT_SPLIT:
+        if layer_suffix(name) in EXPERT_SPLIT:
             return self._expert_piece(name, 0, 0).dtype
         return self._parts(name)[0].dtype
 
     def _parts(self, name: str) -> list[torch.Tensor]:
         """The TP ranks' local tensors of our global ``name`` (memory-mapped)."""
-        stage, local, suffix = self._local(name)
+        stage, prefixes, suffix = self._local(name)
         sds = self._stage_sds(stage)
-        if local is None:
-            cands = [name]
-        else:
-            cands = [f"decoder.layers.{local}.{s}" for s in dict.fromkeys((suffix, ALT_KEYS.get(suffix, suffix),
-                                                                          LAYER_KEYS.get(suffix, suffix)))]
+        cands = [p + s for p in prefixes for s in dict.fromkeys((suffix, ALT_KEYS.get(suffix, suffix),
+                                                                  LAYER_KEYS.get(suffix, suffix)))]
         at = [self._of_tp(sds, t) for t in range(self.tp)]
         key = next((c for c in cands if c in sds[at[0]]), None)
         if key is None:
@@ -219,7 +236,7 @@ class Legacy:
     def _expert_piece(self, name: str, expert: int, etp_rank: int) -> torch.Tensor:
         """Global expert ``expert``'s block of our ``name`` held by expert-TP rank ``etp_rank``
         (``[rows, cols]`` in our per-expert layout)."""
-        stage, local, suffix = self._local(name)
+        stage, prefixes, suffix = self._local(name)
         sds = self._stage_sds(stage)
         if not self.num_experts or self.num_experts % self.ep:
             raise CheckpointError(f"{self.where}: --num-experts {self.num_experts} does not split over expert "
@@ -229,12 +246,16 @@ class Legacy:
         at = min(k for k in sds if k[1] == e and k[0] % self.etp == etp_rank)
         sd = sds[at]
         which = suffix.split(".")[2]  # linear_fc1 | linear_fc2
-        base = f"decoder.layers.{local}.mlp.experts."
-        for key in (f"{base}local_experts.{j}.{which}.weight", f"{base}{which}.weight{j}"):
+        bases = [f"{p}mlp.experts." for p in prefixes]
+        for key in (f"{b}{form}" for b in bases for form in (f"local_experts.{j}.{which}.weight",
+                                                             f"{which}.weight{j}")):
             if isinstance(sd.get(key), torch.Tensor):
                 return sd[key]
-        grouped = sd.get(base + ("weight1" if which == "linear_fc1" else "weight2"))
-        if isinstance(grouped, torch.Tensor):
+        grouped_name = "weight1" if which == "linear_fc1" else "weight2"
+        grouped = next((sd[b + grouped_name] for b in bases if isinstance(sd.get(b + grouped_name), torch.Tensor)),
+                       None)
+        base = bases[0]
+        if grouped is not None:
             h = int(stored_arg(self.args, "hidden_size"))
             if which == "linear_fc1":  # [h, local * rows]: expert j's [h, rows], transposed
                 return grouped.view(n_local, h, -1)[j].t()
@@ -246,13 +267,13 @@ class Legacy:
     def _split(self, name: str, part: torch.Tensor) -> tuple[int, int] | None:
         """:func:`tp_split` of ``name`` in these files; None for an MLA down-projection each file holds whole (the
         Transformer Engine spec's, duplicated over TP)."""
-        rows = MLA_DOWN.get(split_layer(name)[1])
+        rows = MLA_DOWN.get(layer_suffix(name))
         if rows is not None and part.size(0) == sum(int(stored_arg(self.args, a) or 0) for a in rows):
             return None
         return tp_split(name, self.swiglu)
 
     def read(self, name: str) -> torch.Tensor:
-        suffix = split_layer(name)[1]
+        suffix = layer_suffix(name)
         if suffix in EXPERT_SPLIT:
             stride = 2 if self.swiglu and suffix == "mlp.experts.linear_fc1.weight" else 1
             return torch.stack([_merge([self._expert_piece(name, g, x) for x in range(self.etp)],

@@ -64,8 +64,8 @@ def extra_state_modules(mla: bool, q_lora: bool) -> tuple[str, ...]:
 def tp_split(name: str, swiglu: bool) -> tuple[int, int] | None:
     """How Megatron's model splits our global tensor ``name`` over TP ranks: ``(dim, stride)`` (stride 2: each rank
     holds its block of both halves, SwiGLU's ``[gate_t; up_t]``), or None when it is replicated."""
-    suffix = name.split(".", 3)[-1] if name.startswith("decoder.layers.") else name
-    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+    suffix = layer_suffix(name)
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight") or _MTP_EH.match(name):
         return (0, 1)
     if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
                   "self_attention.linear_q_proj.weight", "self_attention.linear_q_up_proj.weight",
@@ -79,6 +79,11 @@ def tp_split(name: str, swiglu: bool) -> tuple[int, int] | None:
 
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# a multi-token-prediction depth's transformer layer: ours ``mtp.layers.<k>.mtp_model_layer.<suffix>``
+# (megatronish/model/mtp.py); megatron-core names it ``transformer_layer`` (0.16 and before) or ``mtp_model_layer``
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.mtp_model_layer\.(.+)$")
+_MTP_EH = re.compile(r"^mtp\.layers\.\d+\.eh_proj\.weight$")  # column-parallel [h, 2h]: split along rows
+MTP_LAYER_NAMES = ("transformer_layer", "mtp_model_layer")
 
 
 def split_layer(name: str) -> tuple[int | None, str]:
@@ -87,12 +92,30 @@ def split_layer(name: str) -> tuple[int | None, str]:
     return (int(m.group(1)), m.group(2)) if m else (None, name)
 
 
+def split_mtp(name: str) -> tuple[int | None, str]:
+    """``mtp.layers.0.mtp_model_layer.mlp.router.weight`` -> ``(0, "mlp.router.weight")``; others
+    ``(None, name)``."""
+    m = _MTP_LAYER.match(name)
+    return (int(m.group(1)), m.group(2)) if m else (None, name)
+
+
+def layer_suffix(name: str) -> str:
+    """The suffix of ``name`` inside its transformer layer (a decoder layer's or an MTP depth's), else ``name``."""
+    layer, suffix = split_layer(name)
+    return suffix if layer is not None else split_mtp(name)[1]
+
+
 def torch_dist_keys(name: str, mla: bool = False, moe: bool = False,
                     per_layer: bool = False) -> tuple[tuple[str, ...], int | None]:
     """Our global name -> (the megatron-core keys the writer stores it under, layer index in their prepended axis
     or None); ``mla``: a multi-latent-attention model (its norms' names, the module docstring); ``moe``: a model
     with mixture-of-experts layers (the pre-MLP norm under both names); ``per_layer``: one key per layer."""
     layer, suffix = split_layer(name)
+    depth, inner = split_mtp(name)
+    if depth is not None:  # one key per tensor, under each of megatron-core's names for the layer
+        keys, _ = torch_dist_keys(f"decoder.layers.0.{inner}", mla, moe, per_layer=True)
+        return tuple(f"mtp.layers.{depth}.{n}.{k[len('decoder.layers.0.'):]}" for n in MTP_LAYER_NAMES
+                     for k in keys), None
     if layer is None:
         return (name,), None
     module = suffix.rsplit(".", 1)[0]

@@ -16,8 +16,8 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 
 from . import dcp_io
 from .dcp_io import CheckpointError
-from .megatron_format import COMMON_PT, METADATA_JSON, MOE_ARGS
-from .megatron_names import extra_state_modules, per_layer_keys, torch_dist_keys, tp_split
+from .megatron_format import COMMON_PT, METADATA_JSON, MOE_ARGS, MTP_ARGS
+from .megatron_names import MTP_LAYER_NAMES, extra_state_modules, per_layer_keys, torch_dist_keys, tp_split
 
 
 def args_to_namespace(cfg, *, tp: int, pp: int, padded_vocab: int, iteration: int = 0) -> argparse.Namespace:
@@ -35,6 +35,7 @@ def args_to_namespace(cfg, *, tp: int, pp: int, padded_vocab: int, iteration: in
         moe = {k: getattr(cfg.moe, k) for k in MOE_ARGS}
     return argparse.Namespace(
         multi_latent_attention=a.multi_latent_attention, qk_layernorm=a.qk_layernorm, **mla, **moe,
+        **{k: getattr(cfg, k) for k in MTP_ARGS},
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
         num_attention_heads=cfg.num_attention_heads, group_query_attention=gqa,
         num_query_groups=cfg.num_query_groups if gqa else 1, kv_channels=cfg.kv_channels,
@@ -89,10 +90,16 @@ def extra_state_keys(cfg, per_layer: bool) -> list[str]:
     L, E = cfg.num_layers, cfg.moe.num_experts
     modules = extra_state_modules(cfg.attention.multi_latent_attention, cfg.attention.q_lora_rank is not None)
     out = []
-    for i in range(L):
-        prefix = f"decoder.layers.{i}." if per_layer else "decoder.layers."
-        at, of = ("0", "1") if per_layer else (str(i), str(L))
-        if not _is_moe_layer(cfg.moe, i):
+    # the decoder's layers, then each MTP depth's (one key each, under both names; an MoE layer when the
+    # decoder's last layer is one, megatronish/model/mtp.py): (prefix, layer axis position or None, MoE layer)
+    layers = [(f"decoder.layers.{i}." if per_layer else "decoder.layers.", None if per_layer else i,
+               _is_moe_layer(cfg.moe, i)) for i in range(L)]
+    for k in range(cfg.mtp_num_layers or 0):
+        out.append(f"mtp.layers.{k}.eh_proj._extra_state/shard_0_1")
+        layers += [(f"mtp.layers.{k}.{n}.", None, _is_moe_layer(cfg.moe, L - 1)) for n in MTP_LAYER_NAMES]
+    for prefix, i, moe in layers:
+        at, of = ("0", "1") if i is None else (str(i), str(L))
+        if not moe:
             out += [f"{prefix}{m}._extra_state/shard_{at}_{of}" for m in modules]
             continue
         mods = [m for m in modules if not m.startswith("mlp.")]
@@ -100,7 +107,7 @@ def extra_state_keys(cfg, per_layer: bool) -> list[str]:
             mods += ["mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2"]
         out += [f"{prefix}{m}._extra_state/shard_{at}_{of}" for m in mods]
         for e in range(E):
-            where = f"shard_{e}_{E}" if per_layer else f"shard_{i}.{e}_{L}.{E}"
+            where = f"shard_{e}_{E}" if i is None else f"shard_{i}.{e}_{L}.{E}"
             out += [f"{prefix}mlp.experts.experts.{fc}._extra_state/{where}" for fc in ("linear_fc1", "linear_fc2")]
     return out
 
@@ -166,6 +173,9 @@ def write_torch_dist(iter_dir: str, cfg, specs, tensors: Iterator, *, tp: int, p
                    "common_backend_version": 1}, f)
 
 
+_MTP_ORDER = 1 << 30  # (the write order of MTP depth k: after every decoder layer)
+
+
 class _RawBytes:
     """A byte entry written as it is (megatron-core's pickled ``ShardedObject`` payload)."""
 
@@ -200,10 +210,14 @@ class _LazyPlanner(dcp_io.SavePlanner):
 
     @staticmethod
     def _layer(w) -> int:
-        """The layer a write item belongs to (-1: not a layer's): from its key or its offset on the layer axis."""
+        """The layer a write item belongs to (-1: not a layer's; MTP depths after every decoder layer): from its
+        key or its offset on the layer axis."""
         m = re.match(r"decoder\.layers\.(\d+)\.", w.index.fqn)
         if m:
             return int(m.group(1))
+        m = re.match(r"mtp\.layers\.(\d+)\.", w.index.fqn)
+        if m:
+            return _MTP_ORDER + int(m.group(1))
         return w.index.offset[0] if w.index.fqn.startswith("decoder.layers.") else -1
 
     def lookup_object(self, index):

@@ -80,7 +80,7 @@ def _worker(rank, world, root):
         tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
         out["coords"] = (tp_rank, pp_rank)
         model = mcs.build_gpt(flavor, TP, PP, seed=1)
-        sd = {"model": model.sharded_state_dict(), "iteration": ITER, "checkpoint_version": 3.0,
+        sd = {"model": mcs.sharded_state_dict(model), "iteration": ITER, "checkpoint_version": 3.0,
               "args": mcs.megatron_args(flavor, TP, PP, consumed_train_samples=ITER * 2)}
         opt = None
         if flavor == "llama":
@@ -160,7 +160,7 @@ def _save_back(root, flavor, rank):
                   "--target-pipeline-parallel-size", str(PP)])
         dist.barrier()
         fresh = mcs.build_gpt(flavor, TP, PP, seed=2)
-        loaded = dist_checkpointing.load({"model": fresh.sharded_state_dict()}, os.path.join(target, "release"))
+        loaded = dist_checkpointing.load({"model": mcs.sharded_state_dict(fresh)}, os.path.join(target, "release"))
         fresh.load_state_dict(loaded["model"])
         res[f"back_{src}"] = mcs.local_tensors(fresh)
     return res
@@ -205,6 +205,8 @@ def test_loads_at_tp2_pp2_and_saves_back(results, flavor):
         ref = _whole_down_projections(per_rank, r, flavor)
         if not mcs.FLAVORS[flavor]["untie"] and not any(k.startswith("embedding.") for k in ref):
             ref.pop("output_layer.weight", None)  # megatron-core's tied copy on the last stage (not saved)
+        if mcs.FLAVORS[flavor].get("mtp_num_layers") and r["coords"][1] == PP - 1:  # the MTP depth is compared
+            assert "mtp.layers.0.eh_proj.weight" in ref and any(".mtp_model_layer.mlp.experts." in k for k in ref)
         ours = {k: v for k, v in res["ours"].items() if k in ref}
         assert set(ours) == set(ref), sorted(set(ours) ^ set(ref))
         _compare(ref, ours, "torch_dist at TP2xPP2")
@@ -245,7 +247,7 @@ def _whole_down_projections(per_rank, r, flavor):
 
 def _global_reference(per_rank, flavor, what="ref"):
     """megatron-core's TP pieces put together (the fused [gate; up] of each rank split and re-stacked)."""
-    from megatronish.checkpoint.megatron_names import EXPERT_SPLIT, split_layer, tp_split
+    from megatronish.checkpoint.megatron_names import EXPERT_SPLIT, layer_suffix, tp_split
 
     pieces = {}
     for r in per_rank:
@@ -255,7 +257,7 @@ def _global_reference(per_rank, flavor, what="ref"):
     out = {}
     for name, by_rank in pieces.items():
         split = tp_split(name, mcs.FLAVORS[flavor]["swiglu"])
-        if split_layer(name)[1] in EXPERT_SPLIT:  # whole experts, EP rank = TP rank (EP folded into TP)
+        if layer_suffix(name) in EXPERT_SPLIT:  # whole experts, EP rank = TP rank (EP folded into TP)
             split = (0, 1)
         if name == "output_layer.weight" and not mcs.FLAVORS[flavor]["untie"]:
             continue
@@ -365,6 +367,23 @@ def test_mla_norms_written_under_both_names(results, tmp_path):
     assert set(got) == set(ref), sorted(set(got) ^ set(ref))
     for name in ref:
         assert torch.equal(got[name], ref[name]), name
+
+
+def test_mtp_written_under_both_names(results):
+    """Our --saver megatron output stores the MTP depth's transformer layer under both of megatron-core's names
+    (``transformer_layer``, loaded back above, and the later ``mtp_model_layer``), tensors and ``_extra_state``
+    objects alike; our reader takes the second as an alias."""
+    from megatronish.checkpoint.megatron_format import TorchDist
+
+    root, _ = results
+    ck = TorchDist(os.path.join(root, "mla-moe", "to_megatron_torch_dist", "release"))
+    keys = ck.md.state_dict_metadata
+    old = [k for k in keys if k.startswith("mtp.layers.0.transformer_layer.")]
+    assert any(k.endswith("._extra_state/shard_0_4") for k in old) and any(".experts.experts." in k for k in old)
+    for k in old:
+        new = k.replace(".transformer_layer.", ".mtp_model_layer.")
+        assert new in keys and getattr(keys[new], "size", None) == getattr(keys[k], "size", None), k
+    assert not [k for k in ck.model_keys() if ".mtp_model_layer." in k]
 
 
 def test_bad_inputs(results, tmp_path, capsys):
@@ -534,6 +553,8 @@ def test_use_checkpoint_args(results, source, flavor):
     for name, value in f.get("mla", {}).items():
         assert getattr(a, name) == value, (name, getattr(a, name), value)
     assert model.moe.num_experts == f.get("moe", {}).get("num_experts")
+    assert (model.mtp_num_layers, model.mtp_loss_scaling_factor) == (f.get("mtp_num_layers"),
+                                                                      f.get("mtp_loss_scaling_factor", 0.1))
     for name, value in f.get("moe", {}).items():
         assert getattr(model.moe, name) == value, (name, getattr(model.moe, name), value)
     assert (model.num_layers, model.hidden_size, model.num_attention_heads, model.num_query_groups,

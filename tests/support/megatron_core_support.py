@@ -152,7 +152,8 @@ FLAVORS = {
                 untie=True, ep=2, moe=dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16,
                                           moe_shared_expert_intermediate_size=24, moe_shared_expert_gate=True)),
     # DeepSeek-V3 style: multi-latent attention, the first layer dense (layers stored one key each), sigmoid
-    # scores with an expert bias, group-limited top-k, scaled weights, an ungated shared expert; EP 2
+    # scores with an expert bias, group-limited top-k, scaled weights, an ungated shared expert, one
+    # multi-token-prediction depth (an MLA + MoE layer, on the last stage); EP 2
     "mla-moe": dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=4, ffn_hidden_size=48,
                     swiglu=True, normalization="RMSNorm", position_embedding_type="rope", add_bias_linear=False,
                     untie=True, ep=2, mla=dict(q_lora_rank=12, kv_lora_rank=8, qk_head_dim=6, qk_pos_emb_head_dim=4,
@@ -160,7 +161,8 @@ FLAVORS = {
                     moe=dict(num_experts=4, moe_layer_freq=[0, 1, 1, 1], moe_router_topk=2, moe_ffn_hidden_size=16,
                              moe_shared_expert_intermediate_size=24, moe_router_score_function="sigmoid",
                              moe_router_enable_expert_bias=True, moe_router_num_groups=2, moe_router_group_topk=1,
-                             moe_router_topk_scaling_factor=2.5)),
+                             moe_router_topk_scaling_factor=2.5),
+                    mtp_num_layers=1, mtp_loss_scaling_factor=0.3),
 }
 VOCAB = 95  # NullTokenizer --vocab-size: 96 tokens with eod
 SEQ = 16
@@ -193,6 +195,9 @@ def our_flags(flavor: str) -> list[str]:
             out.append(flag)
         else:
             out += [flag, str(value).replace(" ", "")]
+    if f.get("mtp_num_layers"):
+        out += ["--mtp-num-layers", str(f["mtp_num_layers"]), "--mtp-loss-scaling-factor",
+                str(f["mtp_loss_scaling_factor"])]
     if "moe" in f:
         out.append("--sequence-parallel")  # (MoE with TP needs it, as in Megatron-LM)
     if f.get("ep", 1) > 1:
@@ -214,7 +219,8 @@ def megatron_args(flavor: str, tp: int, pp: int, **extra) -> argparse.Namespace:
                    moe_router_enable_expert_bias=False, moe_shared_expert_gate=False, moe_grouped_gemm=False,
                    sequence_parallel=True, expert_model_parallel_size=f.get("ep", 1), expert_tensor_parallel_size=1)
         moe.update(f["moe"])
-    extra = {"qk_layernorm": False, "multi_latent_attention": False, **mla, **moe, **extra}
+    extra = {"qk_layernorm": False, "multi_latent_attention": False, "mtp_num_layers": f.get("mtp_num_layers"),
+             "mtp_loss_scaling_factor": f.get("mtp_loss_scaling_factor", 0.1), **mla, **moe, **extra}
     return argparse.Namespace(
         num_layers=f["num_layers"], hidden_size=f["hidden_size"], ffn_hidden_size=f["ffn_hidden_size"],
         num_attention_heads=f["num_attention_heads"], group_query_attention=gqa,
@@ -232,7 +238,11 @@ def megatron_args(flavor: str, tp: int, pp: int, **extra) -> argparse.Namespace:
 def build_gpt(flavor: str, tp: int, pp: int, seed: int):
     """megatron-core's GPTModel (local spec, CPU initialization) for this rank's pipeline stage."""
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+        get_gpt_mtp_block_spec,
+    )
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
@@ -259,7 +269,9 @@ def build_gpt(flavor: str, tp: int, pp: int, seed: int):
         activation_func=torch.nn.functional.silu if f["swiglu"] else torch.nn.functional.gelu,
         normalization=f["normalization"], add_bias_linear=f["add_bias_linear"], layernorm_epsilon=1e-5,
         use_cpu_initialization=True, pipeline_dtype=torch.float32, tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp, hidden_dropout=0.0, attention_dropout=0.0, **mla, **moe)
+        pipeline_model_parallel_size=pp, hidden_dropout=0.0, attention_dropout=0.0,
+        mtp_num_layers=f.get("mtp_num_layers"), mtp_loss_scaling_factor=f.get("mtp_loss_scaling_factor", 0.1),
+        **mla, **moe)
     if moe:  # a spec per layer: dense where --moe-layer-freq says 0
         spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization=f["normalization"])
         layer_specs = spec.layer_specs
@@ -270,10 +282,12 @@ def build_gpt(flavor: str, tp: int, pp: int, seed: int):
     if mla:
         for s in layer_specs:
             s.submodules.self_attention.submodules.core_attention = _mla_core_attention()
+    # multi-token prediction: the decoder's last layer spec, on the last stage (None elsewhere)
+    mtp = get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False) if cfg.mtp_num_layers else None
     model = GPTModel(cfg, spec, vocab_size=128,
                      max_sequence_length=MAX_POS, pre_process=ps.is_pipeline_first_stage(),
                      post_process=ps.is_pipeline_last_stage(), position_embedding_type=f["position_embedding_type"],
-                     share_embeddings_and_output_weights=not f["untie"])
+                     share_embeddings_and_output_weights=not f["untie"], mtp_block_spec=mtp)
     with torch.no_grad():  # norms start at 1/0, the expert bias at 0: make them distinguishable
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -320,14 +334,27 @@ def fp32_optimizer(model, lr: float = 1e-2):
     return opt
 
 
+def sharded_state_dict(model) -> dict:
+    """megatron-core's sharded state dict of ``model``; with multi-token prediction on a stage without the embedding,
+    its copy of the word embedding is tied to the first stage's over the data-parallel group, which the metadata
+    names."""
+    from megatron.core import parallel_state as ps
+
+    if getattr(model, "mtp_process", False):
+        return model.sharded_state_dict(metadata={"dp_cp_group": ps.get_data_parallel_group(
+            with_context_parallel=True)})
+    return model.sharded_state_dict()
+
+
 def layer_offset(model) -> int:
     return model.decoder.layers[0].layer_number - 1 if len(model.decoder.layers) else 0
 
 
 def local_tensors(model) -> dict[str, torch.Tensor]:
     """This rank's parameters (and the routers' expert bias, a buffer in megatron-core) under our global names
-    (global layer numbers), in megatron-core's parameter order; the tied output copy left out. The local experts'
-    weights (``mlp.experts.local_experts.<i>.linear_fc1.weight``) are stacked as ours hold them
+    (global layer numbers; an MTP depth's ``transformer_layer`` is our ``mtp_model_layer``), in megatron-core's
+    parameter order; the tied output copy left out. The local experts' weights
+    (``mlp.experts.local_experts.<i>.linear_fc1.weight``) are stacked as ours hold them
     (``mlp.experts.linear_fc1.weight``, local expert ``i`` at ``[i]``)."""
     off = layer_offset(model)
     out, experts = {}, {}
@@ -336,6 +363,9 @@ def local_tensors(model) -> dict[str, torch.Tensor]:
         if name.startswith("decoder.layers."):
             parts = name.split(".", 3)
             name = f"decoder.layers.{int(parts[2]) + off}.{parts[3]}"
+        elif name.startswith("mtp.layers."):
+            head, _, tail = name.partition(".transformer_layer.")
+            name = f"{head}.mtp_model_layer.{tail}" if tail else name
         head, sep, tail = name.partition(".experts.local_experts.")
         if sep:
             experts.setdefault(f"{head}.experts.{tail.split('.', 1)[1]}", []).append(p.detach().clone())

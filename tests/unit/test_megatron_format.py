@@ -192,3 +192,56 @@ def test_torch_dist_norm_names_per_layer(tmp_path):
     with pytest.raises(CheckpointError, match=r"one key each \('decoder\.layers\.1\.mlp\.experts\.experts\.3\..*"
                                               r"singleton_local_shards\); re-save it without that option$"):
         write(tmp_path / "singleton", {"decoder.layers.1.mlp.experts.experts.3.linear_fc1.weight": torch.ones(2, 2)})
+
+
+def test_mtp_layer_under_either_name(tmp_path):
+    """A multi-token-prediction depth's transformer layer, which megatron-core names ``transformer_layer`` (0.16 and
+    before) or ``mtp_model_layer``: read under either as ours (``mtp_model_layer``), in ``torch_dist`` (one key per
+    tensor; the second name an alias where both are stored, as our writer stores them) and in legacy files on the
+    last stage (``eh_proj`` split over TP along rows, the layer's fused ``[gate; up]`` per rank)."""
+    import torch.distributed.checkpoint as dcp
+
+    from megatronish.checkpoint.megatron_format import TorchDist
+
+    g = torch.Generator().manual_seed(0)
+    norm, eh = torch.randn(4, generator=g), torch.randn(4, 8, generator=g)
+    for names in (("transformer_layer",), ("mtp_model_layer",), ("transformer_layer", "mtp_model_layer")):
+        d = tmp_path / "_".join(names)
+        d.mkdir()
+        tensors = {f"mtp.layers.0.{n}.self_attention.linear_qkv.layer_norm_weight": norm.clone() for n in names}
+        dcp.save({**tensors, "mtp.layers.0.eh_proj.weight": eh}, storage_writer=dcp.FileSystemWriter(str(d)),
+                 no_dist=True)
+        torch.save({"args": None, "iteration": 1}, d / "common.pt")
+        (d / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+        ck = TorchDist(str(d))
+        name = "mtp.layers.0.mtp_model_layer.input_layernorm.weight"
+        assert ck.key_of(name) == (f"mtp.layers.0.{names[0]}.self_attention.linear_qkv.layer_norm_weight", None)
+        assert torch.equal(ck.read(name), norm) and torch.equal(ck.read("mtp.layers.0.eh_proj.weight"), eh)
+        assert ck.model_keys() == sorted(["mtp.layers.0.eh_proj.weight", ck.key_of(name)[0]]), names
+    h, ffn, tp, pp = 4, 6, 2, 2
+    args = argparse.Namespace(num_layers=2, hidden_size=h, num_attention_heads=2, ffn_hidden_size=ffn, swiglu=True,
+                              tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, mtp_num_layers=1,
+                              mtp_loss_scaling_factor=0.3, untie_embeddings_and_output_weights=True)
+    fc1, eh = torch.randn(2 * ffn, h, generator=g), torch.randn(h, 2 * h, generator=g)  # global [gate; up], eh_proj
+    part = ffn // tp
+    for t in range(tp):
+        for p in range(pp):
+            gate, up = fc1.chunk(2)
+            model = {"decoder.layers.0.mlp.linear_fc2.weight": torch.ones(h, part)}
+            if p == pp - 1:
+                model.update({"mtp.layers.0.mtp_model_layer.mlp.linear_fc1.weight": torch.cat(
+                    [gate[t * part:(t + 1) * part], up[t * part:(t + 1) * part]]),
+                    "mtp.layers.0.eh_proj.weight": eh.chunk(tp)[t].clone(), "mtp.layers.0.enorm.weight": norm,
+                    "mtp.layers.0.eh_proj._extra_state": None})
+            d = tmp_path / "legacy" / f"mp_rank_{t:02d}_{p:03d}"
+            d.mkdir(parents=True)
+            torch.save({"model": model, "args": args, "iteration": 1}, d / "model_optim_rng.pt")
+    ck = Legacy(str(tmp_path / "legacy"))
+    assert sorted(n for n in ck.names() if n.startswith("mtp.")) == [
+        "mtp.layers.0.eh_proj.weight", "mtp.layers.0.enorm.weight",
+        "mtp.layers.0.mtp_model_layer.mlp.linear_fc1.weight"]
+    assert torch.equal(ck.read("mtp.layers.0.mtp_model_layer.mlp.linear_fc1.weight"), fc1)
+    assert torch.equal(ck.read("mtp.layers.0.eh_proj.weight"), eh)
+    assert torch.equal(ck.read("mtp.layers.0.enorm.weight"), norm)
+    fields = model_fields(args, "common.pt")
+    assert (fields["mtp_num_layers"], fields["mtp_loss_scaling_factor"]) == (1, 0.3)
