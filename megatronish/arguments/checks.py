@@ -283,17 +283,9 @@ def _check_pipeline_schedule(m: configs.ModelConfig | None, dims: ParallelDims |
         errors.append(f"{flag}: text generation runs the stages in rank order and {dims.pipeline_schedule} places "
                       "them in a V; "
                       "generate without --pipeline-schedule (any checkpoint loads into any layout)")
-    if o.use_torch_fsdp2:
-        errors.append(f"{flag} with --use-torch-fsdp2 is not supported: FSDP2 reduce-scatters the gradients as the "
-                      "backward ends, before the deferred weight gradients exist; drop one of them")
     if t.torch_compile:
         errors.append(f"{flag} with --torch-compile is not supported: the compiled layers' backward cannot be split "
                       "into input and weight gradients; drop one of them")
-    if dims.cp > 1:
-        errors.append(f"{flag} with --context-parallel-size {dims.cp} is not available yet; use 1f1b or "
-                      "--context-parallel-size 1")
-    if m is not None and m.moe.num_experts is not None:
-        errors.append(f"{flag} with --num-experts is not available yet (mixture-of-experts layers); use 1f1b")
 
 
 def _check_logging(lg: configs.LoggingConfig, errors: list[str]) -> None:

@@ -8,11 +8,15 @@ exactly its action list's F/B/W order. One group of 4 ranks runs every case. The
 splits (``--decoder-first/last-pipeline-num-layers``: 7 layers over PP 2 as 3+4 and 4+3, 10 over PP 4 as 1+3+3+3,
 10 over PP 2 with 2 chunks as 4+6) under 1F1B, interleaved 1F1B, ZB-H1 and ZBV. Receives posted ahead
 (``--overlap-p2p-communication``) give the same numbers under DualPipeV at PP 4, ZBV and interleaved 1F1B (whose
-steady state then exchanges in two halves)."""
+steady state then exchanges in two halves). Through the training step, in the same group: ZB-H1 at CP 2 x PP 2, ZBV
+with mixture of experts at EP 2 x PP 2 (distributed optimizer, overlapped bucket reduction), ZBV with FSDP2 at
+DP 2 x PP 2 and DualPipeV at TP 2 + SP x PP 2 with selective recompute equal one process (losses, every
+iteration's reduced gradients, the parameters after the steps)."""
 import pytest
 import torch
 import torch.distributed as dist
 
+from megatronish.arguments import configs_from_args, parse_args
 from megatronish.model import GPTModel
 from megatronish.model.build import build_model_chunks
 from megatronish.optim.optimizer import build_optimizer, use_main_grads
@@ -25,7 +29,10 @@ from megatronish.parallel.pipeline.schedules import forward_backward_no_pipelini
 from megatronish.parallel.pipeline.timeline import PipelineTimeline
 from megatronish.parallel.pipeline.zero_bubble import SCHEDULES, schedule_actions
 from megatronish.parallel.random import set_random_seed
-from megatronish.testing import run_distributed
+from megatronish.testing import global_tensors, run_distributed
+from megatronish.training import pretrain as training
+from tests.distributed.test_context_parallel import BASE as CP_BASE
+from tests.distributed.test_context_parallel import FLAVORS as CP_FLAVORS
 from tests.distributed.test_pipeline_parity import FLAVORS as PARITY_FLAVORS
 from tests.distributed.test_pipeline_parity import _forward_step as mean_loss_forward_step
 
@@ -166,13 +173,6 @@ def _check_case(flavor, schedule, tp, pp, sp, recompute, dist_opt, per_token, sp
                                        msg=lambda m: f"{what} parameter {name} after {STEPS} steps: {m}")
 
 
-def _worker(rank, world, cases, refs):
-    for case in cases:
-        _check_case(*case[:9], refs, *_options(case).values())
-    groups.destroy_model_parallel()
-    return True
-
-
 EVEN = (4, None, None)  # (layers, first rank's, last rank's)
 # (flavor, schedule, tp, pp, sequence_parallel, full recompute, distributed optimizer, per-token loss, split)
 CASES = [
@@ -198,5 +198,75 @@ CASES = [
 ]
 
 
-def test_zero_bubble_parity(references):
-    assert all(run_distributed(_worker, WORLD, CASES, references, timeout=300))
+# Through the training step (configs_from_args -> setup -> train_step), where the run's wrapping decides: context
+# parallelism (the loss's token count summed over CP, attention's ring exchange inside B), mixture of experts over
+# expert parallelism (the expert weights' gradients computed in B; their buckets reduced over the expert-DP group,
+# launched by the hooks at the last W), FSDP2 (gradients accumulated unsharded, one reduce-scatter after the last W)
+# and selective recompute. Every iteration's reduced gradients (before the step), the losses and the parameters
+# after the steps equal the one-process run of the same flags without the layout's.
+TRAIN_BASE = CP_BASE + CP_FLAVORS["llama"] + ["--train-iters", str(STEPS)]  # Llama (GQA), sequence 32, SGD
+TRAIN_MODELS = {"dense": [], "moe": ["--num-experts", "4", "--moe-ffn-hidden-size", "16", "--moe-aux-loss-coeff",
+                                     "1e-2", "--moe-z-loss-coeff", "1e-3"]}
+PP2 = ["--pipeline-model-parallel-size", "2"]
+TRAIN_CASES = [  # (model, the layout's flags)
+    ("dense", PP2 + ["--pipeline-schedule", "zb-h1", "--context-parallel-size", "2"]),  # CP 2 x PP 2
+    ("moe", PP2 + ["--pipeline-schedule", "zbv", "--expert-model-parallel-size", "2", "--use-distributed-optimizer",
+                   "--overlap-grad-reduce", "--ddp-bucket-size", "2000"]),  # EP 2 (DP 2) x PP 2
+    ("dense", PP2 + ["--pipeline-schedule", "zbv", "--use-torch-fsdp2"]),  # FSDP2 DP 2 x PP 2, two units per rank
+    ("dense", PP2 + ["--pipeline-schedule", "dualpipev", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                     "--recompute-activations"]),  # TP 2 + SP x PP 2, selective recompute, m = 2p
+]
+
+
+def _train(rank, world, model, argv=()):
+    """Losses, every iteration's reduced gradients and the parameters after the steps (numpy, by global name)."""
+    groups.destroy_model_parallel()
+    run, state = training.setup(configs_from_args(parse_args(TRAIN_BASE + TRAIN_MODELS[model] + list(argv)), world))
+    grads, step = [], run.optimizer.step
+
+    def step_after_recording():
+        grads.append({n: g.numpy() for n, g in global_tensors(run.models, run.parallel, grads=True,
+                                                              optimizer=run.optimizer).items()})
+        return step()
+
+    run.optimizer.step = step_after_recording
+    losses = [training.train_step(run, state).loss for _ in range(STEPS)]
+    params = {n: t.numpy() for n, t in global_tensors(run.models, run.parallel).items()}
+    groups.destroy_model_parallel()
+    return losses, grads, params
+
+
+@pytest.fixture(scope="module")
+def train_references():
+    return {model: run_distributed(_train, 1, model)[0] for model in sorted({m for m, _ in TRAIN_CASES})}
+
+
+def _check_train_case(model, argv, refs):
+    what = f"{model} {' '.join(argv)}"
+    (losses, grads, params), (r_losses, r_grads, r_params) = _train(dist.get_rank(), WORLD, model, argv), refs[model]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(r_losses), rtol=1e-5, atol=0,
+                               msg=lambda m: f"{what} losses: {m}")
+    assert len(grads) == len(r_grads) == STEPS, what
+    for it, (got, ref) in enumerate(zip(grads + [params], r_grads + [r_params])):
+        kind = f"grad of iteration {it + 1}" if it < STEPS else f"parameter after {STEPS} steps"
+        assert got.keys() == ref.keys(), f"{what} {kind}: {sorted(got.keys() ^ ref.keys())}"
+        for name in ref:
+            g, r = torch.from_numpy(got[name]), torch.from_numpy(ref[name])
+            if g.shape != r.shape:  # the vocabulary padded to a multiple of 128 x TP: the rows past one process's
+                n = min(len(g), len(r))  # padding stay zero
+                assert not g[n:].any() and not r[n:].any(), f"{what} {kind}: padded rows of {name}"
+                g, r = g[:n], r[:n]
+            torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what} {kind} {name}: {m}")
+
+
+def _worker(rank, world, cases, refs, train_cases=(), train_refs=None):
+    for case in cases:
+        _check_case(*case[:9], refs, *_options(case).values())
+    for model, argv in train_cases:
+        _check_train_case(model, argv, train_refs)
+    groups.destroy_model_parallel()
+    return True
+
+
+def test_zero_bubble_parity(references, train_references):
+    assert all(run_distributed(_worker, WORLD, CASES, references, TRAIN_CASES, train_references, timeout=300))

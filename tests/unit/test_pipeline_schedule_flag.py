@@ -87,20 +87,25 @@ def test_zbv_implies_two_chunks_in_a_v():
     (["--pipeline-schedule", "dualpipev", "--rampup-batch-size", "4", "4", "64"] + PP2, 2,
      "--pipeline-schedule dualpipev needs at least 2 x --pipeline-model-parallel-size = 4 microbatches per iteration, "
      "but --rampup-batch-size starts at a batch of 4 = 2 microbatches"),
-    (["--pipeline-schedule", "dualpipev", "--use-torch-fsdp2"] + PP2, 4,
-     "--pipeline-schedule dualpipev with --use-torch-fsdp2 is not supported"),
-    (["--pipeline-schedule", "zb-h1", "--use-torch-fsdp2"] + PP2, 4,
-     "--pipeline-schedule zb-h1 with --use-torch-fsdp2 is not supported"),
     (["--pipeline-schedule", "zbv", "--torch-compile"] + PP2, 2,
      "--pipeline-schedule zbv with --torch-compile is not supported"),
-    (["--pipeline-schedule", "zb-h1", "--context-parallel-size", "2", "--attention-dropout", "0"] + PP2, 4,
-     "--pipeline-schedule zb-h1 with --context-parallel-size 2 is not available yet"),
-    (["--pipeline-schedule", "zbv", "--num-experts", "4", "--disable-bias-linear"] + PP2, 2,
-     "--pipeline-schedule zbv with --num-experts is not available yet"),
 ])
 def test_one_line_per_rule(extra, world, line):
     errors = errors_of(extra, world=world)
     assert any(e.startswith(line) for e in errors), errors
+
+
+@pytest.mark.parametrize("extra, world", [
+    (["--pipeline-schedule", "dualpipev", "--use-torch-fsdp2"], 4),
+    (["--pipeline-schedule", "zb-h1", "--use-torch-fsdp2"], 4),
+    (["--pipeline-schedule", "zb-h1", "--context-parallel-size", "2", "--attention-dropout", "0"], 4),
+    (["--pipeline-schedule", "zbv", "--num-experts", "4", "--disable-bias-linear", "--expert-model-parallel-size",
+      "2"], 4),
+])
+def test_split_backward_runs_with_cp_moe_and_fsdp2(extra, world):
+    """Context parallelism, mixture of experts and FSDP2 run under the zero-bubble schedules (their parity:
+    tests/distributed/test_zero_bubble_parity.py)."""
+    assert cfg_of(extra + PP2 + ["--global-batch-size", "16"], world=world).parallel.pipeline_schedule == extra[1]
 
 
 def test_v_placement_without_processes():
