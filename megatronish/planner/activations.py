@@ -40,6 +40,8 @@ from dataclasses import dataclass
 
 from ..model.moe.layer import is_moe_layer
 from ..training.memory import activation_bytes_per_layer, cpu_activation_bytes_per_layer
+from ..training.memory import attention_sizes as _attention_sizes
+from ..training.memory import mla_latents as _mla_latents
 
 
 @dataclass(frozen=True)
@@ -128,30 +130,6 @@ def split_backward_peak(steps, held: list[float], deferred: list[float]) -> tupl
             best, at = total, (list(fb), list(bw))
         most = max(most, sum(fb))
     return at[0], at[1], most
-
-
-def _attention_sizes(m) -> tuple[float, float, float, float]:
-    """Per token: the elements of the attention's query, key, value (the tensors its core keeps) and output
-    projection input, summed over heads. Standard attention: ``h``, ``kv``, ``kv``, ``h`` (as the formula counts);
-    MLA: ``a (d_nope + d_rope)`` for the query and the (RoPE-completed) key, the value a view of the
-    key/value up-projection's output ``a (d_nope + d_v)``, and ``a d_v``."""
-    if not m.attention.multi_latent_attention:
-        kv = m.num_query_groups * m.kv_channels
-        return m.hidden_size, kv, kv, m.hidden_size
-    at, a = m.attention, m.num_attention_heads
-    dq = at.qk_head_dim + at.qk_pos_emb_head_dim
-    return a * dq, a * dq, a * (at.qk_head_dim + at.v_head_dim), a * at.v_head_dim
-
-
-def _mla_latents(m) -> tuple[float, int]:
-    """MLA's replicated latents kept per token, in 16-bit bytes, and how many latent norms there are: the query
-    down-projection's output (and its norm's output), the key/value down-projection's whole output (the latent
-    and the RoPE key; the norm's input is a view of it) and the key/value norm's output."""
-    at = m.attention
-    norms = 2 if at.qk_layernorm and at.q_lora_rank is not None else (1 if at.qk_layernorm else 0)
-    q = 0 if at.q_lora_rank is None else 2 * at.q_lora_rank * (2 if at.qk_layernorm else 1)
-    kv = 2 * (at.kv_lora_rank + at.qk_pos_emb_head_dim) + (2 * at.kv_lora_rank if at.qk_layernorm else 0)
-    return q + kv, norms
 
 
 def attention_core_path(cfg, *, cpu: bool) -> str:

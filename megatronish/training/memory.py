@@ -154,6 +154,30 @@ def interleave_factor(p: int, v: int) -> float:
     return 1.0 + (p - 1) / (p * v) if v > 1 else 1.0
 
 
+def attention_sizes(m) -> tuple[float, float, float, float]:
+    """Per token: the elements of the attention's query, key, value (the tensors its core keeps) and output
+    projection input, summed over heads. Standard attention: ``h``, ``kv``, ``kv``, ``h`` (as the formula counts);
+    MLA: ``a (d_nope + d_rope)`` for the query and the (RoPE-completed) key, the value a view of the
+    key/value up-projection's output ``a (d_nope + d_v)``, and ``a d_v``."""
+    if not m.attention.multi_latent_attention:
+        kv = m.num_query_groups * m.kv_channels
+        return m.hidden_size, kv, kv, m.hidden_size
+    at, a = m.attention, m.num_attention_heads
+    dq = at.qk_head_dim + at.qk_pos_emb_head_dim
+    return a * dq, a * dq, a * (at.qk_head_dim + at.v_head_dim), a * at.v_head_dim
+
+
+def mla_latents(m) -> tuple[float, int]:
+    """MLA's replicated latents kept per token, in 16-bit bytes, and how many latent norms there are: the query
+    down-projection's output (and its norm's output), the key/value down-projection's whole output (the latent
+    and the RoPE key; the norm's input is a view of it) and the key/value norm's output."""
+    at = m.attention
+    norms = 2 if at.qk_layernorm and at.q_lora_rank is not None else (1 if at.qk_layernorm else 0)
+    q = 0 if at.q_lora_rank is None else 2 * at.q_lora_rank * (2 if at.qk_layernorm else 1)
+    kv = 2 * (at.kv_lora_rank + at.qk_pos_emb_head_dim) + (2 * at.kv_lora_rank if at.qk_layernorm else 0)
+    return q + kv, norms
+
+
 def activation_bytes(model_cfg, *, micro_batch_size: int, tp: int = 1, pp: int = 1, vp: int = 1, cp: int = 1,
                      sequence_parallel: bool = False, num_microbatches: int | None = None,
                      padded_vocab_size: int | None = None, stage_layers: tuple[int, int] | None = None,
@@ -163,7 +187,8 @@ def activation_bytes(model_cfg, *, micro_batch_size: int, tp: int = 1, pp: int =
     tokens of every sequence. ``stage_layers``: the first and the last pipeline rank's transformer layers (all
     their chunks; :meth:`~megatronish.parallel.dims.ParallelDims.rank_num_layers`) when the split is uneven;
     by default ``L / pp`` each. ``scores``: whether the attention core keeps its score matrix
-    (:func:`activation_bytes_per_layer`)."""
+    (:func:`activation_bytes_per_layer`). Multi-latent attention's query, key, value and projection input
+    (:func:`attention_sizes`) replace the formula's, and its replicated latents (:func:`mla_latents`) are added."""
     m = model_cfg
     s, b, h = m.seq_length // cp, micro_batch_size, m.hidden_size
     per_layer = activation_bytes_per_layer(s, b, h, m.num_attention_heads, t=tp,
@@ -173,6 +198,11 @@ def activation_bytes(model_cfg, *, micro_batch_size: int, tp: int = 1, pp: int =
                                            ffn_hidden_size=m.ffn_hidden_size,
                                            kv_hidden_size=m.num_query_groups * m.kv_channels, swiglu=m.swiglu,
                                            scores=scores)
+    if m.attention.multi_latent_attention and m.recompute.recompute_granularity != "full":
+        q, k, v, proj = attention_sizes(m)  # MLA's tensors in place of the formula's Q, K, V and projection input
+        kv = m.num_query_groups * m.kv_channels
+        per_layer += 2 * (q + k + v + proj - 2 * h - 2 * kv) * s * b / tp
+        per_layer += mla_latents(m)[0] * s * b / (tp if sequence_parallel else 1)
     if pp == 1:
         in_flight = 1.0
     elif vp > 1:
@@ -396,5 +426,6 @@ class ActivationMeter:
 
 
 __all__ = ["bytes_per_parameter", "activation_bytes_per_layer", "activation_bytes", "interleave_factor",
+           "attention_sizes", "mla_latents",
            "theoretical_memory", "report_theoretical_memory", "measured_state_bytes", "SavedActivationCounter",
            "ActivationMeter"]

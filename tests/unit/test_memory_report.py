@@ -165,3 +165,27 @@ def test_report_leaves_out_the_scores_a_flash_type_core_does_not_keep():
     scores = 5 * 4 * 32 / 64 * 32 * 2 * 64 * 2  # 5 a s / h * s b h, two layers (one stage, one microbatch)
     assert acts["0.1", "auto"] - acts["0", "auto"] == pytest.approx(scores)
     assert acts["0", "unfused"] == acts["0.1", "auto"] == acts["0", "local"]
+
+
+def test_report_counts_multi_latent_attention_tensors():
+    """With ``--multi-latent-attention`` the report's per-layer activations hold MLA's query ``a (d_nope + d_rope)``,
+    key ``a (d_nope + d_rope)``, key/value up-projection output ``a (d_nope + d_v)`` and projection input
+    ``a d_v`` (16-bit, over TP) in place of the formula's ``h, kv, kv, h``, plus the replicated latents: the query
+    latent and its norm's output, the key/value down-projection's output and the key/value norm's output."""
+    from megatronish.arguments import configs_from_args, parse_args
+    from megatronish.training.memory import activation_bytes
+
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--vocab-size", "128", "--mock-data", "--tokenizer-type",
+            "NullTokenizer", "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "1",
+            "--lr", "1e-3", "--position-embedding-type", "rope", "--normalization", "RMSNorm"]
+    mla = ["--multi-latent-attention", "--q-lora-rank", "24", "--kv-lora-rank", "16", "--qk-head-dim", "12",
+           "--qk-pos-emb-head-dim", "8", "--v-head-dim", "10", "--qk-layernorm"]
+    got = {}
+    for name, extra in [("gqa", []), ("mla", mla)]:
+        m = configs_from_args(parse_args(base + extra), 1).model
+        got[name] = activation_bytes(m, micro_batch_size=2, tp=2, sequence_parallel=True)
+    s, b, h, a, t = 32, 2, 64, 4, 2
+    attention = 2 * (a * 20 + a * 20 + a * 22 + a * 10 - 2 * h - 2 * h) * s * b / t
+    latents = (2 * 24 * 2 + 2 * (16 + 8) + 2 * 16) * s * b / t  # replicated, over TP under SP
+    assert got["mla"] - got["gqa"] == pytest.approx(2 * (attention + latents))  # two layers
