@@ -25,6 +25,9 @@ from ..convert.hf_deepseek import DEEPSEEK_V3
 from ..errors import ConfigError
 
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json")
+# The run's choice with a Hugging Face directory, whatever its config: the multi-token-prediction depths it trains
+# (at most the directory's num_nextn_predict_layers, checked by ``_mtp_errors``) and their loss weight.
+_RUN_CHOOSES = ("mtp_num_layers", "mtp_loss_scaling_factor")
 _FREE = ("seq_length",)  # the command line's, whatever the config says
 _FREE_WITH_ROPE = ("max_position_embeddings",)
 # the config's unless given: training choices that decide no weight
@@ -69,7 +72,8 @@ def hf_arg_values(args, path: str, parser) -> tuple[dict, int]:
     opts = _options(parser)
     free = _FREE + (_FREE_WITH_ROPE if flat.get("position_embedding_type") == "rope" else ())
     groups = flat["num_query_groups"]
-    wanted = {f: flat[f] for f in (*_IF_UNSET, *_FORCED, *_UNLESS_GIVEN) if f in flat and hasattr(args, f)}
+    wanted = {f: flat[f] for f in (*_IF_UNSET, *_FORCED, *_UNLESS_GIVEN)
+              if f in flat and hasattr(args, f) and f not in _RUN_CHOOSES}
     wanted.update(group_query_attention=groups != flat["num_attention_heads"], num_query_groups=groups)
     values, errors = {}, []
     for dest, value in wanted.items():
