@@ -272,8 +272,8 @@ def _check_moe(m: configs.ModelConfig | None, dims: ParallelDims | None, sequenc
                       "use --context-parallel-size 1")
 
 
-def _check_pipeline_schedule(m: configs.ModelConfig | None, dims: ParallelDims | None, o: configs.OptimizerConfig,
-                             t: configs.TrainingConfig, errors: list[str], for_training: bool = True) -> None:
+def _check_pipeline_schedule(dims: ParallelDims | None, t: configs.TrainingConfig, errors: list[str],
+                             for_training: bool = True) -> None:
     """``--pipeline-schedule`` zb-h1 / zbv / dualpipev (the split backward) against what it does not run with; the
     degrees' rules (PP, virtual stages) are ``ParallelDims``' (``parallel_config``'s lines)."""
     if dims is None or dims.pipeline_schedule not in ("zb-h1", "zbv", "dualpipev"):

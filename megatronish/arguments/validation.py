@@ -51,7 +51,7 @@ def _problems(d: _Draft, errors: list[str], for_training: bool = True) -> list[s
     _check_context_parallel(m, dims, d.hierarchical_cp_sizes, errors)
     _check_moe(m, dims, d.run is not None and d.run.sequence_parallel, errors)
     _check_fsdp(d.optim, m, errors, d.train)
-    _check_pipeline_schedule(m, dims, d.optim, d.train, errors, for_training)
+    _check_pipeline_schedule(dims, d.train, errors, for_training)
     _check_checkpoint(d.checkpoint, errors)
     _check_logging(d.logging, errors)
     if fits and not errors:
