@@ -1,6 +1,6 @@
 """Mixture of experts: every expert layout trains exactly as one process with the same routing.
 
-Each case runs 8 iterations through the training step (setup / train_step) and compares, against a one-process
+Each case runs 5 iterations through the training step (setup / train_step) and compares, against a one-process
 run of the same model (same seed, no weight copying, the same micro-batch size so every routing call sees the
 same tokens): the losses, every parameter's reduced gradient of every iteration (assembled from the ranks'
 slices, before the optimizer step clips them), and the router expert biases (fp32, rtol 1e-5). Load-balancing
@@ -23,7 +23,7 @@ from megatronish.parallel import groups
 from megatronish.testing import global_tensors, run_distributed
 from megatronish.training import pretrain as training
 
-ITERS = 8
+ITERS = 5
 # Forced routing is the same map every iteration: a few iterations run every collective and gradient path it has
 FORCED_ITERS = 3
 
