@@ -191,7 +191,7 @@ cmd_down() {
     if [[ -f "$CONF" ]] && pid_alive "$DIR/run/slurmctld.pid" slurmctld; then
         scancel --full --signal=KILL --user=root >/dev/null 2>&1 || true
         scancel --user=root >/dev/null 2>&1 || true
-        for _ in $(seq 50); do [[ -z "$(squeue -h -t all -o %i 2>/dev/null | head -1)" ]] && break; sleep 0.2; done
+        for _ in $(seq 50); do [[ -z "$(squeue -h -o %i 2>/dev/null | head -1)" ]] && break; sleep 0.2; done
     fi
     for n in "${NODES[@]}"; do stop_pid "$DIR/run/slurmd-$n.pid" slurmd; done
     stop_pid "$DIR/run/slurmctld.pid" slurmctld
