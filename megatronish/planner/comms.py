@@ -11,11 +11,13 @@ What one step issues (``M`` microbatches of ``b`` sequences of ``s / cp`` tokens
 - TP, per microbatch and layer: without SP 4 all-reduces of ``[s, b, h]`` (a MoE layer 2: its MLP is the
   experts'), with SP 2 all-gathers and 2 reduce-scatters (MoE layer: 1 and 1) forward and as many backward; full
   recompute repeats the forward's; the first stage adds the embedding's (and under SP with learned positions the
-  position embedding's backward all-gather), the last the output layer's and the vocabulary-parallel cross
+  position embedding's backward all-gather), the loss stage (the last; pipeline rank 0 under ``zbv`` and
+  ``dualpipev``, whose V holds the first and the last stage there) the output layer's and the vocabulary-parallel cross
   entropy's two fp32 all-reduces (``s b`` and ``2 s b`` floats); under SP one all-reduce per model chunk of the
   gradients of the parameters every TP rank holds whole (norms, biases), in the gradient buffer's dtype.
 - CP (the p2p ring), per microbatch and layer: ``cp - 1`` K/V exchanges forward and backward (again under
-  recompute) and ``cp`` fp32 dK/dV exchanges backward; the last stage's loss adds one 4-byte all-reduce per
+  recompute) and ``cp`` fp32 dK/dV exchanges backward (:func:`ring_kv_elements`: under multi-latent attention
+  every head's key and value, padded to one head size); the loss stage adds one 4-byte all-reduce per
   microbatch.
 - EP (the all-gather dispatcher over expert-TP x EP), per MoE layer and microbatch: the routing map (bytes), the
   probabilities and the hidden states all-gathered, the hidden states reduce-scattered (forward), the probabilities
@@ -23,10 +25,11 @@ What one step issues (``M`` microbatches of ``b`` sequences of ``s / cp`` tokens
   all-reduces. The all-to-all dispatcher: its four all-to-alls of the routed copies per layer (an estimate: the
   copies' split depends on the routing).
 - PP: each activation or gradient sent between stages (1F1B: ``M`` forward sends from every stage but the last and
-  ``M`` backward sends from every stage but the first; interleaved: per model chunk), the loss broadcast, the tied
+  ``M`` backward sends from every stage but the first; interleaved: per model chunk; in a V none between rank
+  ``p-1``'s two chunks: :func:`pipeline_sends`), the loss broadcast, the tied
   embedding's gradient all-reduce between the first and last stages.
 - DP: every gradient bucket the rank's DDP built (all-reduce, or reduce-scatter and the parameter all-gather
-  under the distributed optimizer), over DP x CP or the expert-DP group; the loss all-reduce of the last stage.
+  under the distributed optimizer), over DP x CP or the expert-DP group; the loss all-reduce of the loss stage.
 - The optimizer's gradient norm (model-parallel, or world under the distributed optimizer, FSDP2 and fp16) and
   fp16's overflow check; the rerun check's world all-reduce of four flags (``--rerun-mode`` other than
   ``disabled``), or else the NaN check's of two.
@@ -89,7 +92,8 @@ def step_collectives(cfg, rank: int, chunks, ctx) -> list[Collective]:
     m, par, o = cfg.model, cfg.parallel, cfg.optim
     coords = par.coords(rank)
     p, v, M = par.pp, par.vp, cfg.num_microbatches
-    first, last = coords["pp"] == 0, coords["pp"] == p - 1
+    # the first stage (embedding) is on pipeline rank 0; the loss stage on ``loss_pp_rank`` (rank 0 in a V)
+    first, last = coords["pp"] == 0, coords["pp"] == par.loss_pp_rank
     s, b, h = m.seq_length // par.cp, cfg.train.micro_batch_size, m.hidden_size
     e = 4 if o.params_dtype.itemsize == 4 else 2
     sp, tp = cfg.sequence_parallel, par.tp
@@ -128,7 +132,7 @@ def step_collectives(cfg, rank: int, chunks, ctx) -> list[Collective]:
             add("tp", "all_reduce", 2 * s * b * 4, M)
     if par.cp > 1:
         n = par.cp
-        kv = 2 * b * (m.num_query_groups // tp) * s * m.kv_channels
+        kv = ring_kv_elements(cfg)
         again = full or m.recompute.recompute_granularity == "selective"
         add("cp", "p2p", kv * e, M * len(layers) * (n - 1) * (2 + again), role="cp_ring")
         add("cp", "p2p", kv * 4, M * len(layers) * n, role="cp_ring")
@@ -138,8 +142,7 @@ def step_collectives(cfg, rank: int, chunks, ctx) -> list[Collective]:
         _moe(cfg, ctx, add, s, b, h, e, M, n_moe, full, p, layers, depths)
     if p > 1:
         pipe = act // (tp if sp else 1)
-        sends = 2 * M * v - (M if first else 0) - (M if last else 0)
-        add("pp", "p2p", pipe, sends, role="pp_p2p")
+        add("pp", "p2p", pipe, M * pipeline_sends(par, coords["pp"]), role="pp_p2p")
         add("pp", "broadcast", 8, 1 + (m.mtp_num_layers or 0))  # the loss, and each MTP depth's
     if last and _size(ctx, "dp_cp") > 1:
         add("dp_cp", "all_reduce", 8 * (1 + depths))  # (each MTP depth's loss and token count)
@@ -150,6 +153,32 @@ def step_collectives(cfg, rank: int, chunks, ctx) -> list[Collective]:
         add("world", "all_reduce", 16, n=par.world_size)
     elif cfg.train.check_for_nan_in_loss_and_grad:
         add("world", "all_reduce", 8, n=par.world_size)
+    return out
+
+
+def ring_kv_elements(cfg) -> int:
+    """Elements of the K/V block one CP ring step sends (``parallel/context_parallel.py``'s ``torch.stack([k,
+    v])``, one microbatch and layer): ``2 b g s d`` with ``g`` the rank's key/value heads and ``d`` their size;
+    under multi-latent attention every head has its own key and value, both padded to one head size,
+    ``max(d_nope + d_rope, d_v)`` (``model/mla.py``)."""
+    m, par = cfg.model, cfg.parallel
+    s, b, at = m.seq_length // par.cp, cfg.train.micro_batch_size, m.attention
+    if at.multi_latent_attention:
+        heads, d = m.num_attention_heads, max(at.qk_head_dim + at.qk_pos_emb_head_dim, at.v_head_dim)
+    else:
+        heads, d = m.num_query_groups, m.kv_channels
+    return 2 * b * (heads // par.tp) * s * d
+
+
+def pipeline_sends(par, pp_rank: int) -> int:
+    """Activations and gradients pipeline rank ``pp_rank`` sends per microbatch: each local chunk's forward output
+    unless its stage is the last, and its input gradient unless its stage is the first, when the neighbouring
+    stage is on another rank (in a V, rank ``p-1`` hands stage ``p-1``'s output to its own stage ``p``)."""
+    n, out = par.pp * par.vp, 0
+    for c in range(par.vp):
+        st = par.stage_of(pp_rank, c)
+        out += st < n - 1 and par.place_stage(st + 1)[0] != pp_rank
+        out += st > 0 and par.place_stage(st - 1)[0] != pp_rank
     return out
 
 
@@ -177,7 +206,8 @@ def group_span(par, rank: int, group: str) -> tuple[int, int, int]:
     stage = par.world_size // par.pp
     if group in ("embedding", "position_embedding"):
         first = rank - c["pp"] * stage
-        ends = c["pp"] in (0, par.pp - 1) and group == "embedding" and par.tie_embeddings and par.pp > 1
+        ends = c["pp"] in (0, par.pp - 1) and group == "embedding" and par.tie_embeddings and par.pp > 1 \
+            and not par.v_shape  # in a V both ends are on pipeline rank 0
         return (first, first + (par.pp - 1) * stage, 2) if ends else (rank, rank, 1)
     names, sizes = (("tp", "cp", "dp", "pp"), par._sizes) if group in _DENSE else \
         (("etp", "ep", "edp", "pp"), par._expert_sizes)
@@ -314,5 +344,5 @@ def _optimizer(cfg, ctx, add, n_moe_model: bool) -> None:
         add("expert_mp", "all_reduce", 4)
 
 
-__all__ = ["Collective", "ROLES", "step_collectives", "rank_collectives", "bytes_by_kind", "KIND_OF", "group_span",
-           "GroupSizes", "ddp_estimate", "fsdp_estimate"]
+__all__ = ["Collective", "ROLES", "step_collectives", "rank_collectives", "ring_kv_elements", "pipeline_sends",
+           "bytes_by_kind", "KIND_OF", "group_span", "GroupSizes", "ddp_estimate", "fsdp_estimate"]

@@ -6,7 +6,8 @@ and after each iteration (the training loop does not import the planner, a floor
 row of the planner's table, or ``cpu-this-machine`` without CUDA), so a wrong kind is one error line before any
 process group starts. After set-up, rank 0 plans the run (``megatronish-plan``'s model: exact state bytes from the
 meta model, activations, step time) and prints one block: memory per pipeline stage (the fullest rank of each),
-rank 0's own prediction, step time, tokens/s and MFU. After the first ``--log-interval`` window it prints the
+rank 0's own prediction (its state, activations and FSDP2's buffers in flight, the plan's peak terms), step time,
+tokens/s and MFU. After the first ``--log-interval`` window it prints the
 measured step time (the log line's elapsed time per iteration) and rank 0's measured peak memory beside the
 prediction, with ratios: on CUDA the allocator's peak (``max_memory_allocated``); on CPU the bytes the memory
 report measures, the first iteration's peak of saved activations (``saved_tensors_hooks``) plus the distinct
@@ -22,7 +23,7 @@ from ..training.memory import measured_state_bytes
 from .activations import stage_activations
 from .hardware import CPU_KIND, KINDS, load_hardware
 from .plan import make_plan
-from .state import rank_state_bytes
+from .state import build_rank, fsdp_in_flight_bytes, fsdp_unit_numels, rank_state_bytes
 
 MIB = 2 ** 20
 PREFIX = "[report-plan]"
@@ -71,10 +72,7 @@ class PlanReport:
         cfg = self.cfg
         hw = load_hardware(self.kind)
         self.plan = make_plan(cfg, hw)
-        st = rank_state_bytes(cfg, 0)
-        act = stage_activations(cfg, 0, cpu=self.kind == CPU_KIND).total
-        self.rank0 = {"params": st.params, "grads": st.grads, "optimizer": st.optimizer, "num_params": st.num_params,
-                      "activations": act, "peak": st.total + act}
+        self.rank0 = rank0_prediction(cfg, cpu=self.kind == CPU_KIND)
         print_fn(format_prediction(self.plan, self.rank0))
 
     def after_step(self, state, record: dict | None, print_fn=print) -> None:
@@ -93,6 +91,18 @@ class PlanReport:
                 "saved-activation peak of the first iteration + parameter, gradient and optimizer storages")
 
 
+def rank0_prediction(cfg, *, cpu: bool) -> dict:
+    """Rank 0's exact parameter, gradient and optimizer bytes, its activations and its peak: the state plus the
+    activations plus FSDP2's buffers in flight (``state.fsdp_in_flight_bytes`` over rank 0's units), the peak the
+    plan's memory table gives a stage's rank."""
+    built = build_rank(cfg, 0)
+    st = rank_state_bytes(cfg, 0, built)
+    act = stage_activations(cfg, 0, cpu=cpu).total
+    fsdp = fsdp_in_flight_bytes(cfg, fsdp_unit_numels(built.models))
+    return {"params": st.params, "grads": st.grads, "optimizer": st.optimizer, "num_params": st.num_params,
+            "activations": act, "fsdp_in_flight": fsdp, "peak": st.total + act + fsdp}
+
+
 def _mib(x: float) -> str:
     return f"{x / MIB:10.3f}"
 
@@ -108,7 +118,8 @@ def format_prediction(plan: dict, rank0: dict) -> str:
                      f"{_mib(s['activations'])} {_mib(s['total'])} {s['in_flight']:10d}")
     lines.append(f"rank 0: {rank0['num_params']} parameters, params {rank0['params']} B, grads {rank0['grads']} B, "
                  f"optimizer {rank0['optimizer']} B, activations {rank0['activations']:.0f} B, "
-                 f"peak {rank0['peak']:.0f} B")
+                 + (f"FSDP2 in flight {rank0['fsdp_in_flight']} B, " if rank0.get("fsdp_in_flight") else "")
+                 + f"peak {rank0['peak']:.0f} B")
     lines.append(f"step time {tm['step_s'] * 1e3:.3f} ms: {tm['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
                  f"{tm['model_tflops_per_gpu']:.3f} model TFLOP/s/GPU, MFU {tm['mfu'] * 100:.2f}%")
     lines.append("breakdown (ms): " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in tm["breakdown_s"].items()))
@@ -127,4 +138,4 @@ def format_measured(plan: dict, rank0: dict, record: dict, peak: tuple[float, st
         f"predicted/measured {rank0['peak'] / mem:.2f}" if mem else "rank 0 peak memory: not measured"))
 
 
-__all__ = ["PlanReport", "resolve_kind", "format_prediction", "format_measured"]
+__all__ = ["PlanReport", "resolve_kind", "rank0_prediction", "format_prediction", "format_measured"]

@@ -1,6 +1,7 @@
 """The planner's per-rank bytes against the real run's: for many layouts (dense GPT-2 and Llama, MoE with EP and
 ETP, CP, PP and VP, FSDP2, the distributed optimizer, 16-bit, recompute, multi-latent attention with DeepSeek's
-MoE (shared experts, sigmoid router with expert bias, dense first layer) and multi-token prediction) the
+MoE (shared experts, sigmoid router with expert bias, dense first layer) and multi-token prediction, MLA over a CP
+2 ring, the zbv pipeline whose V puts the loss on rank 0) the
 parameters, gradients and optimizer state that ``setup`` builds on 4 gloo ranks and one ``train_step`` fills
 (distinct storages) equal the bytes the planner counts on the rank's meta model exactly, and one step's saved
 activations (``saved_tensors_hooks``) are within 10% of its activation prediction (the CPU terms). The bytes of
@@ -61,6 +62,9 @@ LAYOUTS = {
     "mla deepseek-moe pp2 ep2": ["--num-layers", "4", *MLA, *DEEPSEEK_MOE, PP, "2", "--expert-model-parallel-size",
                                  "2"],
     "mtp llama pp2 dp2": ["--num-layers", "2", *LLAMA, "--mtp-num-layers", "2", PP, "2"],
+    "mla cp2 dp2": ["--num-layers", "2", *MLA, CP, "2", "--cp-comm-type", "p2p", "--attention-dropout", "0"],
+    "gpt2 pp2 tp2 sp zbv tied": ["--num-layers", "4", PP, "2", TP, "2", "--sequence-parallel", "--pipeline-schedule",
+                                 "zbv"],
     "fsdp dp4 fp32": ["--num-layers", "2", "--use-torch-fsdp2"],
     "fsdp dp4 bf16 llama": ["--num-layers", "2", *LLAMA, "--use-torch-fsdp2", "--bf16"],
     "fsdp tp2 dp2": ["--num-layers", "2", TP, "2", "--use-torch-fsdp2"],

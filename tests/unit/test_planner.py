@@ -172,6 +172,7 @@ def test_fsdp_buffers_in_flight_are_a_term_of_the_peak(world, extra):
     from megatronish.arguments import build_parser, configs_from_args
     from megatronish.planner.hardware import load_hardware
     from megatronish.planner.plan import make_plan
+    from megatronish.planner.report import rank0_prediction
     from megatronish.planner.search import ParamTable, analytic_fsdp_units
     from megatronish.planner.state import build_meta_chunks, fsdp_in_flight_bytes, fsdp_unit_numels
 
@@ -197,6 +198,9 @@ def test_fsdp_buffers_in_flight_are_a_term_of_the_peak(world, extra):
     s0 = plan["stages"][0]
     assert s0["fsdp_in_flight"] == expected
     assert s0["total"] == s0["params"] + s0["grads"] + s0["optimizer"] + s0["activations"] + expected
+    rank0 = rank0_prediction(cfg, cpu=False)  # --report-plan's rank-0 peak carries the same term
+    assert rank0["fsdp_in_flight"] == expected
+    assert rank0["peak"] == rank0["params"] + rank0["grads"] + rank0["optimizer"] + rank0["activations"] + expected
     ddp = configs_from_args(build_parser().parse_args(BASE), world)
     assert fsdp_in_flight_bytes(ddp, stage_units) == 0
 
@@ -336,3 +340,35 @@ def test_torchtitan_loss_and_per_op_selective_terms():
     assert kept == [0.0, 16 * 4 * s * b * 1024]
     with pytest.raises(ValueError):
         stage_activations(one, 0, selective="every-other-layer")
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zbv", "dualpipev"])
+def test_pipeline_sends_and_the_loss_stage_follow_the_placement(schedule):
+    """Each rank's sends per microbatch equal the SEND actions of the schedule's own action lists (in a V none
+    between rank p-1's two chunks); the loss stage's collectives (the cross entropy's TP all-reduces, the loss's
+    data-parallel all-reduce) are on the rank holding the last stage: p-1, or 0 in a V."""
+    import dataclasses
+
+    from megatronish.arguments import build_parser, configs_from_args
+    from megatronish.parallel.pipeline.zero_bubble import schedule_actions
+    from megatronish.planner.comms import GroupSizes, pipeline_sends, step_collectives
+
+    for p in (2, 3, 4):
+        m = 2 * p
+        vp = 2 if schedule != "zb-h1" else 1
+        flags = BASE + ["--num-layers", str(2 * p), "--pipeline-model-parallel-size", str(p),
+                        "--tensor-model-parallel-size", "2", "--pipeline-schedule", schedule,
+                        "--global-batch-size", str(2 * m)]
+        cfg = configs_from_args(build_parser().parse_args(flags), 4 * p)
+        par = cfg.parallel
+        assert par.vp == vp and cfg.num_microbatches == m
+        for r, actions in enumerate(schedule_actions(schedule, p, m)):
+            assert m * pipeline_sends(par, r) == sum(a.op == "SEND" for a in actions), (p, r)
+        loss_rank = 0 if vp == 2 else p - 1
+        for r in range(p):
+            colls = step_collectives(cfg, par.rank_of(pp=r), None, GroupSizes(par, par.rank_of(pp=r)))
+            loss = [c for c in colls if (c.group, c.kind, c.nbytes) in (("tp", "all_reduce", 32 * 4),
+                                                                         ("dp_cp", "all_reduce", 8))]
+            assert len(loss) == (2 if r == loss_rank else 0), (p, r, loss)
+        plain = dataclasses.replace(par, pipeline_schedule=None, vp=1)
+        assert [pipeline_sends(plain, r) for r in range(p)] == [1] + [2] * (p - 2) + [1]
