@@ -209,7 +209,10 @@ class GPTModel(nn.Module):
                 rotary = tuple(t.index_select(0, index) if torch.is_tensor(t) else t for t in rotary)
             elif offset:  # the tables of positions offset ... offset + s - 1: [s, 1, 1, rot]
                 rotary = tuple(t[offset:] if torch.is_tensor(t) else t for t in rotary)
-        x = self.decoder(x, rotary, document_ids, inference_params)
+        out = self.decoder(x, rotary, document_ids, inference_params)
+        if out is x and not self.pre_process:  # a pass-through stage (no layers): a node of its own, as the
+            out = x.clone()  # schedules backpropagate from the output into the input's .grad
+        x = out
         if not self.post_process:
             return x
         depths = []

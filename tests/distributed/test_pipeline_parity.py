@@ -3,7 +3,8 @@ loss and every parameter gradient under PP 2 / 4, VP 1 / 2, TP 2 x PP 2, PP 2 x 
 equal one process running the same microbatches without pipelining. So do uneven splits: 7 layers with 3 on
 the first rank (3 + 4), layout strings with an embedding-only and a loss-only stage (``E|t*4|t*4|L`` at PP 4,
 the tied copies on those two stages) and with VP (``E|ttt|ttt|ttL``, PP 2 x VP 2), and 7 layers over PP 4 with
-the embedding counted as a layer (1 + 2 + 2 + 2). No weights are copied: every layout
+the embedding counted as a layer (1 + 2 + 2 + 2), and layouts with an empty (pass-through) stage: ``Ettt|ttt||ttL``
+(PP 2 x VP 2, tied) and ``Ettt||tttt|tL`` (PP 4: rank 1 holds nothing). No weights are copied: every layout
 starts from (seed, global name). Also: the order each rank executed is :func:`schedule_table`'s, sent
 activations were freed, and the tied embedding copies stay bitwise equal through optimizer steps."""
 import os
@@ -193,12 +194,14 @@ EVEN = ("gpt2", "llama")
 CASES = {
     2: [(f, 1, 2, vp, False) for f in EVEN for vp in (1, 2)]
        + [("gpt2-7", 1, 2, 1, False, {"decoder_first_pipeline_num_layers": 3}),
-          ("llama", 1, 2, 2, False, {"pipeline_model_parallel_layout": "E|ttt|ttt|ttL"})],
+          ("llama", 1, 2, 2, False, {"pipeline_model_parallel_layout": "E|ttt|ttt|ttL"}),
+          ("gpt2", 1, 2, 2, False, {"pipeline_model_parallel_layout": "Ettt|ttt||ttL"})],  # an empty stage
     4: [(f, 1, 4, vp, False) for f in EVEN for vp in (1, 2)]  # PP 4
        + [("gpt2", 2, 2, 1, True), ("llama", 2, 2, 2, True), ("gpt2", 2, 2, 2, False), ("llama", 2, 2, 1, False)]
        + [(f, 1, 2, vp, False) for f in EVEN for vp in (1, 2)]  # PP 2 x DP 2
        + [("gpt2", 1, 4, 1, False, {"pipeline_model_parallel_layout": "E|t*4|t*4|L"}),
-          ("gpt2-7", 1, 4, 1, False, {"account_for_embedding_in_pipeline_split": True})],
+          ("gpt2-7", 1, 4, 1, False, {"account_for_embedding_in_pipeline_split": True}),
+          ("llama", 1, 4, 1, False, {"pipeline_model_parallel_layout": "Ettt||tttt|tL"})],  # rank 1 holds nothing
     8: [("gpt2", 2, 2, 2, True), ("llama", 2, 2, 1, True)],  # TP 2 x PP 2 x DP 2
 }
 

@@ -6,7 +6,9 @@ reduce-scatter and ``--calculate-per-token-loss``, the loss and every gradient e
 microbatches (fp32, rtol 1e-5), and so do the parameters after a few SGD (momentum) steps. Each rank executes
 exactly its action list's F/B/W order. One group of 4 ranks runs every case. The same checks cover uneven layer
 splits (``--decoder-first/last-pipeline-num-layers``: 7 layers over PP 2 as 3+4 and 4+3, 10 over PP 4 as 1+3+3+3,
-10 over PP 2 with 2 chunks as 4+6) under 1F1B, interleaved 1F1B, ZB-H1 and ZBV. Receives posted ahead
+10 over PP 2 with 2 chunks as 4+6) under 1F1B, interleaved 1F1B, ZB-H1 and ZBV, and layouts with an empty
+(pass-through) stage: ZB-H1 ``Et||tt|tL`` at PP 4 (rank 1 holds nothing), ZBV ``Et|t||ttL`` (the V's turn on the
+last rank empty) and DualPipeV ``E|tt||ttL`` at PP 2. Receives posted ahead
 (``--overlap-p2p-communication``) give the same numbers under DualPipeV at PP 4, ZBV and interleaved 1F1B (whose
 steady state then exchanges in two halves). Through the training step, in the same group: ZB-H1 at CP 2 x PP 2, ZBV
 with mixture of experts at EP 2 x PP 2 (distributed optimizer, overlapped bucket reduction), ZBV with FSDP2 at
@@ -46,8 +48,9 @@ def _lr(per_token, num_mb=NUM_MB):  # per-token losses are sums: the same step s
 
 
 def _options(case):
-    """A case's trailing options: ``overlap`` (receives posted ahead), ``microbatches`` per iteration."""
-    return {"overlap": False, "microbatches": NUM_MB, **(case[9] if len(case) > 9 else {})}
+    """A case's trailing options: ``overlap`` (receives posted ahead), ``microbatches`` per iteration, ``layout``
+    (``--pipeline-model-parallel-layout``)."""
+    return {"overlap": False, "microbatches": NUM_MB, "layout": None, **(case[9] if len(case) > 9 else {})}
 
 
 def _data(num_mb=NUM_MB):
@@ -91,17 +94,18 @@ def references():
     return refs
 
 
-def _check_case(flavor, schedule, tp, pp, sp, recompute, dist_opt, per_token, split, refs, overlap, num_mb):
+def _check_case(flavor, schedule, tp, pp, sp, recompute, dist_opt, per_token, split, refs, overlap, num_mb, layout):
     layers, first, last = split
     what = f"{flavor} {schedule} TP{tp} PP{pp} DP{WORLD // (tp * pp)} SP={sp} recompute={recompute} " \
            f"dist-opt={dist_opt} per-token={per_token} layers {layers} first {first} last {last} " \
-           f"overlap={overlap} microbatches {num_mb}"
+           f"overlap={overlap} microbatches {num_mb} layout {layout}"
     cfg = FLAVORS[flavor](layers)
     if recompute:
         cfg = cfg.replace(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     dims = ParallelDims(world_size=WORLD, tp=tp, pp=pp, vp=1 if schedule in ("1f1b", "zb-h1") else 2,
                         tie_embeddings=not cfg.untie_embeddings_and_output_weights, pipeline_schedule=schedule,
-                        decoder_first_pipeline_num_layers=first, decoder_last_pipeline_num_layers=last)
+                        decoder_first_pipeline_num_layers=first, decoder_last_pipeline_num_layers=last,
+                        pipeline_model_parallel_layout=layout)
     groups.destroy_model_parallel()
     ctx = groups.initialize_model_parallel(dims)
     set_random_seed(SEED, pp_rank=ctx.pp_rank, tp_rank=ctx.tp_rank)
@@ -117,8 +121,8 @@ def _check_case(flavor, schedule, tp, pp, sp, recompute, dist_opt, per_token, sp
     shape = pipeline_tensor_shape(S, MBS, H, tp=tp, sequence_parallel=sp)
     ref_losses, ref_grads, ref_params = refs[(flavor, per_token, layers, num_mb)]
     named = [(c, ddp, n, p) for c, ddp in zip(chunks, ddps) for n, p in c.named_global_parameters()]
-    optimizer = build_optimizer([(n, p) for c in chunks for n, p in c.named_parameters()], "sgd",
-                                lr=_lr(per_token, num_mb), weight_decay=0.1)
+    params = [(n, p) for c in chunks for n, p in c.named_parameters()]  # none on a rank of empty stages
+    optimizer = build_optimizer(params, "sgd", lr=_lr(per_token, num_mb), weight_decay=0.1) if params else None
 
     for step in range(STEPS):
         for ddp in ddps:
@@ -131,8 +135,9 @@ def _check_case(flavor, schedule, tp, pp, sp, recompute, dist_opt, per_token, sp
                     timeline=timeline, per_token_loss=per_token, overlap_p2p_comm=overlap)
         finalize_model_grads(ddps, ctx)
         if step > 0:
-            use_main_grads(optimizer)
-            optimizer.step()
+            if optimizer is not None:
+                use_main_grads(optimizer)
+                optimizer.step()
             continue
         executed = [(e["name"], e["microbatch"], e["chunk"]) for e in timeline.events if e["cat"] == "compute"]
         if overlap:  # the receives posted ahead were waited for when used
@@ -163,7 +168,7 @@ def _check_case(flavor, schedule, tp, pp, sp, recompute, dist_opt, per_token, sp
             if g.shape != ref.shape:  # padded vocabulary rows
                 g = g[: ref.shape[0]]
             torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what} grad {name}: {m}")
-        if not dist_opt:
+        if not dist_opt and optimizer is not None:
             use_main_grads(optimizer)
             optimizer.step()
     if not dist_opt:  # parameters after the steps
@@ -195,6 +200,10 @@ CASES = [
     ("gpt2", "zb-h1", 1, 4, False, False, False, False, (10, 1, None)),
     ("gpt2", "interleaved-1f1b", 1, 2, False, False, False, False, (10, 4, None)),  # chunks 2, 3, 2, 3
     ("llama", "zbv", 1, 2, False, False, False, False, (10, 4, None)),  # V: stages 2, 3, 3, 2
+    # empty (pass-through) stages
+    ("llama", "zb-h1", 1, 4, False, False, False, False, EVEN, {"layout": "Et||tt|tL"}),  # rank 1 holds nothing
+    ("gpt2", "zbv", 1, 2, False, False, False, False, EVEN, {"layout": "Et|t||ttL"}),  # the V's turn is empty
+    ("llama", "dualpipev", 1, 2, False, False, False, False, EVEN, {"layout": "E|tt||ttL", "microbatches": 8}),
 ]
 
 

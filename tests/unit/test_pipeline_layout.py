@@ -4,6 +4,7 @@ Megatron-LM's documented examples, one error line per rule, the virtual stages a
 equal to those of the first/last flags and of the account-for splits (Megatron-LM's formula), the model chunks
 built from a layout and the checkpoint's layout record, all without processes."""
 import pytest
+import torch
 
 from megatronish.checkpoint.manager import _layout
 from megatronish.config import gpt2
@@ -19,6 +20,7 @@ from megatronish.parallel.pipeline.layout import (
     parse_layout,
     stage_layer_counts,
 )
+from megatronish.parallel.pipeline.schedules import custom_backward
 from megatronish.parallel_config import parallel_dims
 from tests.unit.test_arguments import cfg_of, errors_of
 
@@ -73,7 +75,6 @@ def test_format_layout_is_short():
     ("Et|ttm|tt|L", 2, "a t comes after an m"),
     ("Et|tm|tt|L", 2, "a t comes after an m"),
     ("Et|tt|m|L", 2, "an m is not in the last stage"),  # Megatron's standalone MTP stage
-    ("Et||tt|L", 2, "stage 1 is empty"),
 ])
 def test_layout_rules(text, pp_size, message):
     with pytest.raises(LayoutError) as e:
@@ -219,6 +220,26 @@ def test_chunks_and_checkpoint_record_follow_the_layout():
     account = cfg_of(["--num-layers", "5", EMB] + pp(2), world=2, base=_BASE_NO_LAYERS)
     assert _layout(account)["stage_layers"] == [2, 3]
     assert "stage_layers" not in _layout(cfg_of(["--num-layers", "6"] + pp(2), world=2, base=_BASE_NO_LAYERS))
+
+
+def test_an_empty_stage_passes_its_input_on():
+    """Megatron-LM's pass-through stage: a chunk holding none of E, t, m, L has no parameter, and its output is its
+    input as a node of its own, so the schedules' backward from the output leaves the gradient in the input's
+    ``.grad`` unchanged. The per-stage counts (the memory report's and the planner's source) give it 0 layers."""
+    dims = ParallelDims(world_size=4, pp=4, pipeline_model_parallel_layout="Ett||tt|L")
+    assert dims.stage_layer_counts(4) == (2, 0, 2, 0)
+    assert [dims.rank_num_layers(4, r) for r in range(4)] == [2, 0, 2, 0]
+    assert [dims.layer_range(4, r) for r in range(4)] == [range(0, 2), range(2, 2), range(2, 4), range(4, 4)]
+    cfg = gpt2(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=16)
+    (chunk,) = build_model_chunks(cfg, ParallelContext.fake(dims, 1))
+    assert (chunk.pre_process, chunk.post_process, list(chunk.parameters())) == (False, False, [])
+    x = torch.randn(16, 2, 32, requires_grad=True)
+    chunk.set_input_tensor(x)
+    y = chunk(torch.zeros(2, 16, dtype=torch.long))
+    assert y is not x and y.grad_fn is not None and torch.equal(y, x)
+    dy = torch.randn_like(y)
+    custom_backward(y, dy)
+    assert torch.equal(x.grad, dy)
 
 
 def test_dims_name_the_layout_flags():

@@ -14,8 +14,9 @@ of ``n`` stages gives ``v = n / p`` chunks per rank, placed as ``ParallelDims.pl
 
 The rules are Megatron-LM's (``validate_layer_layout``: ``E`` the first layer and ``L`` the last, each once,
 every ``t`` before the ``m`` layers) plus this model's placement: the embedding opens the first stage, the loss
-and the multi-token-prediction layers sit on the last stage, and no stage is empty (Megatron-LM also runs empty
-stages, a standalone MTP stage and ``E``/``L`` after or before empty stages).
+and the multi-token-prediction layers sit on the last stage (Megatron-LM also runs a standalone MTP stage and
+``E``/``L`` after or before empty stages). A stage between them may be empty: it passes its input on unchanged
+(and the gradient back), as Megatron-LM's pass-through stages do.
 """
 from __future__ import annotations
 
@@ -82,10 +83,6 @@ def check_layout(stages: Sequence[str], pp: int) -> None:
     if "m" in flat[: -len(stages[-1])]:
         raise LayoutError("an m is not in the last stage; this model runs the multi-token prediction layers on the "
                           "last stage, with L (no standalone MTP stage)")
-    empty = [k for k, stage in enumerate(stages) if not stage]
-    if empty:
-        raise LayoutError(f"stage {empty[0]} is empty; this pipeline runs no pass-through stages: give every stage "
-                          f"at least one of E, t, m, L")
 
 
 def stage_layer_counts(stages: Sequence[str]) -> tuple[int, ...]:
