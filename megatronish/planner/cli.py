@@ -1,5 +1,6 @@
 """``megatronish-plan``: ``pretrain_gpt.py``'s flags plus ``--world-size N`` (the launcher's world size) and the
-planner's own (``--gpu``, ``--gpus-per-node``, ``--hardware-file``, ``--json``, ``--plot``). Every problem the real
+planner's own (``--gpu``, ``--gpus-per-node``, ``--hardware-file``, ``--json``, ``--plot``, ``--search`` and its
+``--search-top-k``, ``--search-stack``, ``--search-async-tp``). Every problem the real
 launch would report is printed at once (one ``error:`` line each, exit 2); otherwise the plan: memory per pipeline
 stage, step time, throughput and MFU (docs/planner.md). No process group is started."""
 from __future__ import annotations
@@ -9,11 +10,13 @@ import json
 import sys
 
 from ..arguments import build_parser, configs_from_args, exit_on_config_error
+from ..errors import ConfigError
 from .hardware import KINDS, load_hardware
 from .plan import format_plan, make_plan, plot_plan
-from .search import format_search, search
+from .search import LAYOUT_FIELDS, STACKS, format_search, search
 
-PLANNER_FLAGS = ("world_size", "gpu", "gpus_per_node", "hardware_file", "json", "plot", "search", "search_top_k")
+PLANNER_FLAGS = ("world_size", "gpu", "gpus_per_node", "hardware_file", "json", "plot", "search", "search_top_k",
+                 "search_stack", "search_async_tp")
 
 
 def build_plan_parser() -> argparse.ArgumentParser:
@@ -29,6 +32,13 @@ def build_plan_parser() -> argparse.ArgumentParser:
     g.add_argument("--search", action="store_true", help="rank every valid layout of the model on this world size "
                                                           "and global batch by predicted tokens/s")
     g.add_argument("--search-top-k", type=int, default=5, help="layouts --search prints (default 5)")
+    g.add_argument("--search-stack", choices=tuple(STACKS), default="megatron",
+                   help="whose choices --search makes: megatron (ours: none / distributed optimizer / FSDP2, "
+                        "micro-batch 1-8 with gradient accumulation, Megatron's selective recompute) or torchtitan "
+                        "(FSDP2, the DP rank's batch as one microbatch or under PP split per stage, its per-op "
+                        "selective checkpointing, its loss and torch.distributed.pipelining)")
+    g.add_argument("--search-async-tp", action="store_true",
+                   help="--search prices TP with asynchronous TP (the forward passes' TP collectives hidden)")
     return p
 
 
@@ -41,15 +51,18 @@ def plan_from_argv(argv=None) -> tuple[dict, dict]:
         delattr(ns, k)
     cfg = configs_from_args(ns, mine["world_size"])
     hw = load_hardware(mine["gpu"], mine["gpus_per_node"], mine["hardware_file"])
+    if mine["search_top_k"] < 1:
+        raise ConfigError(f"--search-top-k must be >= 1, got {mine['search_top_k']}")
     if mine["search"]:
-        return {"search": search(cfg, hw, mine["search_top_k"]), "hw": hw}, mine
+        res = search(cfg, hw, mine["search_top_k"], STACKS[mine["search_stack"]], tp_overlap=mine["search_async_tp"])
+        return {"search": res, "hw": hw, "cfg": cfg}, mine
     return make_plan(cfg, hw), mine
 
 
 def main(argv=None) -> None:
     plan, opts = exit_on_config_error(lambda: plan_from_argv(argv))
     if opts["search"]:
-        print(format_search(plan["search"], plan["hw"]))
+        print(format_search(plan["search"], plan["hw"], [("run", plan["cfg"], LAYOUT_FIELDS)]))
         return
     if opts["json"]:
         json.dump(plan, sys.stdout, indent=1, default=str)

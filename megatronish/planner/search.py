@@ -2,18 +2,25 @@
 fit memory ranked by predicted tokens/s (docs/planner.md).
 
 Enumerated: TP (dividing the heads, inside one node), PP (dividing the layers), VP (1, 2, 4), CP (1, 2, 4, 8),
-EP and expert TP (MoE: EP dividing the experts, ETP 1 or TP), the distributed optimizer or FSDP2 or neither,
-recompute (none, selective, full), micro-batch size (1, 2, 4, 8); DP is what is left. Memory is screened with the
-analytic per-rank count (:func:`analytic_state`: parameters from every tensor's global description, split as the
-layout splits it, equal to the meta-device count; bytes per element as ``state.py`` counts them, without the
-distributed optimizer's bucket padding and Adam's step counters, under 0.1%), the first and last pipeline stage's
-activations, FSDP2's buffers in flight (``state.fsdp_in_flight_bytes`` over :func:`analytic_fsdp_units`) and the
-step-time model; the printed winners are validated by the launch's own rules.
+EP and expert TP (MoE: EP dividing the experts, ETP 1 or TP), and what the modelled training stack (:class:`Stack`)
+can run: its data-parallel state (Megatron: none, the distributed optimizer or FSDP2; torchtitan: FSDP2), its
+recompute choices (none, selective, full; "selective" meaning the stack's own policy), its micro-batch sizes
+(Megatron: 1, 2, 4, 8 with gradient accumulation; torchtitan: the DP rank's batch, under PP split in at least one
+microbatch per stage);
+DP is what is left. Memory is screened with the analytic per-rank count (:func:`analytic_state`: parameters from
+every tensor's global description, split as the layout splits it, equal to the meta-device count; bytes per element
+as ``state.py`` counts them, without the distributed optimizer's bucket padding and Adam's step counters, under
+0.1%), the first and last pipeline stage's activations (the stack's loss, checkpointing policy and pipeline
+runtime), FSDP2's buffers in flight (``state.fsdp_in_flight_bytes`` over :func:`analytic_fsdp_units`) and the
+step-time model. Layouts are their parallel degrees and micro-batch size (:data:`LAYOUT_FIELDS`): each is ranked
+by its best variant (data-parallel state and recompute) that the launch's own rules accept; :func:`place` finds a
+given run's layout in that ranking and :func:`trade` says what the winner trades differently.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
 
 from ..errors import ConfigError
 from ..model.moe.layer import is_moe_layer
@@ -24,6 +31,40 @@ from .perf import collectives, step_time
 from .state import StateBytes, build_meta_chunks, fsdp_in_flight_bytes
 
 GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class Stack:
+    """What a training stack can run and how it keeps activations, for the search to stay inside it.
+    ``sharding``: the data-parallel state choices (``"none"``, ``"dist-opt"``, ``"fsdp"``); ``recompute``: the
+    recompute granularities; ``micro_batch_sizes``: the sizes tried with gradient accumulation, or None without
+    it: the DP rank's batch is one microbatch, under PP split into at least one microbatch per stage (the pipeline
+    runtime's default is one per stage; more is a setting); ``activations``: ``stage_activations``'s ``loss``
+    and ``selective`` keywords; ``torch_pipelining``: under PP the loss stage keeps every microbatch's output and
+    FSDP2 keeps its gradients unsharded until the last microbatch (``plan_inputs``' ``pipelining_outputs`` and
+    ``unsharded_grads``)."""
+
+    name: str
+    sharding: tuple = ("none", "dist-opt", "fsdp")
+    recompute: tuple = (None, "selective", "full")
+    micro_batch_sizes: tuple | None = (1, 2, 4, 8)
+    activations: tuple = ()
+    torch_pipelining: bool = False
+
+    def act_kw(self, pp: int) -> dict:
+        return dict(self.activations, **({"pipelining_outputs": True} if self.torch_pipelining and pp > 1 else {}))
+
+
+# ours (Megatron-LM's vocabulary)
+MEGATRON = Stack("megatron")
+# torchtitan (December 2024): FSDP2 over DP x CP, its per-op selective checkpointing, its loss, no gradient
+# accumulation (PP: ``pipeline_parallel_microbatches``, by default the stages), torch.distributed.pipelining
+# (docs/planner.md, "Another stack's activations")
+TORCHTITAN = Stack("torchtitan", sharding=("fsdp",), micro_batch_sizes=None,
+                   activations=(("loss", "torchtitan"), ("selective", "per-op")), torch_pipelining=True)
+STACKS = {st.name: st for st in (MEGATRON, TORCHTITAN)}
+# a layout: its parallel degrees and micro-batch size (the data-parallel state and recompute are its variants)
+LAYOUT_FIELDS = ("tp", "pp", "vp", "cp", "ep", "etp", "dp", "mbs")
 
 
 # The search tries even splits: a run's layout string, first/last or account-for split names its own degrees.
@@ -135,8 +176,9 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(cfg, hw):
-    """Every layout of ``cfg``'s model on its world size (module docstring), as run configs (not yet validated)."""
+def candidates(cfg, hw, stack: Stack = MEGATRON):
+    """Every layout of ``cfg``'s model on its world size that ``stack`` runs (module docstring), as run configs
+    (not yet validated)."""
     m, par, t = cfg.model, dataclasses.replace(cfg.parallel, **_EVEN_SPLIT), cfg.train
     world, gbs = par.world_size, t.global_batch_size
     heads, groups = m.num_attention_heads, m.num_query_groups
@@ -154,11 +196,22 @@ def candidates(cfg, hw):
                         for vp in (1, 2, 4) if pp > 2 else (1,):
                             if layer_split_error(m.num_layers, pp, vp) is not None:
                                 continue
-                            for mbs in (1, 2, 4, 8):
+                            for mbs in _micro_batch_sizes(stack, gbs, dp, pp * vp if pp > 1 else 1):
                                 if gbs % (mbs * dp) or (vp > 1 and not _interleaves(pp, vp, gbs // (mbs * dp))):
                                     continue
                                 dims = dataclasses.replace(par, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, vp=vp)
-                                yield from _variants(cfg, dims, mbs, dp * cp)
+                                yield from _variants(cfg, dims, mbs, dp * cp, stack)
+
+
+def _micro_batch_sizes(stack: Stack, gbs: int, dp: int, stages: int) -> tuple:
+    """The sizes ``stack`` tries; without gradient accumulation the DP rank's batch is one microbatch, or under PP
+    (``stages`` > 1) any split of it into at least one microbatch per stage."""
+    if stack.micro_batch_sizes is not None:
+        return stack.micro_batch_sizes
+    if gbs % dp:
+        return ()
+    per_rank = gbs // dp
+    return (per_rank,) if stages == 1 else tuple(d for d in _divisors(per_rank) if per_rank // d >= stages)
 
 
 def _interleaves(pp: int, vp: int, num_microbatches: int) -> bool:
@@ -170,16 +223,14 @@ def _interleaves(pp: int, vp: int, num_microbatches: int) -> bool:
     return True
 
 
-def _variants(cfg, dims, mbs: int, dp_cp: int):
+def _variants(cfg, dims, mbs: int, dp_cp: int, stack: Stack):
     train = dataclasses.replace(cfg.train, micro_batch_size=mbs)
-    for opt in ("none", "dist-opt", "fsdp") if dp_cp > 1 else ("none",):
-        if opt == "fsdp" and dims.pp > 1:
-            continue
+    for opt in stack.sharding if dp_cp > 1 else ("none",):
         o = cfg.optim  # the overlap flags go with the wrappers they belong to (the launch rejects them elsewhere)
         optim = dataclasses.replace(o, use_distributed_optimizer=opt == "dist-opt", use_torch_fsdp2=opt == "fsdp",
                                     overlap_grad_reduce=o.overlap_grad_reduce and opt != "fsdp",
                                     overlap_param_gather=o.overlap_param_gather and opt == "dist-opt")
-        for rec in (None, "selective", "full"):
+        for rec in stack.recompute:
             kw = dict(recompute_granularity=rec, recompute_method="uniform" if rec == "full" else None,
                       recompute_num_layers=1 if rec == "full" else None)
             model = cfg.model.replace(**kw)
@@ -187,21 +238,35 @@ def _variants(cfg, dims, mbs: int, dp_cp: int):
                                       sequence_parallel_flag=True)
 
 
-def evaluate(cfg, hw, table: ParamTable) -> dict | None:
-    """The screened plan of one candidate: peak memory of its first and last stage and the step-time model."""
-    stages = sorted({0, cfg.parallel.pp - 1})
+def evaluate(cfg, hw, table: ParamTable, stack: Stack = MEGATRON, *, tp_overlap: bool = False,
+             fit_only: bool = True) -> dict | None:
+    """The screened plan of one candidate: peak memory of its first and last stage (``stack``'s activations) and
+    the step-time model (``tp_overlap``: asynchronous TP); None when it does not fit and ``fit_only``."""
+    pp = cfg.parallel.pp
+    stages = sorted({0, pp - 1})
+    act_kw, unsharded = stack.act_kw(pp), stack.torch_pipelining and pp > 1
     mem, state0, stage0 = 0.0, None, 0
     for s in stages:
         st = analytic_state(cfg, table, s)
-        fsdp = fsdp_in_flight_bytes(cfg, analytic_fsdp_units(cfg, table, s)) if cfg.fsdp_active else 0
-        mem = max(mem, st.total + stage_activations(cfg, s).total + fsdp)
+        fsdp = fsdp_in_flight_bytes(cfg, analytic_fsdp_units(cfg, table, s), unsharded_grads=unsharded) \
+            if cfg.fsdp_active else 0
+        mem = max(mem, st.total + stage_activations(cfg, s, **act_kw).total + fsdp)
         if state0 is None or st.total > state0.total:
             state0, stage0 = st, s
-    if mem > hw.hbm_bytes:
+    if fit_only and mem > hw.hbm_bytes:
         return None
     rank = cfg.parallel.rank_of(pp=stage0)
     colls = collectives(cfg, state0, rank, table.count(cfg.parallel, stage0)[1])
-    return {"cfg": cfg, "peak_bytes": mem, "time": step_time(cfg, hw, state0, colls, rank)}
+    return {"cfg": cfg, "peak_bytes": mem, "fits": mem <= hw.hbm_bytes,
+            "time": step_time(cfg, hw, state0, colls, rank, tp_overlap=tp_overlap)}
+
+
+def layout_key(cfg, fields=LAYOUT_FIELDS) -> tuple:
+    """A run's layout: its parallel degrees and micro-batch size, the ``fields`` of :data:`LAYOUT_FIELDS`."""
+    par = cfg.parallel
+    values = {"tp": par.tp, "pp": par.pp, "vp": par.vp, "cp": par.cp, "ep": par.ep, "etp": par.expert_tp,
+              "dp": par.dp, "mbs": cfg.train.micro_batch_size}
+    return tuple(values[f] for f in fields)
 
 
 def describe(cfg) -> str:
@@ -213,28 +278,81 @@ def describe(cfg) -> str:
             f"{' SP' if cfg.sequence_parallel else ''}")
 
 
-def search(cfg, hw, top_k: int = 5) -> dict:
-    """The ``top_k`` fitting layouts by predicted tokens/s, each validated by the launch's rules."""
-    from ..arguments.validation import validate
-
+def search(cfg, hw, top_k: int = 5, stack: Stack = MEGATRON, *, tp_overlap: bool = False) -> dict:
+    """The ``top_k`` fitting layouts by predicted tokens/s, each its best variant the launch's rules accept.
+    ``stack``: what the search may choose (:class:`Stack`); ``tp_overlap``: asynchronous TP for every layout."""
+    m = cfg.model
+    if dict(stack.activations).get("selective") == "per-op" and (m.moe.num_experts or
+                                                                   m.attention.multi_latent_attention):
+        raise ConfigError(f"--search-stack {stack.name}: its per-op selective checkpointing is modelled for dense "
+                          "layers with standard attention; drop --num-experts / --multi-latent-attention or search "
+                          "with --search-stack megatron")
     table = ParamTable(cfg)
     seen, fits = 0, []
-    for cand in candidates(cfg, hw):
+    for cand in candidates(cfg, hw, stack):
         seen += 1
-        r = evaluate(cand, hw, table)
+        r = evaluate(cand, hw, table, stack, tp_overlap=tp_overlap)
         if r is not None:
             fits.append(r)
     fits.sort(key=lambda r: -r["time"]["tokens_per_s_per_gpu"])
-    top = []
-    for r in fits:
-        try:
-            validate(r["cfg"])
-        except ConfigError:
+    res = {"enumerated": seen, "fit": len(fits), "layouts": len({layout_key(r["cfg"]) for r in fits}),
+           "ranked": fits, "stack": stack, "tp_overlap": tp_overlap,
+           "table": table, "own_problems": _problems(cfg), "_valid": {}, "_layouts": []}
+    res["top"] = [r for _, r in zip(range(top_k), _layouts(res))]
+    return res
+
+
+def _problems(cfg) -> set[str]:
+    """The launch's problems with ``cfg`` (its validation's lines; none for a valid run)."""
+    from ..arguments.validation import validate
+
+    try:
+        validate(cfg)
+    except ConfigError as e:
+        return set(str(e).splitlines())
+    return set()
+
+
+def _valid(res: dict, r: dict) -> bool:
+    """Whether the launch's rules accept ``r``'s layout: no problem beyond those of the searched run itself (a run
+    of another stack modelled with a feature our launch lacks, as torchtitan's FSDP2 with Float8, is not held
+    against every layout of it)."""
+    key = id(r)
+    if key not in res["_valid"]:
+        res["_valid"][key] = _problems(r["cfg"]) <= res["own_problems"]
+    return res["_valid"][key]
+
+
+def _layouts(res: dict):
+    """The distinct layouts (:data:`LAYOUT_FIELDS`) in rank order, each its best valid variant (memoised)."""
+    yield from res["_layouts"]
+    done = {layout_key(r["cfg"]) for r in res["_layouts"]}
+    start = res.get("_cursor", 0)
+    for i in range(start, len(res["ranked"])):
+        res["_cursor"] = i + 1
+        r = res["ranked"][i]
+        key = layout_key(r["cfg"])
+        if key in done or not _valid(res, r):
             continue
-        top.append(r)
-        if len(top) == top_k:
-            break
-    return {"enumerated": seen, "fit": len(fits), "top": top}
+        done.add(key)
+        res["_layouts"].append(r)
+        yield r
+
+
+def place(res: dict, cfg, fields=LAYOUT_FIELDS) -> tuple[int | None, dict | None]:
+    """(rank, entry) of the best layout whose ``fields`` equal ``cfg``'s among the search's distinct layouts (1 is
+    the winner); (None, None) when none fits memory."""
+    want = layout_key(cfg, fields)
+    for i, r in enumerate(_layouts(res)):
+        if layout_key(r["cfg"], fields) == want:
+            return i + 1, r
+    return None, None
+
+
+def as_run(res: dict, cfg, hw) -> dict:
+    """``cfg`` exactly as given (its data-parallel state and recompute too) under the search's model, fitting or
+    not: the published run beside the search's ranking."""
+    return evaluate(cfg, hw, res["table"], res["stack"], tp_overlap=res["tp_overlap"], fit_only=False)
 
 
 def why_loses(winner: dict, other: dict) -> str:
@@ -246,20 +364,58 @@ def why_loses(winner: dict, other: dict) -> str:
     return f"{worst} +{d * 1e3:.1f} ms"
 
 
-def format_search(res: dict, hw) -> str:
-    lines = [f"{res['enumerated']} layouts enumerated, {res['fit']} fit {hw.hbm_gib:.0f} GiB; top {len(res['top'])}:"]
+def trade(winner: dict, other: dict, terms: int = 4) -> str:
+    """What ``winner`` trades differently from ``other``: the step-time terms that differ most (``other`` minus
+    the winner, ms), the net, and the two peaks."""
+    a, b = winner["time"]["breakdown_s"], other["time"]["breakdown_s"]
+    diff = {k: b.get(k, 0.0) - a.get(k, 0.0) for k in set(a) | set(b)}
+    big = sorted((k for k in diff if abs(diff[k]) >= 5e-4), key=lambda k: -abs(diff[k]))[:terms]
+    net = other["time"]["step_s"] - winner["time"]["step_s"]
+    parts = ", ".join(f"{k} {diff[k] * 1e3:+.0f}" for k in big) or "no term differs"
+    return (f"{parts} ms (step {net * 1e3:+.0f} ms); peak {other['peak_bytes'] / GIB:.1f} GiB against the "
+            f"winner's {winner['peak_bytes'] / GIB:.1f}")
+
+
+def _line(i, r) -> list[str]:
+    tm = r["time"]
+    return [f"{i}. {describe(r['cfg'])}: {tm['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, step "
+            f"{tm['step_s'] * 1e3:.1f} ms, MFU {tm['mfu'] * 100:.1f}%, peak {r['peak_bytes'] / GIB:.1f} GiB",
+            "   breakdown (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in tm["breakdown_s"].items())]
+
+
+def format_search(res: dict, hw, published=()) -> str:
+    """The ranking; ``published``: (name, run config, the :data:`LAYOUT_FIELDS` its source states) of runs to
+    find in it: each one's rank, its best variant and as run, and what the winner trades differently."""
+    st = res["stack"]
+    lines = [f"{res['enumerated']} layouts enumerated ({st.name}'s choices"
+             f"{', asynchronous TP' if res['tp_overlap'] else ''}), {res['fit']} fit {hw.hbm_gib:.0f} GiB; "
+             f"top {len(res['top'])} (a layout: its degrees and micro-batch size, at its best variant):"]
     if not res["top"]:
         return lines[0] + " none"
     win = res["top"][0]
     for i, r in enumerate(res["top"]):
-        tm = r["time"]
-        lines.append(f"{i + 1}. {describe(r['cfg'])}: {tm['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, step "
-                     f"{tm['step_s'] * 1e3:.1f} ms, MFU {tm['mfu'] * 100:.1f}%, peak {r['peak_bytes'] / GIB:.1f} GiB")
-        lines.append("   breakdown (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in tm["breakdown_s"].items()))
+        lines += _line(i + 1, r)
         if i:
-            lines.append(f"   loses to 1. on: {why_loses(win, r)}")
+            lines.append(f"   against 1.: {trade(win, r)}")
+    for name, cfg, fields in published:
+        rank, best = place(res, cfg, fields)
+        shown = [f for f in fields if cfg.model.moe.num_experts or f not in ("ep", "etp")]
+        known = " ".join(f"{f.upper()}{v}" for f, v in zip(shown, layout_key(cfg, shown)))
+        lines.append(f"published {name} ({known}): "
+                     + (f"rank {rank} of {res['layouts']} fitting layouts" if rank else
+                        "no variant of its layout fits"))
+        if best is not None and best is not win:
+            first, breakdown = _line(rank, best)
+            lines += [f"   its best variant: {first.split('. ', 1)[1]}", breakdown,
+                      f"   against 1.: {trade(win, best)}"]
+        run = as_run(res, cfg, hw)
+        lines.append(f"   as run ({describe(cfg)}): {run['time']['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
+                     f"peak {run['peak_bytes'] / GIB:.1f} GiB{'' if run['fits'] else ' (does not fit)'}")
+        if describe(run["cfg"]) != describe(win["cfg"]):
+            lines.append(f"   against 1.: {trade(win, run)}")
     return "\n".join(lines)
 
 
 __all__ = ["ParamTable", "analytic_state", "analytic_fsdp_units", "candidates", "evaluate", "search", "format_search",
-           "describe"]
+           "describe", "Stack", "MEGATRON", "TORCHTITAN", "STACKS", "LAYOUT_FIELDS", "layout_key", "place", "as_run",
+           "trade", "why_loses"]
