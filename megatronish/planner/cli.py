@@ -62,7 +62,7 @@ def plan_from_argv(argv=None) -> tuple[dict, dict]:
 def main(argv=None) -> None:
     plan, opts = exit_on_config_error(lambda: plan_from_argv(argv))
     if opts["search"]:
-        print(format_search(plan["search"], plan["hw"], [("run", plan["cfg"], LAYOUT_FIELDS)]))
+        print(format_search(plan["search"], plan["hw"], [("the given layout", plan["cfg"], LAYOUT_FIELDS)]))
         return
     if opts["json"]:
         json.dump(plan, sys.stdout, indent=1, default=str)

@@ -288,15 +288,16 @@ def search(cfg, hw, top_k: int = 5, stack: Stack = MEGATRON, *, tp_overlap: bool
                           "layers with standard attention; drop --num-experts / --multi-latent-attention or search "
                           "with --search-stack megatron")
     table = ParamTable(cfg)
-    seen, fits = 0, []
+    seen, fits, keys = 0, [], set()
     for cand in candidates(cfg, hw, stack):
         seen += 1
+        keys.add(layout_key(cand))
         r = evaluate(cand, hw, table, stack, tp_overlap=tp_overlap)
         if r is not None:
             fits.append(r)
     fits.sort(key=lambda r: -r["time"]["tokens_per_s_per_gpu"])
     res = {"enumerated": seen, "fit": len(fits), "layouts": len({layout_key(r["cfg"]) for r in fits}),
-           "ranked": fits, "stack": stack, "tp_overlap": tp_overlap,
+           "ranked": fits, "keys": keys, "stack": stack, "tp_overlap": tp_overlap,
            "table": table, "own_problems": _problems(cfg), "_valid": {}, "_layouts": []}
     res["top"] = [r for _, r in zip(range(top_k), _layouts(res))]
     return res
@@ -364,27 +365,36 @@ def why_loses(winner: dict, other: dict) -> str:
     return f"{worst} +{d * 1e3:.1f} ms"
 
 
+def _ms(x: float) -> str:
+    return f"{x * 1e3:+.0f}" if abs(x) >= 0.01 else f"{x * 1e3:+.3g}"
+
+
 def trade(winner: dict, other: dict, terms: int = 4) -> str:
     """What ``winner`` trades differently from ``other``: the step-time terms that differ most (``other`` minus
-    the winner, ms), the net, and the two peaks."""
+    the winner, ms; those over 0.1% of the winner's step), the net, and the two peaks."""
     a, b = winner["time"]["breakdown_s"], other["time"]["breakdown_s"]
     diff = {k: b.get(k, 0.0) - a.get(k, 0.0) for k in set(a) | set(b)}
-    big = sorted((k for k in diff if abs(diff[k]) >= 5e-4), key=lambda k: -abs(diff[k]))[:terms]
+    floor = 1e-3 * winner["time"]["step_s"]
+    big = sorted((k for k in diff if abs(diff[k]) > floor), key=lambda k: -abs(diff[k]))[:terms]
     net = other["time"]["step_s"] - winner["time"]["step_s"]
-    parts = ", ".join(f"{k} {diff[k] * 1e3:+.0f}" for k in big) or "no term differs"
-    return (f"{parts} ms (step {net * 1e3:+.0f} ms); peak {other['peak_bytes'] / GIB:.1f} GiB against the "
-            f"winner's {winner['peak_bytes'] / GIB:.1f}")
+    parts = ", ".join(f"{k} {_ms(diff[k])}" for k in big) or "no term differs by 0.1% of the step"
+    return (f"{parts} ms (step {_ms(net)} ms); peak {_gib(other['peak_bytes'])} GiB against the "
+            f"winner's {_gib(winner['peak_bytes'])}")
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:.1f}" if x >= GIB else f"{x / GIB:.2g}"
 
 
 def _line(i, r) -> list[str]:
     tm = r["time"]
     return [f"{i}. {describe(r['cfg'])}: {tm['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, step "
-            f"{tm['step_s'] * 1e3:.1f} ms, MFU {tm['mfu'] * 100:.1f}%, peak {r['peak_bytes'] / GIB:.1f} GiB",
+            f"{tm['step_s'] * 1e3:.1f} ms, MFU {tm['mfu'] * 100:.1f}%, peak {_gib(r['peak_bytes'])} GiB",
             "   breakdown (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in tm["breakdown_s"].items())]
 
 
 def format_search(res: dict, hw, published=()) -> str:
-    """The ranking; ``published``: (name, run config, the :data:`LAYOUT_FIELDS` its source states) of runs to
+    """The ranking; ``published``: (label, run config, the :data:`LAYOUT_FIELDS` its source states) of runs to
     find in it: each one's rank, its best variant and as run, and what the winner trades differently."""
     st = res["stack"]
     lines = [f"{res['enumerated']} layouts enumerated ({st.name}'s choices"
@@ -401,16 +411,19 @@ def format_search(res: dict, hw, published=()) -> str:
         rank, best = place(res, cfg, fields)
         shown = [f for f in fields if cfg.model.moe.num_experts or f not in ("ep", "etp")]
         known = " ".join(f"{f.upper()}{v}" for f, v in zip(shown, layout_key(cfg, shown)))
-        lines.append(f"published {name} ({known}): "
+        at = [LAYOUT_FIELDS.index(f) for f in fields]
+        searched = any(tuple(k[i] for i in at) == layout_key(cfg, fields) for k in res["keys"])
+        lines.append(f"{name} ({known}): "
                      + (f"rank {rank} of {res['layouts']} fitting layouts" if rank else
-                        "no variant of its layout fits"))
+                        "no variant of its layout fits" if searched else
+                        f"not a layout of {st.name}'s choices"))
         if best is not None and best is not win:
             first, breakdown = _line(rank, best)
             lines += [f"   its best variant: {first.split('. ', 1)[1]}", breakdown,
                       f"   against 1.: {trade(win, best)}"]
         run = as_run(res, cfg, hw)
         lines.append(f"   as run ({describe(cfg)}): {run['time']['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
-                     f"peak {run['peak_bytes'] / GIB:.1f} GiB{'' if run['fits'] else ' (does not fit)'}")
+                     f"peak {_gib(run['peak_bytes'])} GiB{'' if run['fits'] else ' (does not fit)'}")
         if describe(run["cfg"]) != describe(win["cfg"]):
             lines.append(f"   against 1.: {trade(win, run)}")
     return "\n".join(lines)

@@ -78,7 +78,7 @@ def test_search_counts_parameters_as_the_meta_model(extra):
 def test_search_ranks_valid_layouts(capsys):
     main(BASE + ["--world-size", "8", "--search", "--search-top-k", "3"])
     out = capsys.readouterr().out
-    assert "layouts enumerated" in out and out.count("against 1.:") >= 2 and "published run (TP1 PP1" in out
+    assert "layouts enumerated" in out and out.count("against 1.:") >= 2 and "the given layout (TP1 PP1" in out
     assert sum(x[:2] in ("1.", "2.", "3.") for x in out.splitlines()) == 3
 
 
@@ -99,6 +99,7 @@ def test_search_with_a_stacks_choices_and_the_published_layout():
         candidates,
         describe,
         evaluate,
+        format_search,
         layout_key,
         place,
         search,
@@ -135,6 +136,10 @@ def test_search_with_a_stacks_choices_and_the_published_layout():
     _, entry = place(res, cfg, ("tp", "pp"))  # the run's TP 1 PP 1 at any CP, DP and micro-batch size
     assert entry is next(r for r in res["_layouts"] if layout_key(r["cfg"], ("tp", "pp")) == (1, 1))
     assert layout_key(cfg) == (1, 1, 1, 1, 1, 1, 8, 1) and LAYOUT_FIELDS[-1] == "mbs"
+    # micro-batch 1 at DP 8 of a 16-sequence batch accumulates 2 microbatches: not among torchtitan's layouts
+    text = format_search(res, hw, [("the run", cfg, LAYOUT_FIELDS), ("its degrees", cfg, ("tp", "pp", "dp"))])
+    assert "the run (TP1 PP1 VP1 CP1 DP8 MBS1): not a layout of torchtitan's choices" in text
+    assert f"its degrees (TP1 PP1 DP8): rank {place(res, cfg, ('tp', 'pp', 'dp'))[0]} of" in text
     moe = configs_from_args(build_parser().parse_args(BASE + ["--num-experts", "4", "--disable-bias-linear"]), 8)
     with pytest.raises(ConfigError, match="--search-stack torchtitan"):
         search(moe, hw, 3, TORCHTITAN)
