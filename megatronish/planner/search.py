@@ -356,15 +356,6 @@ def as_run(res: dict, cfg, hw) -> dict:
     return evaluate(cfg, hw, res["table"], res["stack"], tp_overlap=res["tp_overlap"], fit_only=False)
 
 
-def why_loses(winner: dict, other: dict) -> str:
-    """The breakdown term where ``other`` is worse than ``winner`` by the most."""
-    a, b = winner["time"]["breakdown_s"], other["time"]["breakdown_s"]
-    keys = set(a) | set(b)
-    worst = max(keys, key=lambda k: b.get(k, 0.0) - a.get(k, 0.0))
-    d = b.get(worst, 0.0) - a.get(worst, 0.0)
-    return f"{worst} +{d * 1e3:.1f} ms"
-
-
 def _ms(x: float) -> str:
     return f"{x * 1e3:+.0f}" if abs(x) >= 0.01 else f"{x * 1e3:+.3g}"
 
@@ -431,4 +422,4 @@ def format_search(res: dict, hw, published=()) -> str:
 
 __all__ = ["ParamTable", "analytic_state", "analytic_fsdp_units", "candidates", "evaluate", "search", "format_search",
            "describe", "Stack", "MEGATRON", "TORCHTITAN", "STACKS", "LAYOUT_FIELDS", "layout_key", "place", "as_run",
-           "trade", "why_loses"]
+           "trade"]
