@@ -2,8 +2,8 @@
 
 Activations travel forward (rank r -> r+1) and their gradients backward (r+1 -> r), always as tensors of
 one fixed shape ``(s [/t under sequence parallelism], b, h)`` in the pipeline dtype. Every call posts all of
-its sends and receives in one ``torch.distributed.batch_isend_irecv`` and waits for them, which works on
-gloo (CPU) and NCCL (GPU).
+its sends and receives in one ``torch.distributed.batch_isend_irecv`` and waits for them (on gloo the receives
+are posted ahead and the sends waited for at the end, below), which works on gloo (CPU) and NCCL (GPU).
 
 Neighbours form a ring (the first rank's previous is the last): the interleaved schedule sends the last
 rank's chunk-c output to the first rank's chunk c+1. With two pipeline ranks the next and previous rank are
@@ -11,6 +11,15 @@ the same process, so one batch may carry an activation and a gradient to the sam
 because (a) activations use tag 0 and gradients tag 1 (gloo matches on tags), and (b) every batch lists its
 ops in one fixed order — send activation, send gradient, recv activation, recv gradient — so the i-th send
 to a peer meets that peer's i-th receive from us even where tags are ignored (NCCL).
+
+On gloo (the CPU backend) a send does not move until its receive is posted, so a rank that posted its receive only
+in the exchange that needs it waited for the sender to reach its own exchange, and a sender that waited for its
+sends waited for the receiver to reach its. There the schedule announces how many tensors of each kind it will
+receive (:meth:`P2PCommunicator.expect`), the communicator keeps the next :data:`RECEIVES_AHEAD` receives of each
+kind posted, and sends are not waited for until the schedule ends (:meth:`P2PCommunicator.wait_sends`; a finished
+send is let go at the next one, with its tensor). Each kind is still received in the schedule's order and the tags
+keep the kinds apart, so every tensor lands where it did. NCCL, which matches a link's messages in order without
+tags, keeps the one batch per exchange.
 
 ``overlap`` (``--overlap-p2p-communication``, Megatron's ``overlap_p2p_comm``): each exchange is still posted
 as one batch (both directions together, which keeps NCCL's matching safe), but not waited for; a received
@@ -33,14 +42,17 @@ Two kinds of methods:
 """
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
 from .. import comm_log as comm
 from .timeline import span
 
-__all__ = ["P2PCommunicator", "Pending", "arrived"]
+__all__ = ["P2PCommunicator", "Pending", "arrived", "RECEIVES_AHEAD"]
 
 _TAG_ACTIVATION, _TAG_GRADIENT = 0, 1
+RECEIVES_AHEAD = 2  # receives of each kind kept posted ahead on gloo (P2PCommunicator.expect)
 
 
 class Pending:
@@ -49,9 +61,10 @@ class Pending:
     def __init__(self, buffer: torch.Tensor, requests, kind: str, timeline=None):
         self.buffer, self.requests, self.kind, self.timeline = buffer, list(requests), kind, timeline
 
-    def wait(self) -> torch.Tensor:
+    def wait(self, record: bool = True) -> torch.Tensor:
+        """``record``: the wait is a ``wait_<kind>`` span on the timeline."""
         if self.requests:
-            with span(self.timeline, f"wait_{self.kind}", "comm"):
+            with span(self.timeline if record else None, f"wait_{self.kind}", "comm"):
                 for req in self.requests:
                     req.wait()
             self.requests = []
@@ -62,6 +75,22 @@ class Pending:
 
 def _as_list(x) -> list:
     return list(x) if isinstance(x, list) else [x]
+
+
+def _finished(req) -> bool:
+    """A send that has completed (waited for here, which raises its error if it failed)."""
+    if req.is_completed():
+        req.wait()
+        return True
+    return False
+
+
+def _per_op_requests(group) -> bool:
+    """Whether ``group``'s backend is gloo: tags match messages and each op of a batch has its own request."""
+    try:
+        return torch.distributed.get_backend(group) == "gloo"
+    except (RuntimeError, ValueError, AttributeError):  # a stand-in group
+        return False
 
 
 def arrived(x):
@@ -91,7 +120,12 @@ class P2PCommunicator:
         self.pp_rank, self.pp_size = parallel.pp_rank, parallel.pp_size
         self.next_rank, self.prev_rank = parallel.next_pp_rank, parallel.prev_pp_rank
         self.timeline = timeline
-        self.overlap, self._sends = overlap, []  # overlap: receives come back Pending, sends waited at the end
+        self.overlap, self._sends = overlap, []  # overlap: receives come back Pending
+        # Receives posted ahead (gloo: tags keep the two directions apart, every op has its own request): per kind,
+        # the requests posted, oldest first, and how many more this iteration will take (see expect()).
+        self.ahead = _per_op_requests(self.group)
+        self._posted = {"activation": deque(), "gradient": deque()}
+        self._to_post = {"activation": 0, "gradient": 0}
         self._ensure_ready(parallel.p2p_ready)
 
     @property
@@ -121,17 +155,56 @@ class P2PCommunicator:
                              f"build the communicator with the model's activation dtype")
         return t.detach().contiguous()
 
-    def _communicate(self, name: str, send_next=None, send_prev=None, recv_prev: bool = False,
-                     recv_next: bool = False):
-        """Post every send/recv in one batch (fixed order, see the module docstring); wait; return
-        ``(received from prev, received from next)``."""
-        ops, from_prev, from_next = [], None, None
+    def expect(self, activations: int, gradients: int) -> None:
+        """This iteration receives ``activations`` from the previous rank and ``gradients`` from the next: on gloo
+        the first :data:`RECEIVES_AHEAD` of each are posted now, and each receive taken posts the next, so a
+        message moves as soon as it is sent (a gloo send waits for its receive to be posted) and no rank waits
+        for the other end of an exchange to reach it. Each kind is received in the schedule's order, so every
+        message still lands where it did."""
+        if not self.ahead:
+            return
+        if any(self._posted.values()) or any(self._to_post.values()):
+            raise RuntimeError("pipeline schedule error: receives left posted from the previous iteration")
+        self._to_post = {"activation": int(activations), "gradient": int(gradients)}
+        for kind in self._posted:
+            self._post_ahead(kind)
+
+    def _post_ahead(self, kind: str) -> None:
+        posted = self._posted[kind]
+        while self._to_post[kind] > 0 and len(posted) < RECEIVES_AHEAD:
+            buf = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device)
+            peer, tag = (self.prev_rank, _TAG_ACTIVATION) if kind == "activation" else (self.next_rank, _TAG_GRADIENT)
+            req, = comm.batch_isend_irecv([comm.P2POp(comm.IRECV, buf, peer, self.group, tag)])
+            posted.append(Pending(buf, [req], kind, self.timeline))
+            self._to_post[kind] -= 1
+
+    def _take(self, kind: str) -> Pending:
+        posted = self._posted[kind]
+        if not posted:
+            raise RuntimeError(f"pipeline schedule error: one {kind} received more than expect() announced")
+        got = posted.popleft()
+        self._post_ahead(kind)
+        return got
+
+    def _sends_of(self, send_next, send_prev) -> list:
+        """The send ops of one exchange: activation first, then gradient (the module docstring's order)."""
+        ops = []
         if send_next is not None:
             ops.append(comm.P2POp(comm.ISEND, self._check(send_next, "activation"), self.next_rank, self.group,
                                   _TAG_ACTIVATION))
         if send_prev is not None:
             ops.append(comm.P2POp(comm.ISEND, self._check(send_prev, "gradient"), self.prev_rank, self.group,
                                   _TAG_GRADIENT))
+        return ops
+
+    def _communicate(self, name: str, send_next=None, send_prev=None, recv_prev: bool = False,
+                     recv_next: bool = False):
+        """One exchange: ``(received from prev, received from next)``. On gloo :meth:`_exchange_ahead`; otherwise
+        every send/recv posted in one batch (fixed order, see the module docstring) and waited for (``overlap``:
+        the receives come back :class:`Pending`, the sends are waited for in :meth:`wait_sends`)."""
+        if self.ahead:
+            return self._exchange_ahead(name, send_next, send_prev, recv_prev, recv_next)
+        ops, from_prev, from_next = self._sends_of(send_next, send_prev), None, None
         if recv_prev:
             from_prev = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device)
             ops.append(comm.P2POp(comm.IRECV, from_prev, self.prev_rank, self.group, _TAG_ACTIVATION))
@@ -160,12 +233,34 @@ class P2PCommunicator:
             from_prev.requires_grad_(True)  # the next chunk's input: backward leaves its gradient in .grad
         return from_prev, from_next
 
+    def _exchange_ahead(self, name, send_next, send_prev, recv_prev, recv_next):
+        """gloo: the sends posted and not waited for (:meth:`wait_sends`), the receives those posted ahead; without
+        ``overlap`` they are waited for here, with it they come back :class:`Pending`."""
+        ops = self._sends_of(send_next, send_prev)
+        from_prev = self._take("activation") if recv_prev else None
+        from_next = self._take("gradient") if recv_next else None
+        if not ops and (self.overlap or (from_prev is None and from_next is None)):
+            return from_prev, from_next
+        with span(self.timeline, name, "comm"):
+            if ops:
+                self._sends = [req for req in self._sends if not _finished(req)] + comm.batch_isend_irecv(ops)
+            if not self.overlap:  # the exchange's span covers the waits
+                from_prev = None if from_prev is None else from_prev.wait(record=False)
+                from_next = None if from_next is None else from_next.wait(record=False)
+        return from_prev, from_next
+
     def wait_sends(self) -> None:
-        """Wait for the sends still in flight (``overlap``)."""
+        """Wait for the sends still in flight; on gloo also check that every receive posted ahead was taken
+        (called once the schedule has run)."""
         with span(self.timeline, "wait_sends", "comm") if self._sends else span(None, ""):
             for req in self._sends:
                 req.wait()
         self._sends = []
+        if self.ahead and (any(self._posted.values()) or any(self._to_post.values())):
+            left = {k: len(self._posted[k]) + self._to_post[k] for k in self._posted}
+            self._posted = {k: deque() for k in self._posted}
+            self._to_post = {k: 0 for k in self._to_post}
+            raise RuntimeError(f"pipeline schedule error: receives announced but not taken: {left}")
 
     # ---- 1F1B (pipeline ends skipped) --------------------------------------------------------------------
     def recv_forward(self):
@@ -216,12 +311,12 @@ class P2PCommunicator:
             return self.prev_rank
         raise ValueError(f"pipeline rank {self.pp_rank} has no link to pipeline rank {pp_peer}")
 
-    def isend(self, tensor, kind: str, pp_peer: int):
-        """Post the send of an ``activation`` or ``gradient`` to adjacent pipeline rank ``pp_peer``; returns the
-        request (wait for it before the iteration ends)."""
+    def isend(self, tensor, kind: str, pp_peer: int) -> None:
+        """Post the send of an ``activation`` or ``gradient`` to adjacent pipeline rank ``pp_peer``, not waited for
+        (:meth:`wait_sends`; sends already done are let go at each send, and with them their tensors)."""
         tag = _TAG_ACTIVATION if kind == "activation" else _TAG_GRADIENT
         op = comm.P2POp(comm.ISEND, self._check(tensor, kind), self._peer(pp_peer), self.group, tag)
-        return comm.batch_isend_irecv([op])[0]
+        self._sends = [req for req in self._sends if not _finished(req)] + comm.batch_isend_irecv([op])
 
     def irecv(self, kind: str, pp_peer: int):
         """Post the receive of an ``activation`` or ``gradient`` from ``pp_peer``: ``(tensor, request)``."""

@@ -153,6 +153,7 @@ def _one_f_one_b(run, p2p, num_microbatches: int, forward_only: bool) -> None:
     num_warmup = warmup_1f1b(p, r, M)
     num_steady = M - num_warmup
     next_fwd = next_bwd = 0  # microbatch ids: forwards and backwards each run in order 0..M-1
+    p2p.expect(activations=0 if r == 0 else M, gradients=0 if r == p - 1 or forward_only else M)
 
     # ---- warm-up: forwards only. Rank r runs p-r-1 ahead, so that the last rank can start 1F1B at once.
     for _ in range(num_warmup):
@@ -204,6 +205,9 @@ def _interleaved_1f1b(run, p2p, num_microbatches: int, v: int, forward_only: boo
     all_warmup = num_warmup == total
     num_steady = total - num_warmup
     first_rank, last_rank = r == 0, r == p - 1
+    # every forward but global stage 0's receives its input, every backward but the last global stage's its gradient
+    p2p.expect(activations=total - (M if first_rank else 0),
+               gradients=0 if forward_only else total - (M if last_rank else 0))
     inputs = [deque() for _ in range(v)]  # activations received, waiting for their chunk's forward
     grads = [deque() for _ in range(v)]  # gradients received, waiting for their chunk's backward
 
@@ -425,6 +429,7 @@ def forward_backward_pipelining_without_interleaving(
                   grad_scale_func, per_token_loss)
     try:
         _one_f_one_b(run, comm, num_microbatches, forward_only)
+        comm.wait_sends()
     finally:
         run.close()
     return run.stats
@@ -446,8 +451,7 @@ def forward_backward_pipelining_with_interleaving(
                   grad_scale_func, per_token_loss)
     try:
         _interleaved_1f1b(run, comm, num_microbatches, len(chunks), forward_only)
-        if getattr(comm, "overlap", False):
-            comm.wait_sends()
+        comm.wait_sends()
     finally:
         run.close()
     return run.stats
@@ -492,7 +496,7 @@ def _trace_communicator(p: int, r: int, ops: list):
         the previous rank is the token ``("recv_activation", r, i)``, likewise ``("recv_gradient", r, i)``."""
 
         def __init__(self):  # no process groups
-            self.pp_size, self.pp_rank, self.timeline = p, r, None
+            self.pp_size, self.pp_rank, self.timeline, self.ahead = p, r, None, False
             self._received = {"activation": 0, "gradient": 0}
 
         def _token(self, kind):

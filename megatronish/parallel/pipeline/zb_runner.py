@@ -19,6 +19,7 @@ from collections import deque
 import torch
 
 from ..weight_grad import WeightGradStore, attached, backward_input, backward_weight
+from .p2p import RECEIVES_AHEAD
 from .schedules import _as_list, _communicator, _Runner, _scaled
 from .timeline import span
 from .zero_bubble import num_chunks, place, post_receives_early, schedule_actions, stage_of
@@ -62,16 +63,56 @@ class _SplitRunner(_Runner):
             backward_weight(work)
 
 
+class _Receives:
+    """The list's receives, posted in its order on each link (kind, peer). On gloo (``comm.ahead``) up to
+    :data:`~.p2p.RECEIVES_AHEAD` per link are posted ahead of the steps that take them (a gloo send moves only once
+    its receive is posted); otherwise each at its ``RECV``."""
+
+    def __init__(self, actions, comm):
+        self.comm, self.depth = comm, RECEIVES_AHEAD if getattr(comm, "ahead", False) else 0
+        self.unposted: dict[tuple, deque] = {}  # link -> keys (kind, microbatch, chunk) not posted yet, in order
+        self.link: dict[tuple, tuple] = {}
+        for a in actions:
+            if a.op == "RECV":
+                key, link = (a.kind, a.microbatch, a.chunk), (a.kind, a.peer)
+                self.unposted.setdefault(link, deque()).append(key)
+                self.link[key] = link
+        self.posted: dict[tuple, tuple] = {}  # key -> (buffer, request)
+        self.untaken = dict.fromkeys(self.unposted, 0)  # link -> posted, not taken yet
+        for link in self.unposted:
+            self._top_up(link)
+
+    def _post_next(self, link) -> None:
+        key = self.unposted[link].popleft()
+        self.posted[key] = self.comm.irecv(*link)
+        self.untaken[link] += 1
+
+    def _top_up(self, link) -> None:
+        while self.unposted[link] and self.untaken[link] < self.depth:
+            self._post_next(link)
+
+    def post(self, key) -> None:
+        """The ``RECV`` step: post ``key`` (and those before it on its link) unless posted ahead."""
+        while key not in self.posted:
+            self._post_next(self.link[key])
+
+    def take(self, key) -> tuple:
+        got, link = self.posted.pop(key), self.link[key]
+        self.untaken[link] -= 1
+        self._top_up(link)
+        return got
+
+
 def _execute(actions, run: _SplitRunner, comm, schedule: str, p: int, r: int) -> None:
     n = p * num_chunks(schedule)
-    inbox: dict[tuple, object] = {}  # (kind, microbatch, local chunk) -> tensor, or (buffer, request)
+    receives = _Receives(actions, comm)
+    inbox: dict[tuple, object] = {}  # (kind, microbatch, local chunk) -> tensor, or None: a posted receive
     outbox: dict[tuple, torch.Tensor] = {}  # (kind, microbatch, local chunk) -> produced, to be sent
-    sends = []
 
     def take(kind, mb, c):
         got = inbox.pop((kind, mb, c))
-        if isinstance(got, tuple):
-            buf, req = got
+        if got is None:
+            buf, req = receives.take((kind, mb, c))
             with span(run.timeline, f"wait_{kind}", "comm", microbatch=mb, chunk=c):
                 req.wait()
             return buf.requires_grad_(True) if kind == "activation" else buf
@@ -87,10 +128,11 @@ def _execute(actions, run: _SplitRunner, comm, schedule: str, p: int, r: int) ->
     for a in actions:
         s = stage_of(schedule, p, r, a.chunk)
         if a.op == "RECV":
-            inbox[(a.kind, a.microbatch, a.chunk)] = comm.irecv(a.kind, a.peer)
+            receives.post((a.kind, a.microbatch, a.chunk))
+            inbox[(a.kind, a.microbatch, a.chunk)] = None
         elif a.op == "SEND":
             tensor = outbox.pop((a.kind, a.microbatch, a.chunk))
-            sends.append(comm.isend(tensor, a.kind, a.peer))
+            comm.isend(tensor, a.kind, a.peer)
             if a.kind == "activation":
                 run.deallocate(tensor)  # the send holds the values; the graph is all B needs
         elif a.op == "F":
@@ -105,8 +147,7 @@ def _execute(actions, run: _SplitRunner, comm, schedule: str, p: int, r: int) ->
                 deliver("gradient", a.microbatch, s - 1, dx)
         else:
             run.weight(a.microbatch, a.chunk)
-    for req in sends:
-        req.wait()
+    comm.wait_sends()
     if inbox or outbox:
         raise RuntimeError(f"pipeline schedule error: unused messages {sorted(inbox) + sorted(outbox)}")
 
