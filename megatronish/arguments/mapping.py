@@ -174,6 +174,7 @@ def _parallel_dims(args, world_size: int, errors: list[str]) -> ParallelDims | N
                             # the last stage holds the word embedding when the output layer is tied to it or
                             # multi-token prediction looks tokens up there
                             tie_embeddings=not args.untie_embeddings_and_output_weights or bool(args.mtp_num_layers),
+                            untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
                             cp_inner=_cp_inner(args),
                             pipeline_schedule=args.pipeline_schedule,
                             decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,

@@ -78,9 +78,16 @@ class GPTModel(nn.Module):
     def __init__(self, config: ModelConfig, *, sequence_parallel: bool = False, pre_process: bool = True,
                  post_process: bool = True, first_layer: int = 0, num_local_layers: int | None = None,
                  label_smoothing: float = 0.0, params_dtype=torch.float32, device=None,
-                 parallel: ParallelContext | None = None, rng_tracker: RNGStatesTracker | None = None):
+                 parallel: ParallelContext | None = None, rng_tracker: RNGStatesTracker | None = None,
+                 mtp_process: bool | None = None, after_mtp: bool = False, message_blocks: int = 1):
         """``rng_tracker``: the run's RNG streams, for dropout and recompute (None: the current tracker,
-        :func:`megatronish.parallel.random.get_rng_tracker`)."""
+        :func:`megatronish.parallel.random.get_rng_tracker`).
+
+        A standalone MTP stage (a layout's ``m`` before the stage of ``L``): ``mtp_process`` says this stage runs
+        the multi-token-prediction depths, with the final norm and (off the first stage) a copy of the word
+        embedding (None: the last stage does, under ``--mtp-num-layers``); ``after_mtp`` marks the stages after
+        it (no layers: they pass the depths on, the loss stage splits them off); ``message_blocks`` (``1 + D``)
+        is how many ``[s, b, h]`` blocks every pipeline message carries along the sequence."""
         super().__init__()
         c = config
         self.parallel = parallel = parallel or ParallelContext.single()
@@ -94,11 +101,14 @@ class GPTModel(nn.Module):
         num_local_layers = c.num_layers if num_local_layers is None else num_local_layers
         self.tied = not c.untie_embeddings_and_output_weights
         self.input_tensor: torch.Tensor | None = None  # hidden states from the previous pipeline stage
+        self.mtp_process = post_process and bool(c.mtp_num_layers) if mtp_process is None else mtp_process
+        self.after_mtp, self.message_blocks = after_mtp, message_blocks
 
         self.embedding = Embedding(c, self.padded_vocab_size, self.sequence_parallel, params_dtype, device,
                                    tp_group, rng_tracker) if pre_process else None
         self.rotary = rotary_embedding(c)  # None without rotary positions
-        self.decoder = TransformerBlock(c, first_layer, num_local_layers, post_process, self.sequence_parallel,
+        final_norm = self.mtp_process or (post_process and not after_mtp)  # the depths read the normed states
+        self.decoder = TransformerBlock(c, first_layer, num_local_layers, final_norm, self.sequence_parallel,
                                         params_dtype, device, parallel, rng_tracker)
         # --cross-entropy-loss-fusion: native = the fused PyTorch loss (any device), te = the Triton kernel
         self.loss_fn = vocab_parallel_cross_entropy
@@ -127,12 +137,12 @@ class GPTModel(nn.Module):
                 d = self.output_layer.weight.desc
                 set_desc(self.output_layer.weight, TensorDesc(d.global_shape, 0, 1, "normal", d.std,
                                                               valid_rows=c.vocab_size))
-        self.mtp = None  # --mtp-num-layers: the depths, on the last stage (model/mtp.py)
-        if post_process and c.mtp_num_layers:
+        self.mtp = None  # --mtp-num-layers: the depths, on the last stage or their own (model/mtp.py)
+        if self.mtp_process and c.mtp_num_layers:
             if not pre_process:  # their token look-ups: a copy of the word embedding, kept equal like a tied one
                 self.embedding = Embedding(c, self.padded_vocab_size, self.sequence_parallel, params_dtype, device,
                                            tp_group, rng_tracker)
-                if self.tied:  # the output layer's weight is that copy already
+                if self.tied and post_process:  # the output layer's weight is that copy already
                     self.embedding.word_embeddings.weight = self.output_layer.weight
                 else:
                     w = self.embedding.word_embeddings.weight
@@ -200,6 +210,9 @@ class GPTModel(nn.Module):
                 position_ids = torch.arange(offset, offset + input_ids.size(1), device=input_ids.device)
                 position_ids = position_ids.expand_as(input_ids)  # [b, s]
         x = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor
+        blocks = self.message_blocks if inference_params is None else 1  # generation sends one block
+        if blocks > 1 and not (self.pre_process or self.after_mtp):
+            x = x[: x.size(0) // blocks]  # up to the MTP stage the hidden states are the first block
         rotary = None
         if self.rotary is not None:
             s = x.size(0) * (p.tp_size if self.sequence_parallel else 1)  # this CP rank's tokens
@@ -213,11 +226,18 @@ class GPTModel(nn.Module):
         if out is x and not self.pre_process:  # a pass-through stage (no layers): a node of its own, as the
             out = x.clone()  # schedules backpropagate from the output into the input's .grad
         x = out
-        if not self.post_process:
-            return x
         depths = []
         if self.mtp is not None and labels is not None and inference_params is None:
             depths = self.mtp(x, input_ids, position_ids, self.embedding, rotary, document_ids)
+        if not self.post_process:
+            if blocks == 1 or self.after_mtp:
+                return x
+            # the decoder's hidden states, then each depth's (zeros before the MTP stage) along the sequence
+            pad = [] if depths else [x.new_zeros((blocks - 1) * x.size(0), *x.shape[1:])]
+            return torch.cat([x, *depths, *pad])
+        if blocks > 1 and self.after_mtp:  # the loss stage after a standalone MTP stage splits its message
+            x, *carried = x.chunk(blocks)
+            depths = carried if labels is not None else []
         if inference_params is not None and inference_params.last_logits_only:
             x = x[-1:]  # [1, b, h]
         weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None

@@ -276,13 +276,12 @@ def finalize_model_grads(chunks: list[DistributedDataParallel], parallel: Parall
         allreduce_sequence_parallel_grads(chunk.module, parallel.tp_group, grad_attr="main_grad")
     emb_group = parallel.embedding_group
     shared = [p for c in chunks for p in c.module.parameters() if getattr(p, "shared_embedding", False)]
-    if len(shared) == 2:  # both copies on this rank (the ends of a V, zbv): the group's sum is local
-        total = shared[0].main_grad + shared[1].main_grad
-        for p in shared:
+    if shared:  # copies on this rank (the ends of a V, a standalone MTP stage's) are summed here first
+        total = shared[0].main_grad if len(shared) == 1 else sum(p.main_grad for p in shared)
+        if emb_group is not None and len(parallel.embedding_ranks) > 1:
+            comm.all_reduce(total, group=emb_group)
+        for p in shared[len(shared) == 1:]:
             p.main_grad.copy_(total)
-    elif emb_group is not None and len(parallel.embedding_ranks) > 1:
-        for p in shared:
-            comm.all_reduce(p.main_grad, group=emb_group)
     if num_tokens is None:
         return None
     if parallel.pp_size > 1:

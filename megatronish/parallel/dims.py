@@ -113,8 +113,10 @@ class ParallelDims:
     """The parallel degrees of a run. ``dp`` is derived: ``world_size // (tp * cp * pp)``.
 
     ``vp`` is the number of virtual pipeline stages (model chunks) per pipeline rank; 1 means no interleaving.
-    ``tie_embeddings`` is False under ``--untie-embeddings-and-output-weights``; it decides whether the last
-    pipeline rank joins the embedding group. ``cp_inner`` splits CP into two levels (all-to-all inside, a ring
+    ``tie_embeddings`` is False under ``--untie-embeddings-and-output-weights`` without multi-token prediction; it
+    decides whether the last pipeline rank joins the embedding group. ``untie_embeddings_and_output_weights``
+    matters only under a standalone MTP stage (:attr:`mtp_stage`): that stage's rank joins the group, and the last
+    rank only when its output layer is tied. ``cp_inner`` splits CP into two levels (all-to-all inside, a ring
     across: ``cp_outer = cp / cp_inner``); None: one level, and no ``cp_inner``/``cp_outer`` groups.
     """
 
@@ -125,6 +127,7 @@ class ParallelDims:
     cp: int = 1
     ep: int = 1
     tie_embeddings: bool = True
+    untie_embeddings_and_output_weights: bool = False
     etp: int | None = None  # --expert-tensor-parallel-size; None: the tensor-parallel size
     cp_inner: int | None = None  # the all-to-all level of two-level CP; None: one level
     # the pipeline schedule (None: 1F1B, interleaved with vp > 1); "zbv" places chunk 1 of rank r on stage 2p-1-r
@@ -159,7 +162,7 @@ class ParallelDims:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise DegreeError("not_positive", f"{name} must be an integer >= 1, got {value!r}", name=name,
                                   value=value)
-        for name in ("tie_embeddings", "account_for_embedding_in_pipeline_split",
+        for name in ("tie_embeddings", "untie_embeddings_and_output_weights", "account_for_embedding_in_pipeline_split",
                      "account_for_loss_in_pipeline_split"):
             if not isinstance(getattr(self, name), bool):
                 raise DegreeError("tie_embeddings" if name == "tie_embeddings" else "not_bool",
@@ -314,6 +317,23 @@ class ParallelDims:
         return (num_layers - (first or 0) - (last or 0)) // middle_ranks
 
     @property
+    def mtp_stage(self) -> int | None:
+        """The global stage holding the multi-token-prediction layers when a layout puts them on a stage of their
+        own, before the loss's (Megatron-LM's standalone MTP stage); None when they sit with the loss (or there are
+        none)."""
+        text = self.pipeline_model_parallel_layout
+        return None if text is None else pipeline_layout.mtp_stage(pipeline_layout.parse_layout(text))
+
+    @property
+    def message_blocks(self) -> int:
+        """``[s, b, h]`` blocks, along the sequence, in every pipeline message: ``1 + D`` under a standalone MTP
+        stage of ``D`` layers (it sends the decoder's hidden states and each depth's; the stages before it send
+        theirs and zeros), else 1."""
+        if self.mtp_stage is None:
+            return 1
+        return 1 + "".join(pipeline_layout.parse_layout(self.pipeline_model_parallel_layout)).count("m")
+
+    @property
     def loss_pp_rank(self) -> int:
         """The pipeline rank holding the last stage (output layer and loss): ``p-1``, or 0 in a V."""
         return 0 if self.v_shape else self.pp - 1
@@ -456,11 +476,24 @@ class ParallelDims:
         (none without ``cp_inner``)."""
         return self._cp_level_groups("cp_outer")
 
+    def embedding_pp_ranks(self) -> list[int]:
+        """Pipeline ranks holding a copy of the word embedding: the first; with ``tie_embeddings`` and PP > 1 also
+        the last (in a V the first again); under a standalone MTP stage that stage's rank, and the last only when
+        the output layer is tied."""
+        if not self.tie_embeddings or self.pp == 1:
+            return [0]
+        mtp, stages = self.mtp_stage, {0}
+        if mtp is not None:
+            stages.add(mtp)
+        if mtp is None or not self.untie_embeddings_and_output_weights:
+            stages.add(self.pp * self.vp - 1)
+        return sorted({self.place_stage(s)[0] for s in stages})
+
     def embedding_groups(self) -> list[list[int]]:
-        """Per pipeline group: ``[first, last]`` when embeddings are tied and PP > 1, else ``[first]``."""
-        if self.tie_embeddings and self.pp > 1 and not self.v_shape:  # in a V both ends are on the first rank
-            return [[g[0], g[-1]] for g in self.pp_groups()]
-        return [[g[0]] for g in self.pp_groups()]
+        """Per pipeline group: the ranks of :meth:`embedding_pp_ranks` (``[first, last]`` when embeddings are
+        tied and PP > 1, else ``[first]``)."""
+        ranks = self.embedding_pp_ranks()
+        return [[g[r] for r in ranks] for g in self.pp_groups()]
 
     def position_embedding_groups(self) -> list[list[int]]:
         """Per pipeline group: ``[first]`` (learned absolute positions live on the first stage)."""

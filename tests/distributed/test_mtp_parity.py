@@ -1,10 +1,12 @@
 """Multi-token prediction trains in TP 2 (with sequence parallelism, and with --calculate-per-token-loss), PP 2
 (the depths and a copy of the word embedding on the last stage; tied and untied output layer) and CP 2 (the token,
 label and loss-mask shifts cross the load-balanced chunks; every --cp-comm-type, alone and with TP 2 + SP or PP 2)
-exactly as one process: the losses and every parameter's reduced gradient of 3 iterations (fp32,
-rtol 1e-5; same seed, no weight copying). SGD with an active gradient clip, so a wrong reduction shows again in
-the next iteration. Evaluation reports each depth's loss: on the first training batch it equals the training step's
-numbers in every layout, and the validation and test lines and records carry them."""
+and with the depths on a stage of their own before the loss's (``Et|t|mm|L``: PP 2 x VP 2 untied, ZBV tied, PP 4
+tied, the embedding group then three ranks) exactly as one process: the losses and every parameter's reduced
+gradient of 3 iterations (fp32, rtol 1e-5; same seed, no weight copying). SGD with an active gradient clip, so a
+wrong reduction shows again in the next iteration. Evaluation reports each depth's loss: on the first training
+batch it equals the training step's numbers in every layout, and the validation and test lines and records carry
+them."""
 import contextlib
 import io
 import json
@@ -28,14 +30,19 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
 UNTIED, PER_TOKEN = ["--untie-embeddings-and-output-weights"], ["--calculate-per-token-loss"]
 MODELS = {"untied": UNTIED, "tied": [], "untied-per-token": UNTIED + PER_TOKEN}
 TP2, PP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"], ["--pipeline-model-parallel-size", "2"]
+LAYOUT = "--pipeline-model-parallel-layout"
 CP2 = ["--context-parallel-size", "2"]  # chunks 0, 3 and 1, 2 of 4: every shift crosses a rank boundary
 CASES = {"tp2-sp": (TP2, "untied"), "tp2-sp-per-token": (TP2, "untied-per-token"), "pp2": (PP2, "untied"),
          "pp2-tied": (PP2, "tied"), "cp2": (CP2, "untied"),
          # one type per layer: the depths take the first layers' (allgather, a2a)
          "cp2-allgather-a2a-tied": (CP2 + ["--cp-comm-type", "allgather", "a2a"], "tied"),
          "cp2-a2a+p2p-per-token": (CP2 + ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes",
-                                          "1", "2"], "untied-per-token")}
-CASES4 = {"cp2-tp2-sp": (CP2 + TP2, "untied"), "cp2-pp2-tied": (CP2 + PP2, "tied")}  # world 4
+                                          "1", "2"], "untied-per-token"),
+         # a standalone MTP stage (Megatron-LM's DeepSeek-V3 layout in small): the depths on stage 2, the loss on 3
+         "pp2-vp2-mtp-stage": (PP2 + [LAYOUT, "Et|t|mm|L"], "untied"),
+         "pp2-zbv-mtp-stage-tied": (PP2 + [LAYOUT, "Et|t|mm|L", "--pipeline-schedule", "zbv"], "tied")}  # rank 0: E, L
+CASES4 = {"cp2-tp2-sp": (CP2 + TP2, "untied"), "cp2-pp2-tied": (CP2 + PP2, "tied"),  # world 4
+          "pp4-mtp-stage-tied": (["--pipeline-model-parallel-size", "4", LAYOUT, "Et|t|mm|L"], "tied")}
 
 
 class _GradientRecorder:

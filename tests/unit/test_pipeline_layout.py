@@ -74,7 +74,7 @@ def test_format_layout_is_short():
     ("Et|tm|L|", 2, "L (the loss) is not in the last stage"),
     ("Et|ttm|tt|L", 2, "a t comes after an m"),
     ("Et|tm|tt|L", 2, "a t comes after an m"),
-    ("Et|tt|m|L", 2, "an m is not in the last stage"),  # Megatron's standalone MTP stage
+    ("Et|tm|m|L", 2, "the m layers are on stages 1 and 2; put every multi-token prediction layer on one stage"),
 ])
 def test_layout_rules(text, pp_size, message):
     with pytest.raises(LayoutError) as e:
@@ -240,6 +240,38 @@ def test_an_empty_stage_passes_its_input_on():
     dy = torch.randn_like(y)
     custom_backward(y, dy)
     assert torch.equal(x.grad, dy)
+
+
+def test_a_standalone_mtp_stage():
+    """Megatron-LM's DeepSeek-V3 layout ``Et*3|(tt|)*29,m|L`` (PP 16 x VP 2): the MTP layer alone on stage 30, the
+    loss alone on 31. Every message carries the decoder's hidden states and the depth's (2 blocks); the MTP stage's
+    rank joins the embedding group (its copy of the word embedding looks the shifted tokens up), the last rank only
+    when the output layer is tied. The MTP chunk holds the final norm and the depth, the loss chunk neither."""
+    text = "Et*3|(tt|)*29,m|L"
+    dims = ParallelDims(world_size=16, pp=16, vp=2, pipeline_model_parallel_layout=text,
+                        untie_embeddings_and_output_weights=True)
+    assert (dims.mtp_stage, dims.message_blocks, dims.place_stage(30)) == (30, 2, (14, 1))
+    assert dims.stage_layer_counts(61)[-3:] == (2, 0, 0) and dims.rank_num_layers(61, 14) == 2
+    assert dims.embedding_pp_ranks() == [0, 14] and dims.embedding_groups()[0] == [0, 14]
+    tied = ParallelDims(world_size=16, pp=16, vp=2, pipeline_model_parallel_layout=text)
+    assert tied.embedding_pp_ranks() == [0, 14, 15]
+    assert ParallelDims(world_size=16, pp=16, vp=2, pipeline_model_parallel_layout="Et|(tt|)*30,mL").message_blocks == 1
+    v = ParallelDims(world_size=2, pp=2, vp=2, pipeline_schedule="zbv", pipeline_model_parallel_layout="Et|t|m|L")
+    assert (v.mtp_stage, v.place_stage(2), v.embedding_pp_ranks()) == (2, (1, 1), [0, 1])
+
+    small = ParallelDims(world_size=2, pp=2, vp=2, pipeline_model_parallel_layout="Et|t|m|L",
+                         untie_embeddings_and_output_weights=True)
+    cfg = gpt2(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=16, mtp_num_layers=1,
+               position_embedding_type="rope", untie_embeddings_and_output_weights=True)
+    mtp_chunk = build_model_chunks(cfg, ParallelContext.fake(small, 0), device="meta")[1]
+    loss_chunk = build_model_chunks(cfg, ParallelContext.fake(small, 1), device="meta")[1]
+    names = {n for n, _ in mtp_chunk.named_global_parameters()}
+    assert {"decoder.final_layernorm.weight", "embedding.word_embeddings.weight",
+            "mtp.layers.0.eh_proj.weight"} <= names
+    assert not any(n.startswith("decoder.layers.") for n in names) and mtp_chunk.output_layer is None
+    w = mtp_chunk.embedding.word_embeddings.weight
+    assert w.shared_embedding and w.embedding_copy
+    assert {n for n, _ in loss_chunk.named_global_parameters()} == {"output_layer.weight"}
 
 
 def test_dims_name_the_layout_flags():

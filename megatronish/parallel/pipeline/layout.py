@@ -13,10 +13,12 @@ of ``n`` stages gives ``v = n / p`` chunks per rank, placed as ``ParallelDims.pl
 (Megatron's interleaving: stage ``c*p + r`` is chunk ``c`` of rank ``r``; under the V schedule, a V).
 
 The rules are Megatron-LM's (``validate_layer_layout``: ``E`` the first layer and ``L`` the last, each once,
-every ``t`` before the ``m`` layers) plus this model's placement: the embedding opens the first stage, the loss
-and the multi-token-prediction layers sit on the last stage (Megatron-LM also runs a standalone MTP stage and
-``E``/``L`` after or before empty stages). A stage between them may be empty: it passes its input on unchanged
-(and the gradient back), as Megatron-LM's pass-through stages do.
+every ``t`` before the ``m`` layers, all ``m`` on one stage) plus this model's placement: the embedding opens the
+first stage and the loss closes the last (Megatron-LM also runs ``E``/``L`` after or before empty stages). A stage
+between them may be empty: it passes its input on unchanged (and the gradient back), as Megatron-LM's pass-through
+stages do. The ``m`` layers may sit on a stage before the loss's (a standalone MTP stage, :func:`mtp_stage`): its
+output is the decoder's hidden states followed by each depth's along the sequence, which the stages after it pass
+on and the loss stage splits (Megatron-LM's ``MultiTokenPredictionBlock`` / ``process_mtp_loss``).
 """
 from __future__ import annotations
 
@@ -25,8 +27,8 @@ import itertools
 import re
 from typing import Sequence
 
-__all__ = ["LayoutError", "LAYER_CHARS", "parse_layout", "check_layout", "stage_layer_counts", "layout_of_counts",
-           "format_layout"]
+__all__ = ["LayoutError", "LAYER_CHARS", "parse_layout", "check_layout", "mtp_stage", "stage_layer_counts",
+           "layout_of_counts", "format_layout"]
 
 LAYER_CHARS = "EtmL"  # embedding, transformer layer, multi-token-prediction layer, loss
 
@@ -80,9 +82,16 @@ def check_layout(stages: Sequence[str], pp: int) -> None:
     if not stages[-1].endswith("L"):
         raise LayoutError("L (the loss) is not in the last stage; this model keeps the loss on the last stage "
                           "(drop the empty stages after it)")
-    if "m" in flat[: -len(stages[-1])]:
-        raise LayoutError("an m is not in the last stage; this model runs the multi-token prediction layers on the "
-                          "last stage, with L (no standalone MTP stage)")
+    holding = [k for k, stage in enumerate(stages) if "m" in stage]
+    if len(holding) > 1:
+        raise LayoutError(f"the m layers are on stages {holding[0]} and {holding[1]}; put every multi-token "
+                          f"prediction layer on one stage (Megatron-LM's rule)")
+
+
+def mtp_stage(stages: Sequence[str]) -> int | None:
+    """The stage holding the ``m`` layers when it is not the loss's (a standalone MTP stage), else None."""
+    holding = [k for k, stage in enumerate(stages) if "m" in stage]
+    return holding[0] if holding and "L" not in stages[holding[0]] else None
 
 
 def stage_layer_counts(stages: Sequence[str]) -> tuple[int, ...]:
