@@ -223,8 +223,8 @@ class GPTModel(nn.Module):
             elif offset:  # the tables of positions offset ... offset + s - 1: [s, 1, 1, rot]
                 rotary = tuple(t[offset:] if torch.is_tensor(t) else t for t in rotary)
         out = self.decoder(x, rotary, document_ids, inference_params)
-        if out is x and not self.pre_process:  # a pass-through stage (no layers): a node of its own, as the
-            out = x.clone()  # schedules backpropagate from the output into the input's .grad
+        if out is x and not (self.pre_process or self.post_process):  # a pass-through stage (no layers): a node
+            out = x.clone()  # of its own, as the schedules backpropagate from the output into the input's .grad
         x = out
         depths = []
         if self.mtp is not None and labels is not None and inference_params is None:

@@ -1,8 +1,8 @@
 """Multi-token prediction trains in TP 2 (with sequence parallelism, and with --calculate-per-token-loss), PP 2
 (the depths and a copy of the word embedding on the last stage; tied and untied output layer) and CP 2 (the token,
 label and loss-mask shifts cross the load-balanced chunks; every --cp-comm-type, alone and with TP 2 + SP or PP 2)
-and with the depths on a stage of their own before the loss's (``Et|t|mm|L``: PP 2 x VP 2 untied, ZBV tied, PP 4
-tied, the embedding group then three ranks) exactly as one process: the losses and every parameter's reduced
+and with the depths on a stage of their own before the loss's (``Et|t|mm|L`` at PP 2 x VP 2, untied; ``Ett||mm|L``
+under ZBV, tied, after an empty stage) exactly as one process: the losses and every parameter's reduced
 gradient of 3 iterations (fp32, rtol 1e-5; same seed, no weight copying). SGD with an active gradient clip, so a
 wrong reduction shows again in the next iteration. Evaluation reports each depth's loss: on the first training
 batch it equals the training step's numbers in every layout, and the validation and test lines and records carry
@@ -40,9 +40,9 @@ CASES = {"tp2-sp": (TP2, "untied"), "tp2-sp-per-token": (TP2, "untied-per-token"
                                           "1", "2"], "untied-per-token"),
          # a standalone MTP stage (Megatron-LM's DeepSeek-V3 layout in small): the depths on stage 2, the loss on 3
          "pp2-vp2-mtp-stage": (PP2 + [LAYOUT, "Et|t|mm|L"], "untied"),
-         "pp2-zbv-mtp-stage-tied": (PP2 + [LAYOUT, "Et|t|mm|L", "--pipeline-schedule", "zbv"], "tied")}  # rank 0: E, L
-CASES4 = {"cp2-tp2-sp": (CP2 + TP2, "untied"), "cp2-pp2-tied": (CP2 + PP2, "tied"),  # world 4
-          "pp4-mtp-stage-tied": (["--pipeline-model-parallel-size", "4", LAYOUT, "Et|t|mm|L"], "tied")}
+         # in a V (rank 0: E and L, rank 1: an empty stage then the depths), tied: three copies on two ranks
+         "pp2-zbv-mtp-stage-tied": (PP2 + [LAYOUT, "Ett||mm|L", "--pipeline-schedule", "zbv"], "tied")}
+CASES4 = {"cp2-tp2-sp": (CP2 + TP2, "untied"), "cp2-pp2-tied": (CP2 + PP2, "tied")}  # world 4
 
 
 class _GradientRecorder:
