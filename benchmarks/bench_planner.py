@@ -14,9 +14,10 @@ carry the values it printed); ``--search`` ranks every layout for each published
 and says where the published layout lands.
 
 ``cpu``: the planner on ``cpu-this-machine`` against the real ``train_step`` in forked gloo ranks (1, 2 and 4
-processes on this machine's cores; each rank runs one thread, so the probed one-thread peak and copy rate are shared
-out when there are more ranks than cores), median of ``--iters`` steps after two warm-up steps, layouts alternated
-over ``--rounds`` rounds (the spread is the rounds' range).
+processes on this machine's cores; each rank runs one thread, so the one-thread probe's compute rates are shared
+out when there are more ranks than cores; the probe is the median of three), median of ``--iters`` steps after two
+warm-up steps, layouts alternated over ``--rounds`` rounds (the spread is the rounds' range), the load average as
+each measurement ends, then each layout's predicted terms and the count within 25%.
 """
 from __future__ import annotations
 
@@ -212,23 +213,28 @@ def published(args) -> None:
 
 
 def _search(runs) -> None:
-    from megatronish.planner.search import describe, format_search, search
+    """Each published run's model, GPU count, batch and stack searched with that stack's choices (torchtitan's runs:
+    ``search.TORCHTITAN``, with AsyncTP where they ran it; torch.compile and Float8 as run), each setting once, and
+    every published layout located in the ranking by what its source states (Megatron-LM's table: TP, PP, DP;
+    its VP and micro-batch size unstated, so also the layout as modelled here, VP 1 and micro-batch 1)."""
+    from megatronish.planner.search import LAYOUT_FIELDS, MEGATRON, TORCHTITAN, format_search, search
 
-    seen = set()
-    for r in runs:
-        name, src, cfg, hw, opts, *_ = r
+    groups: dict = {}
+    for name, src, cfg, hw, opts, tps, *_ in runs:
+        stack, async_tp = (TORCHTITAN if src.startswith(TT) else MEGATRON), bool(opts.get("async_tp"))
         key = (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.seq_length, cfg.parallel.world_size,
-               cfg.train.global_batch_size)
-        if key in seen:
-            continue
-        seen.add(key)
+               cfg.train.global_batch_size, cfg.train.torch_compile, cfg.model.precision.fp8, stack.name, async_tp)
+        published = [(f"published {name}", cfg, LAYOUT_FIELDS)] if tps is not None else \
+            [(f"published {name}, as stated", cfg, ("tp", "pp", "cp", "dp")),
+             (f"published {name}, as modelled", cfg, LAYOUT_FIELDS)]
+        groups.setdefault(key, (cfg, hw, stack, async_tp, []))[4].extend(published)
+    for cfg, hw, stack, async_tp, published in groups.values():
         t0 = time.perf_counter()
-        res = search(cfg, hw, 5)
-        mine = describe(cfg)
-        place = next((i + 1 for i, x in enumerate(res["top"]) if describe(x["cfg"]) == mine), None)
-        print(f"\n== search for {name}: published layout {mine}: "
-              f"{'#' + str(place) if place else 'not in the top 5'} ({time.perf_counter() - t0:.0f} s)")
-        print(format_search(res, hw))
+        res = search(cfg, hw, 5, stack, tp_overlap=async_tp)
+        text = format_search(res, hw, published)
+        print(f"\n== search for {', '.join(p[0][len('published '):] for p in published)} "
+              f"({time.perf_counter() - t0:.0f} s)")
+        print(text)
 
 
 # ---------------------------------------------------------------------------------------------- this machine
@@ -276,8 +282,23 @@ def _measure(rank, world, flags, iters):
     return statistics.median(times)
 
 
-def _cpu_hw(world: int):
-    """This machine as ``world`` one-thread ranks see it: the one-thread probe, shared out over the cores."""
+def _median(probes):
+    """The probes' median of each rate (each probe times each kernel's fastest call, which a loaded machine may
+    still slow, or an allocator's state speed): peaks, matmul tables, elementwise and draw rates, links."""
+    first, med = probes[0], statistics.median
+    tables = {d: {k: med(p.gemm_tflops[d][k] for p in probes) for k in t} for d, t in first.gemm_tflops.items()}
+    return dataclasses.replace(first, peak_tflops={k: med(p.peak_tflops[k] for p in probes) for k in first.peak_tflops},
+                               gemm_tflops=tables, hbm_tbps=med(p.hbm_tbps for p in probes),
+                               dropout_gelems=med(p.dropout_gelems for p in probes),
+                               intra_node_gbps=med(p.intra_node_gbps for p in probes),
+                               inter_node_gbps=med(p.inter_node_gbps for p in probes),
+                               intra_node_latency_s=med(p.intra_node_latency_s for p in probes),
+                               inter_node_latency_s=med(p.inter_node_latency_s for p in probes))
+
+
+def _cpu_hw(world: int, probes: int = 3):
+    """This machine as ``world`` one-thread ranks see it: the one-thread probe (the median of ``probes``), its
+    compute rates shared out over the cores (:func:`_share`)."""
     import torch
 
     from megatronish.planner.hardware import probe_cpu
@@ -285,12 +306,18 @@ def _cpu_hw(world: int):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        hw = probe_cpu()
+        return _share(_median([probe_cpu() for _ in range(probes)]), world)
     finally:
         torch.set_num_threads(threads)
+
+
+def _share(hw, world: int):
+    """``hw`` (one thread's) as each of ``world`` one-thread ranks sees it when they outnumber the cores: the
+    matmuls', elementwise kernels' and dropout draws' rates times cores / ranks."""
     share = min(1.0, (os.cpu_count() or 1) / world)
     return dataclasses.replace(hw, peak_tflops={k: v * share for k, v in hw.peak_tflops.items()},
-                               hbm_tbps=hw.hbm_tbps * min(1.0, (os.cpu_count() or 1) / world))
+                               gemm_tflops={d: {k: v * share for k, v in t.items()} for d, t in hw.gemm_tflops.items()},
+                               hbm_tbps=hw.hbm_tbps * share, dropout_gelems=hw.dropout_gelems * share)
 
 
 def cpu(args) -> None:
@@ -298,13 +325,17 @@ def cpu(args) -> None:
     from megatronish.planner.plan import make_plan
     from megatronish.testing import run_distributed
 
-    hw = {world: _cpu_hw(world) for world in sorted({w for w, _ in CPU_LAYOUTS.values()})}
-    predicted = {name: make_plan(configs_from_args(parse_args(CPU_BASE + flags), world), hw[world])["time"]["step_s"]
+    hw = _cpu_hw(1)
+    share = {world: _share(hw, world) for world in sorted({w for w, _ in CPU_LAYOUTS.values()})}
+    predicted = {name: make_plan(configs_from_args(parse_args(CPU_BASE + flags), world), share[world])
                  for name, (world, flags) in CPU_LAYOUTS.items()}
     print(f"{os.cpu_count()} cores; base: {' '.join(CPU_BASE)}; {args.rounds} round(s) of {args.iters} steps after "
-          f"2 warm-up steps", flush=True)
+          f"2 warm-up steps; the probe: {hw.source}", flush=True)
+    print(f"probed (one thread): fp32 512^3 {hw.peak_tflops['fp32'] * 1e3:.0f} GFLOP/s, elementwise "
+          f"{hw.hbm_tbps * 1e3:.1f} GB/s, dropout draws {hw.dropout_gelems:.3f} G/s, gloo {hw.intra_node_gbps:.2f} "
+          f"GB/s and {hw.intra_node_latency_s * 1e6:.0f} us a message", flush=True)
     head = f"{'layout':22s} {'predicted ms':>12s} {'measured ms':>12s} {'pred/meas':>9s}"
-    print(f"{'round':>5s} {head}", flush=True)
+    print(f"{'round':>5s} {head} {'load':>5s}", flush=True)
     measured = {name: [] for name in CPU_LAYOUTS}
     for rnd in range(args.rounds):
         order = list(CPU_LAYOUTS) if rnd % 2 == 0 else list(reversed(CPU_LAYOUTS))
@@ -312,14 +343,19 @@ def cpu(args) -> None:
             world, flags = CPU_LAYOUTS[name]
             out = run_distributed(_measure, world, flags, args.iters, timeout=900)
             measured[name].append(max(out))  # the slowest rank's median step
-            m = statistics.median(measured[name])
-            print(f"{rnd + 1:5d} {name:22s} {predicted[name] * 1e3:12.0f} {m * 1e3:12.0f} {predicted[name] / m:9.2f}",
+            p, m = predicted[name]["time"]["step_s"], statistics.median(measured[name])
+            print(f"{rnd + 1:5d} {name:22s} {p * 1e3:12.0f} {m * 1e3:12.0f} {p / m:9.2f} {os.getloadavg()[0]:5.1f}",
                   flush=True)
-    print(f"\nmedian of the rounds:\n{head} {'spread ms':>14s}")
+    print(f"\nmedian of the rounds:\n{head} {'spread ms':>14s}  predicted terms (ms)")
+    within = 0
     for name in CPU_LAYOUTS:
-        m = statistics.median(measured[name])
+        t = predicted[name]["time"]
+        p, m = t["step_s"], statistics.median(measured[name])
+        within += abs(p / m - 1) <= 0.25
         spread = f"{min(measured[name]) * 1e3:.0f}-{max(measured[name]) * 1e3:.0f}"
-        print(f"{name:22s} {predicted[name] * 1e3:12.0f} {m * 1e3:12.0f} {predicted[name] / m:9.2f} {spread:>14s}")
+        terms = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in t["breakdown_s"].items() if v)
+        print(f"{name:22s} {p * 1e3:12.0f} {m * 1e3:12.0f} {p / m:9.2f} {spread:>14s}  {terms}")
+    print(f"within 25%: {within} of {len(CPU_LAYOUTS)}")
 
 
 def main() -> None:

@@ -21,6 +21,7 @@ A hardware file is TOML with the fields of :class:`Hardware` (``name`` optional)
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -35,7 +36,14 @@ class Hardware:
     ``fp8``); ``hbm_gib`` memory, ``hbm_tbps`` its bandwidth (TB/s); links in GB/s per direction and seconds of
     latency per message; ``gpus_per_node``: the size of the fast (NVLink) domain. ``efficiencies``: this
     entry's own achievable fractions (``GEMM_EFFICIENCY``, ... of ``planner/perf.py``), fitted on runs of this
-    card (a hardware file's ``[efficiencies]``); the model's constants where absent."""
+    card (a hardware file's ``[efficiencies]``); the model's constants where absent. ``gemm_tflops``: measured
+    matmul rates by shape, ``{dtype: {"m,k,n": TFLOP/s}}`` on the grid :data:`GEMM_GRID`, and the attention core's
+    ``{"core_<dtype>": {"s,d": TFLOP/s}}`` on :data:`CORE_GRID` (this machine's probe; the planner prices each
+    GEMM at its shape's rate instead of ``GEMM_EFFICIENCY`` of the peak, the core instead of
+    ``ATTENTION_EFFICIENCY``); empty for the datasheet entries. ``dropout_gelems``: dropout-mask elements drawn per
+    second (billions), where drawing them costs more than writing the mask (a CPU core's random-number
+    generator); 0 where the draw is part of the dropout kernel's memory pass (GPUs: Philox in registers).
+    ``device``: the torch device type the run uses there (``cpu``: no fused kernels, SDPA's CPU kernels)."""
 
     name: str
     peak_tflops: dict = field(default_factory=dict)
@@ -48,6 +56,9 @@ class Hardware:
     gpus_per_node: int = 8
     source: str = ""
     efficiencies: dict = field(default_factory=dict)
+    gemm_tflops: dict = field(default_factory=dict)
+    dropout_gelems: float = 0.0
+    device: str = "cuda"
 
     def peak(self, dtype: str) -> float:
         """Dense peak FLOP/s for ``dtype`` (falls back to bf16's for fp16, and fp32's for tf32)."""
@@ -86,34 +97,161 @@ CPU_KIND = "cpu-this-machine"
 KINDS = (*GPUS, CPU_KIND)
 
 
-def probe_cpu(seconds: float = 0.3) -> Hardware:
-    """This machine, measured now: the peak is a 512^3 fp32 and bf16 matmul's rate on the threads torch uses, the
-    memory bandwidth a large copy's (read + write), the links the loopback's (a copy's rate, 50 us per message:
-    gloo over TCP). ``hbm_gib`` is the machine's memory."""
-    def rate(fn, work: float) -> float:
-        fn()
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds / 3:
-            fn()
-            n += 1
-        return work * n / (time.perf_counter() - t0)
+# the probe's matmul shapes: every (m, k, n) over these sizes, 32 (a head's size) to 512 (larger GEMMs run at
+# about the 512 rate on a core); a shape between grid points is interpolated in log space, beyond it clamped. The
+# largest takes under 2 ms on a core: shorter than a time slice of the scheduler, so a loaded machine's other
+# processes leave some calls whole
+GEMM_GRID = (32, 128, 512)
+# the probe's elementwise kernels, those the layers run, as eager code runs them: one after another on a 4 MiB fp32
+# tensor (a score block's size), each writing a new tensor that the next one reads: a mask added (broadcast), a
+# last-dimension softmax, a product by a boolean mask (dropout), a select by one (masking), GeLU and a product;
+# the bytes each reads and writes per element
+_ELEMENTWISE = (("add_mask", 8), ("softmax", 8), ("mask_mul", 9), ("where", 13), ("gelu", 8), ("mul", 12))
+# the attention core's per-head matmuls (SDPA's math path: batched over 8 heads, keys transposed): sequence
+# lengths and head sizes, interpolated in log space between them, clamped beyond
+CORE_GRID = ((128, 512), (32, 128))
 
-    peaks = {}
+
+def _timed(fn, budget: float, reps: int = 3, best: bool = False) -> float:
+    """Seconds per call of ``fn``: one warm-up call, then up to ``reps`` calls within ``budget`` seconds (one at
+    least); their mean, or with ``best`` the fastest (a shape's own speed, free of the other processes' slices)."""
+    fn()
+    times, t0 = [], time.perf_counter()
+    while len(times) < reps and (not times or time.perf_counter() - t0 < budget):
+        t1 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t1)
+    return min(times) if best else sum(times) / len(times)
+
+
+def probe_gemm_table(dtype: torch.dtype, budget: float) -> dict:
+    """``{"m,k,n": TFLOP/s}`` of ``[m, k] @ [k, n]`` in ``dtype`` over :data:`GEMM_GRID`, each shape's fastest of 5
+    calls (its own speed, free of other processes' time slices); once ``budget`` seconds have passed, of one."""
+    t0 = time.perf_counter()
+    out = {}
+    for m in GEMM_GRID:
+        for k in GEMM_GRID:
+            a = torch.randn(m, k, dtype=dtype)
+            for n in GEMM_GRID:
+                b = torch.randn(k, n, dtype=dtype)
+                reps = 5 if time.perf_counter() - t0 < budget else 1
+                out[f"{m},{k},{n}"] = 2 * m * k * n / _timed(lambda a=a, b=b: a @ b, budget, reps, True) / 1e12
+    return out
+
+
+def probe_elementwise() -> tuple[float, float]:
+    """(bytes/s, dropout-mask elements/s) of one core's elementwise kernels: the :data:`_ELEMENTWISE` chain on a
+    ``[2, 8, 256, 256]`` fp32 tensor, the median of 8 runs (bytes read and written over its time), and
+    ``bernoulli_`` drawing a new mask of a quarter of it (fastest of 5). Each kernel writes a new tensor, as eager
+    code does: whether its pages are fresh (a page fault each, when the allocator has handed them back) varies from
+    run to run, so one run's kernels are a mix of fast and slow calls, and the chain's typical run costs about
+    twice the sum of its kernels' fastest calls; the median is that typical run."""
+    x = torch.randn(2, 8, 256, 256)
+    y = torch.randn_like(x)
+    keep = torch.rand(2, 8, 256, 256) > 0.1
+    causal = torch.ones(256, 256).tril().log()
+
+    def chain():
+        out = torch.softmax(x + causal, -1) * keep
+        return torch.nn.functional.gelu(torch.where(keep, out, y)) * y
+
+    chain()
+    runs = []
+    for _ in range(8):
+        t0 = time.perf_counter()
+        chain()
+        runs.append(time.perf_counter() - t0)
+    seconds = sorted(runs)[len(runs) // 2]
+    moved = sum(nbytes for _, nbytes in _ELEMENTWISE) * x.numel()
+    draws = x.numel() / 4 / _timed(lambda: torch.empty(x.numel() // 4).bernoulli_(0.9), 0.05, 5, True)
+    return moved / seconds, draws
+
+
+def probe_core_table(dtype: torch.dtype, budget: float) -> dict:
+    """``{"s,d": TFLOP/s}`` of the attention core's six matmuls (``Q K^T``, ``P V``, and the backward's
+    ``dO V^T``, ``P^T dO``, ``dS K``, ``dS^T Q``) batched over 8 heads of sequence ``s`` and head size ``d``, over
+    :data:`CORE_GRID`: their FLOPs over the sum of each one's fastest of 3 calls (once ``budget`` seconds have
+    passed, of one)."""
+    t0, out = time.perf_counter(), {}
+    for s in CORE_GRID[0]:
+        for d in CORE_GRID[1]:
+            q, k, v, o = (torch.randn(8, s, d, dtype=dtype) for _ in range(4))
+            p, g = torch.randn(8, s, s, dtype=dtype), torch.randn(8, s, s, dtype=dtype)
+            mms = (lambda: q @ k.transpose(1, 2), lambda: p @ v, lambda: o @ v.transpose(1, 2),
+                   lambda: p.transpose(1, 2) @ o, lambda: g @ k, lambda: g.transpose(1, 2) @ q)
+            reps = 3 if time.perf_counter() - t0 < budget else 1
+            seconds = sum(_timed(fn, budget, reps, True) for fn in mms)
+            out[f"{s},{d}"] = 6 * 2 * 8 * s * s * d / seconds / 1e12
+    return out
+
+
+def probe_cpu(seconds: float = 0.3) -> Hardware:
+    """This machine's own speed, measured now on the threads torch uses, each kernel's fastest call (free of other
+    processes' time slices: the table is the machine's, not its load's): the peak a 512^3 fp32 and bf16 matmul's
+    rate, ``gemm_tflops`` the matmuls over :data:`GEMM_GRID` and, as ``core_<dtype>``, the attention core's over
+    :data:`CORE_GRID` (:func:`probe_core_table`; both dtypes); the memory-bound rate (``hbm_tbps``)
+    one core's elementwise kernels' (:func:`probe_elementwise`: bytes read and written per second; elementwise
+    kernels on a core are bound by their instructions per element, several times below a large copy's rate),
+    ``dropout_gelems`` its ``bernoulli_`` draws; the links gloo's, two ranks in two threads of this process over
+    the loopback (:func:`probe_gloo`). Its efficiencies are 1: the rates are measured, not datasheet peaks.
+    ``hbm_gib`` is the machine's memory. About ``seconds`` on an idle core."""
+    peaks, table = {}, {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         a = torch.randn(512, 512, dtype=dtype)
-        peaks[name] = rate(lambda a=a: a @ a, 2 * 512 ** 3) / 1e12
-    src = torch.empty(16 * 2 ** 20, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    bw = rate(lambda: dst.copy_(src), 2 * src.numel() * 4) / 1e12
+        peaks[name] = 2 * 512 ** 3 / _timed(lambda a=a: a @ a, seconds / 6, 5, True) / 1e12
+        table[name] = probe_gemm_table(dtype, seconds / 6)
+        table[f"core_{name}"] = probe_core_table(dtype, seconds / 6)
+    elementwise, draws = probe_elementwise()
+    gbps, latency = probe_gloo()
     try:
         import os
 
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
     except (ValueError, OSError, AttributeError):
         mem = 16.0
-    link = bw * 1e3 / 4  # GB/s: a socket moves data at a fraction of a copy's rate
-    return Hardware(CPU_KIND, peaks, mem, bw, link, link, 50e-6, 50e-6, gpus_per_node=1 << 20,
-                    source=f"measured now: {torch.get_num_threads()} threads, 512^3 matmul, 64 MiB copy")
+    return Hardware(CPU_KIND, peaks, mem, elementwise / 1e12, gbps, gbps, latency, latency, gpus_per_node=1 << 20,
+                    source=f"measured now: {torch.get_num_threads()} threads, 512^3 matmul and a shape grid, "
+                           f"elementwise kernels on 4 MiB, gloo over the loopback",
+                    efficiencies={"GEMM_EFFICIENCY": 1.0, "ATTENTION_EFFICIENCY": 1.0, "MEMORY_EFFICIENCY": 1.0,
+                                  "LINK_EFFICIENCY": 1.0},
+                    gemm_tflops=table, dropout_gelems=draws / 1e9, device="cpu")
+
+
+def probe_gloo() -> tuple[float, float]:
+    """(GB/s, seconds per message) of gloo between two ranks over the loopback: two gloo process groups in two
+    threads of this process (an in-process store: no process group of the caller's is touched). A 4-byte
+    all-reduce's time is two ring steps' latency, a 4 MiB all-reduce's time less that moves ``2 (n-1)/n`` of its
+    bytes (``planner/perf.py``'s ring); each the fastest of 5 after one warm-up."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    store, groups, out = dist.HashStore(), [None, None], {}
+
+    def make(rank):
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        opts._timeout = datetime.timedelta(seconds=30)
+        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, opts)
+
+    def run(rank, numel):
+        x = torch.ones(numel)
+        out[rank] = _timed(lambda: groups[rank].allreduce([x]).wait(), math.inf, 5, True)  # both ranks: 6 calls
+
+    def both(fn, *args):
+        threads = [threading.Thread(target=fn, args=(r, *args)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    both(make)
+    both(run, 1)
+    latency = max(out.values()) / 2
+    both(run, 2 ** 20)
+    seconds = max(max(out.values()) - 2 * latency, 1e-9)
+    return 2 ** 22 / seconds / 1e9, latency
 
 
 def load_hardware(kind: str, gpus_per_node: int | None = None, hardware_file: str | None = None) -> Hardware:
@@ -157,4 +295,5 @@ def load_hardware(kind: str, gpus_per_node: int | None = None, hardware_file: st
     return hw
 
 
-__all__ = ["Hardware", "GPUS", "KINDS", "CPU_KIND", "probe_cpu", "load_hardware"]
+__all__ = ["Hardware", "GPUS", "KINDS", "CPU_KIND", "GEMM_GRID", "CORE_GRID", "probe_cpu", "probe_gemm_table",
+           "probe_core_table", "probe_elementwise", "probe_gloo", "load_hardware"]

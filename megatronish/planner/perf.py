@@ -32,13 +32,24 @@ the compute (:func:`stage_imbalance`). MLA's head sizes and the MTP depths count
 
 The efficiencies are the module's constants unless the hardware entry carries its own (``hw.efficiencies``,
 fitted per card on published runs: docs/planner.md, "Against published runs").
+
+A measured machine (``cpu-this-machine``: ``hardware.probe_cpu``) carries its rates, not a peak to take a share of:
+the GEMMs run at its matmul table's rates at this layout's own shapes (:func:`gemm_shapes`, a FLOP-weighted
+harmonic mean), the attention core at its core table's rate at this layout's sequence and head size; an attention
+core that writes out its score matrix (SDPA's math path, the explicit softmax: ``attention_core_kind``) computes
+every score, masked or not, and passes over the matrix elementwise (:data:`SCORE_ACCESSES`); with no fused
+kernels the layers' elementwise work is :data:`EAGER_ELEMENTS` (the ops one by one, and the gradients' accumulation
+each microbatch) at the probed elementwise rate; dropout masks cost their draws at the probed rate
+(``dropout_gelems``; 0 on GPUs: drawn inside the kernel's memory pass); gloo's links are probed.
 """
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 from ..training.flops import num_floating_point_operations
+from .activations import attention_core_path
 from .comms import GroupSizes, ddp_estimate, fsdp_estimate, group_span, step_collectives
 
 # defaults for a card without its own efficiencies: one fit over both published stacks (torchtitan's Llama 3.1 8B
@@ -52,6 +63,21 @@ MEMORY_BOUND_BYTES = 60  # per token and hidden unit, forward + backward, one la
 COMPILED_MEMORY_FACTOR = 0.5  # torch.compile fuses the elementwise chains: about half the traffic is left
 FP8_CAST_BYTES = 5  # per element cast to fp8: read 16 bits twice (amax, cast), write 8 bits
 EFFICIENCIES = ("GEMM_EFFICIENCY", "ATTENTION_EFFICIENCY", "MEMORY_EFFICIENCY", "LINK_EFFICIENCY")
+# Eager (unfused) elementwise work, the CPU path's (no fused kernels): elements read and written per token, forward
+# + backward, one GPT layer, counted from its ops. Split by TP: the queries', keys' and values' layout copies and
+# scalings, their gradients' assembly, the QKV and projection biases' gradients (34 h), and the MLP's GeLU
+# forward and backward and its first bias's gradient (6 ffn; SwiGLU's gate and product: 12 ffn). Split by TP only
+# under SP: the two norms, the two dropouts' products and the two residual additions, forward and backward, and
+# the second bias's gradient (32 h). Each microbatch also adds every weight's gradient into its accumulator (read
+# both, write: 3 per parameter).
+EAGER_ELEMENTS = {"tp_h": 34, "tp_ffn": 6, "tp_ffn_swiglu": 12, "sp_h": 32, "grad_accumulation": 3}
+# An attention core that writes out its score matrix (``model.attention.attention_core_kind`` "math" or "local":
+# torch's SDPA math path, the explicit softmax) reads and writes it elementwise; elements accessed per score, from
+# the path's ops. Forward: the mask added (read, write), the softmax (read, write), its fully-masked-row guard
+# (test, select: 3); backward: the softmax's (read the output and its gradient, write: 3) and the guard's select
+# (2). With attention dropout, forward: the mask drawn (write), scaled (read, write) and applied (read two,
+# write), backward applied again (3).
+SCORE_ACCESSES = {"forward": 7, "backward": 5, "dropout_forward": 6, "dropout_backward": 3}
 # A collective hidden behind compute still costs the compute this share of its time: NCCL's kernels occupy SMs
 # (one per channel, 16 to 32 channels on H100) and HBM bandwidth the GEMMs then lack; stated, not fitted.
 OVERLAP_COST = 0.2
@@ -186,6 +212,109 @@ def fsdp_exposed(cfg, fsdp_s: float, compute: float) -> tuple[float, float]:
     return fsdp_s - hidden, hidden
 
 
+def table_tflops(table: dict, *sizes: int) -> float:
+    """TFLOP/s at ``sizes`` from a measured ``{"a,b,...": TFLOP/s}`` table over a grid (its keys' values, a tuple
+    of points a size: ``hardware.GEMM_GRID`` for each of a matmul's ``m, k, n``, ``hardware.CORE_GRID``): the log
+    of the rate interpolated linearly in each size's log between the grid points around it (clamped to the grid's
+    ends)."""
+    keys = [tuple(int(x) for x in k.split(",")) for k in table]
+    grid = [sorted({k[i] for k in keys}) for i in range(len(sizes))]
+    corners = []
+    for x, points in zip(sizes, grid):
+        logs = [math.log(g) for g in points]
+        lx = min(max(math.log(max(x, 1)), logs[0]), logs[-1])
+        i = max(j for j in range(len(logs) - 1) if logs[j] <= lx) if lx < logs[-1] else len(logs) - 2
+        w = (lx - logs[i]) / (logs[i + 1] - logs[i])
+        corners.append(((points[i], 1.0 - w), (points[i + 1], w)))
+    out = 0.0
+    for corner in itertools.product(*corners):
+        weight = math.prod(w for _, w in corner)
+        if weight:
+            out += weight * math.log(table[",".join(str(g) for g, _ in corner)])
+    return math.exp(out)
+
+
+def gemm_shapes(cfg) -> list:
+    """The layers' and output layer's GEMMs of one microbatch on one rank: ``(m, k, n, weight)`` of each forward
+    matmul and of its two backward ones (``dX = dY W^T``: ``m, n, k``; ``dW = X^T dY``: ``k, m, n``), ``weight``
+    its count per layer (-1: once, the output layer). The linears: QKV, projection, the MLP's two (a routed
+    expert's at its tokens: the top-k share of them), each split by TP."""
+    m, par, t = cfg.model, cfg.parallel, cfg.train
+    tokens = t.micro_batch_size * m.seq_length // par.cp
+    h, tp, d = m.hidden_size, par.tp, m.kv_channels or 1
+    heads, groups = m.num_attention_heads, m.num_query_groups or m.num_attention_heads
+    ffn, mtok = m.ffn_hidden_size, tokens
+    if m.moe.num_experts:
+        ffn = m.moe.moe_ffn_hidden_size or ffn
+        mtok = max(1, tokens * m.moe.moe_router_topk // m.moe.num_experts)
+    up = ffn * (2 if m.swiglu else 1)
+    fwd = [(tokens, h, (heads + 2 * groups) * d // tp, 1), (tokens, heads * d // tp, h, 1),
+           (mtok, h, up // tp, 1), (mtok, ffn // tp, h, 1), (tokens, h, m.padded_vocab_size(tp) // tp, -1)]
+    return [x for a, b, c, w in fwd for x in ((a, b, c, w), (a, c, b, w), (b, a, c, w))]
+
+
+def _table(hw, dtype: str) -> dict | None:
+    return (getattr(hw, "gemm_tflops", None) or {}).get({"fp16": "bf16", "tf32": "fp32"}.get(dtype, dtype))
+
+
+def measured_tflops(hw, dtype: str, shapes: list, layers: float) -> float | None:
+    """The FLOP-weighted (harmonic) mean TFLOP/s of ``shapes`` (:func:`gemm_shapes`' ``(m, k, n, weight)``, a
+    weight of -1 once, the others ``layers`` times) from ``hw.gemm_tflops``; None without a table."""
+    table = _table(hw, dtype)
+    if not table:
+        return None
+    flops = seconds = 0.0
+    for a, b, c, w in shapes:
+        f = 2.0 * a * b * c * (1.0 if w < 0 else w * layers)
+        flops += f
+        seconds += f / table_tflops(table, a, b, c)
+    return flops / seconds
+
+
+def core_tflops(hw, dtype: str, cfg) -> float | None:
+    """The attention core's matmuls' TFLOP/s from ``hw.gemm_tflops``' ``core_<dtype>`` table at this layout's
+    sequence (its CP share) and head size (MLA: the query/key head's); None without a table."""
+    table = _table(hw, "core_" + {"fp16": "bf16", "tf32": "fp32"}.get(dtype, dtype))
+    if not table:
+        return None
+    m = cfg.model
+    at = m.attention
+    d = at.qk_head_dim + at.qk_pos_emb_head_dim if at.multi_latent_attention else (m.kv_channels or 1)
+    return table_tflops(table, m.seq_length // cfg.parallel.cp, d)
+
+
+def _eager_bytes(cfg, tokens: float, e: int) -> float:
+    """One layer's eager elementwise bytes on one rank for ``tokens`` of its tokens (:data:`EAGER_ELEMENTS`)."""
+    m, tp = cfg.model, cfg.parallel.tp
+    a = EAGER_ELEMENTS
+    ffn = a["tp_ffn_swiglu" if m.swiglu else "tp_ffn"] * m.ffn_hidden_size
+    per_token = (a["tp_h"] * m.hidden_size + ffn) / tp + a["sp_h"] * m.hidden_size / (tp if cfg.sequence_parallel
+                                                                                        else 1)
+    return tokens * per_token * e
+
+
+def _scores_and_draws(cfg, scores: bool, tokens_rank: float, again: float, attn_again: float,
+                      e: int) -> tuple[float, float]:
+    """(bytes, dropout-mask elements) of one step on one rank beyond the layers' ``MEMORY_BOUND_BYTES``: the score
+    matrix's elementwise passes where the core writes it out (:data:`SCORE_ACCESSES` of ``e`` bytes each, the
+    forward's again under recompute), and the dropout masks drawn (the scores' under attention dropout, two of
+    ``h`` per token and layer under hidden dropout, SP's share of them, and the embedding's)."""
+    m, par = cfg.model, cfg.parallel
+    layers = (m.num_layers + (m.mtp_num_layers or 0)) / par.pp
+    n_scores = tokens_rank * m.seq_length / par.cp * m.num_attention_heads / par.tp * layers if scores else 0.0
+    p_attn = m.attention.attention_dropout if scores else 0.0
+    a = SCORE_ACCESSES
+    fwd = a["forward"] + (a["dropout_forward"] if p_attn else 0)
+    bwd = a["backward"] + (a["dropout_backward"] if p_attn else 0)
+    redo = 3 * attn_again  # the core's forward again: selective recompute, full recompute's share
+    score_bytes = n_scores * (fwd * (1 + redo) + bwd) * e
+    draws = n_scores * (1 + redo) if p_attn else 0.0
+    if m.hidden_dropout:
+        sp = par.tp if cfg.sequence_parallel else 1
+        draws += tokens_rank * m.hidden_size / sp * (2 * layers * (1 + again) + (1 if par.pp == 1 else 0))
+    return score_bytes, draws
+
+
 def step_time(cfg, hw, state, colls=None, rank: int | None = None, *, tp_overlap: bool = False,
               efficiencies: dict | None = None) -> dict:
     """Predicted seconds of one iteration and its breakdown. ``state``: the fullest rank's
@@ -212,10 +341,16 @@ def step_time(cfg, hw, state, colls=None, rank: int | None = None, *, tp_overlap
     again = _recomputed_share(cfg)
     logits = 6.0 * gbs * s * h * m.padded_vocab_size(1) * (1 + D)
     layer_share = 1.0 - logits / flops
-    gemm_s = (flops - attn) * (1.0 + layer_share * again / 3) / world / (hw.peak(dtype) * eff["GEMM_EFFICIENCY"])
+    gemm_rate = measured_tflops(hw, dtype, gemm_shapes(cfg), (L + D) / p)
+    gemm_rate = gemm_rate * 1e12 if gemm_rate else hw.peak(dtype) * eff["GEMM_EFFICIENCY"]
+    gemm_s = (flops - attn) * (1.0 + layer_share * again / 3) / world / gemm_rate
     attn_again = 1 / 3 if again or m.recompute.recompute_granularity == "selective" else 0.0
-    attn_peak = hw.peak("bf16" if e == 2 else "tf32")
-    attn_s = attn / 2 * (1 + attn_again) / world / (attn_peak * eff["ATTENTION_EFFICIENCY"])
+    attn_dtype = "bf16" if e == 2 else "tf32"
+    core_rate = core_tflops(hw, attn_dtype, cfg)
+    core_rate = core_rate * 1e12 if core_rate else hw.peak(attn_dtype) * eff["ATTENTION_EFFICIENCY"]
+    kind = attention_core_path(cfg, cpu=getattr(hw, "device", "cuda") == "cpu")
+    scores = kind != "flash"  # the score matrix written out: every score computed, the masked ones too
+    attn_s = attn * (1.0 if scores else 0.5) * (1 + attn_again) / world / core_rate
     slowest = stage_imbalance(cfg, logits / flops)
     tokens_rank = t.global_batch_size * s / (par.dp * par.cp)  # this rank's tokens per step (its DP x CP share)
     per_token = MEMORY_BOUND_BYTES * e / 2 * (1 + again / 3)
@@ -224,9 +359,17 @@ def step_time(cfg, hw, state, colls=None, rank: int | None = None, *, tp_overlap
     if dtype == "fp8":  # each GEMM's input and output gradient cast: ~3 (h + h + h + ffn) elements a token, twice
         per_token += FP8_CAST_BYTES * 2 * (3 + m.ffn_hidden_size / h) * (1 + again / 3)
     layer_bytes = tokens_rank * per_token * h * ((L + D) / p) / par.tp
-    mem_s = (layer_bytes * slowest + 2 * state.total) / (hw.hbm_tbps * 1e12 * eff["MEMORY_EFFICIENCY"])
+    accumulate = 0.0
+    if getattr(hw, "device", "cuda") == "cpu":  # no fused kernels: the layers' elementwise ops one by one
+        layer_bytes = _eager_bytes(cfg, tokens_rank, e) * (1 + again / 3) * ((L + D) / p)
+        accumulate = EAGER_ELEMENTS["grad_accumulation"] * 4 * state.num_params * M  # fp32 accumulators
+    score_bytes, draws = _scores_and_draws(cfg, scores, tokens_rank, again, attn_again, e)
+    mem_s = (layer_bytes * slowest + score_bytes * slowest + 2 * state.total + accumulate) / \
+        (hw.hbm_tbps * 1e12 * eff["MEMORY_EFFICIENCY"])
+    rng = getattr(hw, "dropout_gelems", 0.0)
+    dropout_s = draws * slowest / (rng * 1e9) if rng else 0.0
     gemm_s, attn_s = gemm_s * slowest, attn_s * slowest  # (the optimizer step reads and writes its state)
-    compute = gemm_s + attn_s + mem_s
+    compute = gemm_s + attn_s + mem_s + dropout_s
     per_mb = compute / M  # one microbatch through this rank's layers, forward + backward
     bubble = bubble_fraction(p, v, M, par.pipeline_schedule) * compute
 
@@ -269,7 +412,8 @@ def step_time(cfg, hw, state, colls=None, rank: int | None = None, *, tp_overlap
     tflops = flops / step / world / 1e12
     return {"step_s": step, "tokens_per_s_per_gpu": tokens / step / world, "model_tflops_per_gpu": tflops,
             "mfu": tflops * 1e12 / hw.peak("bf16"), "flops_per_step": flops,
-            "breakdown_s": {"gemm": gemm_s, "attention": attn_s, "memory_bound": mem_s, "bubble": bubble,
+            "breakdown_s": {"gemm": gemm_s, "attention": attn_s, "memory_bound": mem_s,
+                            **({"dropout_draws": dropout_s} if dropout_s else {}), "bubble": bubble,
                             **{f"exposed_{k}": x for k, x in exposed.items()}},
             "comm_s": comm_s, "comm_by_role_s": by_role, "comm_bytes": comm_bytes}
 
