@@ -29,7 +29,9 @@ def wrap_model_chunks(models, cfg, parallel: ParallelContext, print_fn=print) ->
         reshard = resolve_reshard_after_forward(o.fsdp_reshard_after_forward, cfg.parallel.pp > 1)
         return [FullyShardedDataParallel(m, dp_group=parallel.dp_cp_group, param_dtype=o.params_dtype,
                                          reduce_dtype=o.grad_dtype, reshard_after_forward=reshard,
-                                         prefetch_layers=o.fsdp_prefetch_layers) for m in models]
+                                         prefetch_layers=o.fsdp_prefetch_layers)
+                if any(True for _ in m.parameters()) else DistributedDataParallel(m, dp_group=parallel.dp_cp_group)
+                for m in models]  # (an empty pipeline stage has nothing to shard)
     return [DistributedDataParallel(m, dp_group=parallel.dp_cp_group, overlap_grad_reduce=o.overlap_grad_reduce,
                                     bucket_size=o.ddp_bucket_size, grad_dtype=o.grad_dtype,
                                     use_distributed_optimizer=o.use_distributed_optimizer,

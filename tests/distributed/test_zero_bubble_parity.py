@@ -12,8 +12,8 @@ last rank empty) and DualPipeV ``E|tt||ttL`` at PP 2. Receives posted ahead
 (``--overlap-p2p-communication``) give the same numbers under DualPipeV at PP 4, ZBV and interleaved 1F1B (whose
 steady state then exchanges in two halves). Through the training step, in the same group: ZB-H1 at CP 2 x PP 2, ZBV
 with mixture of experts at EP 2 x PP 2 (distributed optimizer, overlapped bucket reduction), ZBV with FSDP2 at
-DP 2 x PP 2 and DualPipeV at TP 2 + SP x PP 2 with selective recompute equal one process (losses, every
-iteration's reduced gradients, the parameters after the steps)."""
+DP 2 x PP 2 (also with an empty stage, ``Et|tt||tL``) and DualPipeV at TP 2 + SP x PP 2 with selective recompute
+equal one process (losses, every iteration's reduced gradients, the parameters after the steps)."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -222,6 +222,8 @@ TRAIN_CASES = [  # (model, the layout's flags)
     ("moe", PP2 + ["--pipeline-schedule", "zbv", "--expert-model-parallel-size", "2", "--use-distributed-optimizer",
                    "--overlap-grad-reduce", "--ddp-bucket-size", "2000"]),  # EP 2 (DP 2) x PP 2
     ("dense", PP2 + ["--pipeline-schedule", "zbv", "--use-torch-fsdp2"]),  # FSDP2 DP 2 x PP 2, two units per rank
+    ("dense", PP2 + ["--pipeline-schedule", "zbv", "--use-torch-fsdp2", "--pipeline-model-parallel-layout",
+                     "Et|tt||tL"]),  # FSDP2 beside an empty stage (nothing to shard there)
     ("dense", PP2 + ["--pipeline-schedule", "dualpipev", "--tensor-model-parallel-size", "2", "--sequence-parallel",
                      "--recompute-activations"]),  # TP 2 + SP x PP 2, selective recompute, m = 2p
 ]
