@@ -10,7 +10,7 @@ Under ``--pipeline-schedule zbv`` the two chunks form a V: chunk 1 on rank ``r``
 (rank 0, chunk 0); the final norm, output layer and loss on global stage ``p*v-1`` (rank ``p-1``, chunk ``v-1``;
 in a V rank 0, chunk 1). A layout may put the multi-token-prediction layers on a stage of their own before the
 loss's (``ParallelDims.mtp_stage``): that chunk runs them, with the final norm and a copy of the word embedding,
-and every pipeline message then carries ``ParallelDims.message_blocks`` blocks along the sequence. Parameters take
+and the messages from it on carry ``ParallelDims.message_blocks`` blocks along the sequence. Parameters take
 global names, so ``init_parameters(seed)`` gives every chunk its piece of
 the one-process model and a checkpoint of one layout loads into any other.
 """

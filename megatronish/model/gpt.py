@@ -87,7 +87,7 @@ class GPTModel(nn.Module):
         the multi-token-prediction depths, with the final norm and (off the first stage) a copy of the word
         embedding (None: the last stage does, under ``--mtp-num-layers``); ``after_mtp`` marks the stages after
         it (no layers: they pass the depths on, the loss stage splits them off); ``message_blocks`` (``1 + D``)
-        is how many ``[s, b, h]`` blocks every pipeline message carries along the sequence."""
+        is how many ``[s, b, h]`` blocks the pipeline messages carry along the sequence from the MTP stage on."""
         super().__init__()
         c = config
         self.parallel = parallel = parallel or ParallelContext.single()
@@ -211,8 +211,6 @@ class GPTModel(nn.Module):
                 position_ids = position_ids.expand_as(input_ids)  # [b, s]
         x = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor
         blocks = self.message_blocks if inference_params is None else 1  # generation sends one block
-        if blocks > 1 and not (self.pre_process or self.after_mtp):
-            x = x[: x.size(0) // blocks]  # up to the MTP stage the hidden states are the first block
         rotary = None
         if self.rotary is not None:
             s = x.size(0) * (p.tp_size if self.sequence_parallel else 1)  # this CP rank's tokens
@@ -230,9 +228,9 @@ class GPTModel(nn.Module):
         if self.mtp is not None and labels is not None and inference_params is None:
             depths = self.mtp(x, input_ids, position_ids, self.embedding, rotary, document_ids)
         if not self.post_process:
-            if blocks == 1 or self.after_mtp:
+            if blocks == 1 or not self.mtp_process:
                 return x
-            # the decoder's hidden states, then each depth's (zeros before the MTP stage) along the sequence
+            # the MTP stage: the decoder's hidden states, then each depth's (zeros without labels) along the sequence
             pad = [] if depths else [x.new_zeros((blocks - 1) * x.size(0), *x.shape[1:])]
             return torch.cat([x, *depths, *pad])
         if blocks > 1 and self.after_mtp:  # the loss stage after a standalone MTP stage splits its message

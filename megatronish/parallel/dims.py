@@ -326,12 +326,17 @@ class ParallelDims:
 
     @property
     def message_blocks(self) -> int:
-        """``[s, b, h]`` blocks, along the sequence, in every pipeline message: ``1 + D`` under a standalone MTP
-        stage of ``D`` layers (it sends the decoder's hidden states and each depth's; the stages before it send
-        theirs and zeros), else 1."""
+        """``[s, b, h]`` blocks, along the sequence, in the pipeline messages from a standalone MTP stage of ``D``
+        layers on: ``1 + D`` (it sends the decoder's hidden states and each depth's), else 1."""
         if self.mtp_stage is None:
             return 1
         return 1 + "".join(pipeline_layout.parse_layout(self.pipeline_model_parallel_layout)).count("m")
+
+    def stage_message_blocks(self, stage: int) -> int:
+        """Sequence blocks of global ``stage``'s output message: :attr:`message_blocks` from a standalone MTP stage
+        on, 1 before it."""
+        mtp = self.mtp_stage
+        return self.message_blocks if mtp is not None and stage >= mtp else 1
 
     @property
     def loss_pp_rank(self) -> int:

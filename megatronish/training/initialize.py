@@ -105,9 +105,8 @@ def enable_fp8_linears(models, model_cfg):
 
 def _tensor_shape(cfg):
     m = cfg.model
-    s, b, h = pipeline_tensor_shape(m.seq_length, cfg.train.micro_batch_size, m.hidden_size, tp=cfg.parallel.tp,
-                                    cp=cfg.parallel.cp, sequence_parallel=cfg.sequence_parallel)
-    return s * cfg.parallel.message_blocks, b, h  # a standalone MTP stage's depths ride along the sequence
+    return pipeline_tensor_shape(m.seq_length, cfg.train.micro_batch_size, m.hidden_size, tp=cfg.parallel.tp,
+                                 cp=cfg.parallel.cp, sequence_parallel=cfg.sequence_parallel)
 
 
 

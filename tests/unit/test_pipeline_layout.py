@@ -244,13 +244,15 @@ def test_an_empty_stage_passes_its_input_on():
 
 def test_a_standalone_mtp_stage():
     """Megatron-LM's DeepSeek-V3 layout ``Et*3|(tt|)*29,m|L`` (PP 16 x VP 2): the MTP layer alone on stage 30, the
-    loss alone on 31. Every message carries the decoder's hidden states and the depth's (2 blocks); the MTP stage's
-    rank joins the embedding group (its copy of the word embedding looks the shifted tokens up), the last rank only
-    when the output layer is tied. The MTP chunk holds the final norm and the depth, the loss chunk neither."""
+    loss alone on 31. The messages from the MTP stage on carry the decoder's hidden states and the depth's (2
+    blocks); the MTP stage's rank joins the embedding group (its copy of the word embedding looks the shifted tokens
+    up), the last rank only when the output layer is tied. The MTP chunk holds the final norm and the depth, the
+    loss chunk neither."""
     text = "Et*3|(tt|)*29,m|L"
     dims = ParallelDims(world_size=16, pp=16, vp=2, pipeline_model_parallel_layout=text,
                         untie_embeddings_and_output_weights=True)
     assert (dims.mtp_stage, dims.message_blocks, dims.place_stage(30)) == (30, 2, (14, 1))
+    assert [dims.stage_message_blocks(s) for s in (0, 29, 30)] == [1, 1, 2]  # 2 blocks from the MTP stage on
     assert dims.stage_layer_counts(61)[-3:] == (2, 0, 0) and dims.rank_num_layers(61, 14) == 2
     assert dims.embedding_pp_ranks() == [0, 14] and dims.embedding_groups()[0] == [0, 14]
     tied = ParallelDims(world_size=16, pp=16, vp=2, pipeline_model_parallel_layout=text)

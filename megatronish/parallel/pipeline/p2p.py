@@ -1,7 +1,9 @@
 """Point-to-point communication between adjacent pipeline ranks.
 
-Activations travel forward (rank r -> r+1) and their gradients backward (r+1 -> r), always as tensors of
-one fixed shape ``(s [/t under sequence parallelism], b, h)`` in the pipeline dtype. Every call posts all of
+Activations travel forward (rank r -> r+1) and their gradients backward (r+1 -> r), as tensors of one shape
+``(s [/t under sequence parallelism], b, h)`` in the pipeline dtype, but from a standalone MTP stage on (a layout's
+``m`` before the loss's stage), whose messages hold ``1 + D`` such blocks along the sequence: each receive is
+posted for a local chunk, whose stage gives its shape (:meth:`P2PCommunicator.recv_shape`). Every call posts all of
 its sends and receives in one ``torch.distributed.batch_isend_irecv`` and waits for them (on gloo the receives
 are posted ahead and the sends waited for at the end, below), which works on gloo (CPU) and NCCL (GPU).
 
@@ -117,6 +119,7 @@ class P2PCommunicator:
             device = _device.current_device()
         self.device = torch.device(device)
         self.group = parallel.pp_group
+        self.dims = parallel.dims  # which stage a local chunk is, and how many sequence blocks its messages carry
         self.pp_rank, self.pp_size = parallel.pp_rank, parallel.pp_size
         self.next_rank, self.prev_rank = parallel.next_pp_rank, parallel.prev_pp_rank
         self.timeline = timeline
@@ -125,7 +128,7 @@ class P2PCommunicator:
         # the requests posted, oldest first, and how many more this iteration will take (see expect()).
         self.ahead = _per_op_requests(self.group)
         self._posted = {"activation": deque(), "gradient": deque()}
-        self._to_post = {"activation": 0, "gradient": 0}
+        self._to_post = {"activation": deque(), "gradient": deque()}  # the receiving local chunks, in order
         self._ensure_ready(parallel.p2p_ready)
 
     @property
@@ -145,8 +148,17 @@ class P2PCommunicator:
         ready.add(id(self.group))
 
     # ---- the one transport -------------------------------------------------------------------------------
+    def recv_shape(self, kind: str, chunk: int = 0) -> tuple[int, int, int]:
+        """Shape of an ``activation`` (``gradient``) received for local ``chunk``: the pipeline tensor shape with
+        as many sequence blocks as the previous (this) stage's output carries (``ParallelDims.stage_message_blocks``:
+        ``1 + D`` from a standalone MTP stage on, else 1)."""
+        stage = self.dims.stage_of(self.pp_rank, chunk) - (kind == "activation")
+        s, b, h = self.tensor_shape
+        return s * self.dims.stage_message_blocks(stage), b, h
+
     def _check(self, t: torch.Tensor, what: str) -> torch.Tensor:
-        if tuple(t.shape) != self.tensor_shape:
+        s, b, h = self.tensor_shape
+        if tuple(t.shape) not in {(s, b, h), (s * self.dims.message_blocks, b, h)}:  # (a standalone MTP stage's)
             raise ValueError(f"pipeline {what} has shape {tuple(t.shape)} but the pipeline tensor shape is "
                              f"{self.tensor_shape} ([seq / (TP under sequence parallelism) / CP, micro batch, "
                              f"hidden]); every stage must output [s, b, h] of that shape")
@@ -155,28 +167,30 @@ class P2PCommunicator:
                              f"build the communicator with the model's activation dtype")
         return t.detach().contiguous()
 
-    def expect(self, activations: int, gradients: int) -> None:
-        """This iteration receives ``activations`` from the previous rank and ``gradients`` from the next: on gloo
-        the first :data:`RECEIVES_AHEAD` of each are posted now, and each receive taken posts the next, so a
-        message moves as soon as it is sent (a gloo send waits for its receive to be posted) and no rank waits
-        for the other end of an exchange to reach it. Each kind is received in the schedule's order, so every
-        message still lands where it did."""
+    def expect(self, activations, gradients) -> None:
+        """This iteration receives ``activations`` from the previous rank and ``gradients`` from the next (each a
+        count, for local chunk 0, or the receiving local chunks in arrival order): on gloo the first
+        :data:`RECEIVES_AHEAD` of each are posted now, and each receive taken posts the next, so a message moves
+        as soon as it is sent (a gloo send waits for its receive to be posted) and no rank waits for the other end
+        of an exchange to reach it. Each kind is received in the schedule's order, so every message still lands
+        where it did."""
         if not self.ahead:
             return
         if any(self._posted.values()) or any(self._to_post.values()):
             raise RuntimeError("pipeline schedule error: receives left posted from the previous iteration")
-        self._to_post = {"activation": int(activations), "gradient": int(gradients)}
+        self._to_post = {kind: deque([0] * n if isinstance(n, int) else n)
+                         for kind, n in (("activation", activations), ("gradient", gradients))}
         for kind in self._posted:
             self._post_ahead(kind)
 
     def _post_ahead(self, kind: str) -> None:
         posted = self._posted[kind]
-        while self._to_post[kind] > 0 and len(posted) < RECEIVES_AHEAD:
-            buf = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device)
+        while self._to_post[kind] and len(posted) < RECEIVES_AHEAD:
+            buf = torch.empty(self.recv_shape(kind, self._to_post[kind].popleft()), dtype=self.dtype,
+                              device=self.device)
             peer, tag = (self.prev_rank, _TAG_ACTIVATION) if kind == "activation" else (self.next_rank, _TAG_GRADIENT)
             req, = comm.batch_isend_irecv([comm.P2POp(comm.IRECV, buf, peer, self.group, tag)])
             posted.append(Pending(buf, [req], kind, self.timeline))
-            self._to_post[kind] -= 1
 
     def _take(self, kind: str) -> Pending:
         posted = self._posted[kind]
@@ -198,18 +212,19 @@ class P2PCommunicator:
         return ops
 
     def _communicate(self, name: str, send_next=None, send_prev=None, recv_prev: bool = False,
-                     recv_next: bool = False):
+                     recv_next: bool = False, prev_chunk: int = 0, next_chunk: int = 0):
         """One exchange: ``(received from prev, received from next)``. On gloo :meth:`_exchange_ahead`; otherwise
         every send/recv posted in one batch (fixed order, see the module docstring) and waited for (``overlap``:
-        the receives come back :class:`Pending`, the sends are waited for in :meth:`wait_sends`)."""
+        the receives come back :class:`Pending`, the sends are waited for in :meth:`wait_sends`). ``prev_chunk``
+        / ``next_chunk``: the local chunks the received activation / gradient are for (their shapes)."""
         if self.ahead:
             return self._exchange_ahead(name, send_next, send_prev, recv_prev, recv_next)
         ops, from_prev, from_next = self._sends_of(send_next, send_prev), None, None
         if recv_prev:
-            from_prev = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device)
+            from_prev = torch.empty(self.recv_shape("activation", prev_chunk), dtype=self.dtype, device=self.device)
             ops.append(comm.P2POp(comm.IRECV, from_prev, self.prev_rank, self.group, _TAG_ACTIVATION))
         if recv_next:
-            from_next = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device)
+            from_next = torch.empty(self.recv_shape("gradient", next_chunk), dtype=self.dtype, device=self.device)
             ops.append(comm.P2POp(comm.IRECV, from_next, self.next_rank, self.group, _TAG_GRADIENT))
         if ops and self.overlap:
             with span(self.timeline, name, "comm"):
@@ -257,19 +272,22 @@ class P2PCommunicator:
                 req.wait()
         self._sends = []
         if self.ahead and (any(self._posted.values()) or any(self._to_post.values())):
-            left = {k: len(self._posted[k]) + self._to_post[k] for k in self._posted}
+            left = {k: len(self._posted[k]) + len(self._to_post[k]) for k in self._posted}
             self._posted = {k: deque() for k in self._posted}
-            self._to_post = {k: 0 for k in self._to_post}
+            self._to_post = {k: deque() for k in self._to_post}
             raise RuntimeError(f"pipeline schedule error: receives announced but not taken: {left}")
 
     # ---- 1F1B (pipeline ends skipped) --------------------------------------------------------------------
-    def recv_forward(self):
-        """Activation from the previous stage (``None`` on the first stage)."""
-        return None if self.is_first_stage else self._communicate("recv_forward", recv_prev=True)[0]
+    def recv_forward(self, chunk: int = 0):
+        """Activation from the previous stage (``None`` on the first stage); ``chunk``: the local chunk it is for
+        (the interleaved schedule)."""
+        return None if self.is_first_stage else self._communicate("recv_forward", recv_prev=True,
+                                                                  prev_chunk=chunk)[0]
 
-    def recv_backward(self):
+    def recv_backward(self, chunk: int = 0):
         """Gradient from the next stage (``None`` on the last stage)."""
-        return None if self.is_last_stage else self._communicate("recv_backward", recv_next=True)[1]
+        return None if self.is_last_stage else self._communicate("recv_backward", recv_next=True,
+                                                                 next_chunk=chunk)[1]
 
     def send_forward(self, output) -> None:
         if not self.is_last_stage and output is not None:
@@ -292,16 +310,21 @@ class P2PCommunicator:
         return self._communicate("send_backward_recv_forward", send_prev=input_grad, recv_prev=True)[0]
 
     # ---- interleaved (the schedule decides what is sent and received) ------------------------------------
-    def send_forward_recv_forward(self, output, recv_prev: bool):
-        return self._communicate("send_forward_recv_forward", send_next=output, recv_prev=recv_prev)[0]
+    def send_forward_recv_forward(self, output, recv_prev: bool, chunk: int = 0):
+        return self._communicate("send_forward_recv_forward", send_next=output, recv_prev=recv_prev,
+                                 prev_chunk=chunk)[0]
 
-    def send_backward_recv_backward(self, input_grad, recv_next: bool):
-        return self._communicate("send_backward_recv_backward", send_prev=input_grad, recv_next=recv_next)[1]
+    def send_backward_recv_backward(self, input_grad, recv_next: bool, chunk: int = 0):
+        return self._communicate("send_backward_recv_backward", send_prev=input_grad, recv_next=recv_next,
+                                 next_chunk=chunk)[1]
 
-    def send_forward_backward_recv_forward_backward(self, output, input_grad, recv_prev: bool, recv_next: bool):
-        """Returns ``(activation from prev, gradient from next)``."""
+    def send_forward_backward_recv_forward_backward(self, output, input_grad, recv_prev: bool, recv_next: bool,
+                                                    prev_chunk: int = 0, next_chunk: int = 0):
+        """Returns ``(activation from prev, gradient from next)``; ``prev_chunk`` / ``next_chunk``: the local
+        chunks they are for."""
         return self._communicate("send_forward_backward_recv_forward_backward", send_next=output,
-                                 send_prev=input_grad, recv_prev=recv_prev, recv_next=recv_next)
+                                 send_prev=input_grad, recv_prev=recv_prev, recv_next=recv_next,
+                                 prev_chunk=prev_chunk, next_chunk=next_chunk)
 
     # ---- single asynchronous messages (the zero-bubble schedules' action lists) ------------------------------
     def _peer(self, pp_peer: int) -> int:
@@ -318,9 +341,10 @@ class P2PCommunicator:
         op = comm.P2POp(comm.ISEND, self._check(tensor, kind), self._peer(pp_peer), self.group, tag)
         self._sends = [req for req in self._sends if not _finished(req)] + comm.batch_isend_irecv([op])
 
-    def irecv(self, kind: str, pp_peer: int):
-        """Post the receive of an ``activation`` or ``gradient`` from ``pp_peer``: ``(tensor, request)``."""
-        buf = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device)
+    def irecv(self, kind: str, pp_peer: int, chunk: int = 0):
+        """Post the receive of an ``activation`` or ``gradient`` from ``pp_peer`` for local ``chunk``:
+        ``(tensor, request)``."""
+        buf = torch.empty(self.recv_shape(kind, chunk), dtype=self.dtype, device=self.device)
         tag = _TAG_ACTIVATION if kind == "activation" else _TAG_GRADIENT
         op = comm.P2POp(comm.IRECV, buf, self._peer(pp_peer), self.group, tag)
         return buf, comm.batch_isend_irecv([op])[0]

@@ -205,9 +205,12 @@ def _interleaved_1f1b(run, p2p, num_microbatches: int, v: int, forward_only: boo
     all_warmup = num_warmup == total
     num_steady = total - num_warmup
     first_rank, last_rank = r == 0, r == p - 1
-    # every forward but global stage 0's receives its input, every backward but the last global stage's its gradient
-    p2p.expect(activations=total - (M if first_rank else 0),
-               gradients=0 if forward_only else total - (M if last_rank else 0))
+    # every forward but global stage 0's receives its input, every backward but the last global stage's its gradient,
+    # in the order the neighbour sends them (chunk c of rank r-1 feeds chunk c, the last rank's chunk c the first's c+1)
+    fwd = [forward_chunk_id(k, p, v) for k in range(total)]
+    bwd = [backward_chunk_id(k, p, v) for k in range(total)]
+    p2p.expect(activations=[c + 1 for c in fwd if c < v - 1] if first_rank else fwd,
+               gradients=[] if forward_only else [c - 1 for c in bwd if c > 0] if last_rank else bwd)
     inputs = [deque() for _ in range(v)]  # activations received, waiting for their chunk's forward
     grads = [deque() for _ in range(v)]  # gradients received, waiting for their chunk's backward
 
@@ -231,11 +234,11 @@ def _interleaved_1f1b(run, p2p, num_microbatches: int, v: int, forward_only: boo
         if k == num_warmup - 1 and not all_warmup:
             # the last warm-up step also receives the gradient for the first steady backward (chunk v-1)
             recv_next = not last_rank
-            x, dy = p2p.send_forward_backward_recv_forward_backward(y, None, recv_prev, recv_next)
+            x, dy = p2p.send_forward_backward_recv_forward_backward(y, None, recv_prev, recv_next, next_c, v - 1)
             if recv_next:
                 grads[v - 1].append(dy)
         else:
-            x = p2p.send_forward_recv_forward(y, recv_prev)
+            x = p2p.send_forward_recv_forward(y, recv_prev, next_c)
         if recv_prev:
             inputs[next_c].append(x)
         run.deallocate(y)
@@ -268,11 +271,11 @@ def _interleaved_1f1b(run, p2p, num_microbatches: int, v: int, forward_only: boo
         if k == num_steady - 1:
             recv_prev = False  # every forward has run
         if overlap:
-            x = p2p.send_forward_recv_forward(y, recv_prev)
+            x = p2p.send_forward_recv_forward(y, recv_prev, next_fc)
             run.deallocate(y)
-            dy = p2p.send_backward_recv_backward(backward(k), recv_next)
+            dy = p2p.send_backward_recv_backward(backward(k), recv_next, next_bc)
         else:
-            x, dy = p2p.send_forward_backward_recv_forward_backward(y, dx, recv_prev, recv_next)
+            x, dy = p2p.send_forward_backward_recv_forward_backward(y, dx, recv_prev, recv_next, next_fc, next_bc)
             run.deallocate(y)
         if recv_prev:
             inputs[next_fc].append(x)
@@ -282,12 +285,12 @@ def _interleaved_1f1b(run, p2p, num_microbatches: int, v: int, forward_only: boo
     # ---- cool-down: the remaining backwards.
     if not forward_only:
         if all_warmup and not last_rank:
-            grads[v - 1].append(p2p.recv_backward())
+            grads[v - 1].append(p2p.recv_backward(v - 1))
         for k in range(num_steady, total):
             dx = backward(k)
             next_bc = backward_chunk_id(k + 1, p, v)
             recv_next = not (last_rank and next_bc == v - 1) and k != total - 1
-            dy = p2p.send_backward_recv_backward(dx, recv_next)
+            dy = p2p.send_backward_recv_backward(dx, recv_next, next_bc)
             if recv_next:
                 grads[next_bc].append(dy)
 
@@ -504,7 +507,7 @@ def _trace_communicator(p: int, r: int, ops: list):
             self._received[kind] += 1
             return (f"recv_{kind}", r, i)
 
-        def _communicate(self, name, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
+        def _communicate(self, name, send_next=None, send_prev=None, recv_prev=False, recv_next=False, **chunks):
             from_prev = self._token("activation") if recv_prev else None
             from_next = self._token("gradient") if recv_next else None
             if send_next is not None or send_prev is not None or recv_prev or recv_next:

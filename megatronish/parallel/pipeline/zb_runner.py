@@ -84,7 +84,7 @@ class _Receives:
 
     def _post_next(self, link) -> None:
         key = self.unposted[link].popleft()
-        self.posted[key] = self.comm.irecv(*link)
+        self.posted[key] = self.comm.irecv(*link, chunk=key[2])  # (its shape: that chunk's stage)
         self.untaken[link] += 1
 
     def _top_up(self, link) -> None:
