@@ -293,7 +293,8 @@ def _median(probes):
                                intra_node_gbps=med(p.intra_node_gbps for p in probes),
                                inter_node_gbps=med(p.inter_node_gbps for p in probes),
                                intra_node_latency_s=med(p.intra_node_latency_s for p in probes),
-                               inter_node_latency_s=med(p.inter_node_latency_s for p in probes))
+                               inter_node_latency_s=med(p.inter_node_latency_s for p in probes),
+                               op_overhead_s=med(p.op_overhead_s for p in probes))
 
 
 def _cpu_hw(world: int, probes: int = 3):
@@ -313,11 +314,13 @@ def _cpu_hw(world: int, probes: int = 3):
 
 def _share(hw, world: int):
     """``hw`` (one thread's) as each of ``world`` one-thread ranks sees it when they outnumber the cores: the
-    matmuls', elementwise kernels' and dropout draws' rates times cores / ranks."""
+    matmuls', elementwise kernels' and dropout draws' rates times cores / ranks, the framework's time per op over
+    it."""
     share = min(1.0, (os.cpu_count() or 1) / world)
     return dataclasses.replace(hw, peak_tflops={k: v * share for k, v in hw.peak_tflops.items()},
                                gemm_tflops={d: {k: v * share for k, v in t.items()} for d, t in hw.gemm_tflops.items()},
-                               hbm_tbps=hw.hbm_tbps * share, dropout_gelems=hw.dropout_gelems * share)
+                               hbm_tbps=hw.hbm_tbps * share, dropout_gelems=hw.dropout_gelems * share,
+                               op_overhead_s=hw.op_overhead_s / share)
 
 
 def cpu(args) -> None:
@@ -333,7 +336,8 @@ def cpu(args) -> None:
           f"2 warm-up steps; the probe: {hw.source}", flush=True)
     print(f"probed (one thread): fp32 512^3 {hw.peak_tflops['fp32'] * 1e3:.0f} GFLOP/s, elementwise "
           f"{hw.hbm_tbps * 1e3:.1f} GB/s, dropout draws {hw.dropout_gelems:.3f} G/s, gloo {hw.intra_node_gbps:.2f} "
-          f"GB/s and {hw.intra_node_latency_s * 1e6:.0f} us a message", flush=True)
+          f"GB/s and {hw.intra_node_latency_s * 1e6:.0f} us a message, {hw.op_overhead_s * 1e6:.1f} us an op",
+          flush=True)
     head = f"{'layout':22s} {'predicted ms':>12s} {'measured ms':>12s} {'pred/meas':>9s}"
     print(f"{'round':>5s} {head} {'load':>5s}", flush=True)
     measured = {name: [] for name in CPU_LAYOUTS}

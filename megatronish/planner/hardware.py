@@ -38,12 +38,16 @@ class Hardware:
     entry's own achievable fractions (``GEMM_EFFICIENCY``, ... of ``planner/perf.py``), fitted on runs of this
     card (a hardware file's ``[efficiencies]``); the model's constants where absent. ``gemm_tflops``: measured
     matmul rates by shape, ``{dtype: {"m,k,n": TFLOP/s}}`` on the grid :data:`GEMM_GRID`, and the attention core's
-    ``{"core_<dtype>": {"s,d": TFLOP/s}}`` on :data:`CORE_GRID` (this machine's probe; the planner prices each
-    GEMM at its shape's rate instead of ``GEMM_EFFICIENCY`` of the peak, the core instead of
-    ``ATTENTION_EFFICIENCY``); empty for the datasheet entries. ``dropout_gelems``: dropout-mask elements drawn per
+    ``{"core_<dtype>": {"s,d": TFLOP/s}}`` (its matmuls) and ``flash_<dtype>`` (its flash kernel) on
+    :data:`CORE_GRID` (this machine's probe; the planner prices each GEMM at its shape's rate instead of
+    ``GEMM_EFFICIENCY`` of the peak, the core instead of ``ATTENTION_EFFICIENCY``); empty for the datasheet
+    entries. ``dropout_gelems``: dropout-mask elements drawn per
     second (billions), where drawing them costs more than writing the mask (a CPU core's random-number
     generator); 0 where the draw is part of the dropout kernel's memory pass (GPUs: Philox in registers).
-    ``device``: the torch device type the run uses there (``cpu``: no fused kernels, SDPA's CPU kernels)."""
+    ``device``: the torch device type the run uses there (``cpu``: no fused kernels, SDPA's CPU kernels).
+    ``op_overhead_s``: the framework's seconds per dispatched op (Python, dispatcher, autograd) where the host runs
+    the kernels itself (a CPU); 0 where the host enqueues them ahead of the device (GPUs: the launches overlap the
+    kernels of a large model)."""
 
     name: str
     peak_tflops: dict = field(default_factory=dict)
@@ -59,6 +63,7 @@ class Hardware:
     gemm_tflops: dict = field(default_factory=dict)
     dropout_gelems: float = 0.0
     device: str = "cuda"
+    op_overhead_s: float = 0.0
 
     def peak(self, dtype: str) -> float:
         """Dense peak FLOP/s for ``dtype`` (falls back to bf16's for fp16, and fp32's for tf32)."""
@@ -167,6 +172,27 @@ def probe_elementwise() -> tuple[float, float]:
     return moved / seconds, draws
 
 
+def probe_flash_table(dtype: torch.dtype, budget: float) -> dict:
+    """``{"s,d": TFLOP/s}`` of torch's CPU flash-attention kernel (forward and backward, causal, 8 heads of
+    sequence ``s`` and head size ``d``) over :data:`CORE_GRID`: the computed half of the core's FLOPs
+    (``perf.attention_core_flops``' convention) over its fastest of 3 (once ``budget`` seconds have passed, of
+    one)."""
+    t0, out = time.perf_counter(), {}
+    flash, backward = (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+                       torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward)
+    for s in CORE_GRID[0]:
+        for d in CORE_GRID[1]:
+            q, k, v, g = (torch.randn(1, 8, s, d, dtype=dtype) for _ in range(4))
+
+            def step(q=q, k=k, v=v, g=g):
+                o, lse = flash(q, k, v, 0.0, True)[:2]
+                backward(g, q, k, v, o, lse, 0.0, True)
+
+            reps = 3 if time.perf_counter() - t0 < budget else 1
+            out[f"{s},{d}"] = 6 * 2 * 8 * s * s * d / 2 / _timed(step, budget, reps, True) / 1e12
+    return out
+
+
 def probe_core_table(dtype: torch.dtype, budget: float) -> dict:
     """``{"s,d": TFLOP/s}`` of the attention core's six matmuls (``Q K^T``, ``P V``, and the backward's
     ``dO V^T``, ``P^T dO``, ``dS K``, ``dS^T Q``) batched over 8 heads of sequence ``s`` and head size ``d``, over
@@ -189,11 +215,13 @@ def probe_cpu(seconds: float = 0.3) -> Hardware:
     """This machine's own speed, measured now on the threads torch uses, each kernel's fastest call (free of other
     processes' time slices: the table is the machine's, not its load's): the peak a 512^3 fp32 and bf16 matmul's
     rate, ``gemm_tflops`` the matmuls over :data:`GEMM_GRID` and, as ``core_<dtype>``, the attention core's over
-    :data:`CORE_GRID` (:func:`probe_core_table`; both dtypes); the memory-bound rate (``hbm_tbps``)
+    :data:`CORE_GRID` (:func:`probe_core_table`), as ``flash_<dtype>`` the CPU flash kernel's
+    (:func:`probe_flash_table`; both dtypes); the memory-bound rate (``hbm_tbps``)
     one core's elementwise kernels' (:func:`probe_elementwise`: bytes read and written per second; elementwise
     kernels on a core are bound by their instructions per element, several times below a large copy's rate),
     ``dropout_gelems`` its ``bernoulli_`` draws; the links gloo's, two ranks in two threads of this process over
-    the loopback (:func:`probe_gloo`). Its efficiencies are 1: the rates are measured, not datasheet peaks.
+    the loopback (:func:`probe_gloo`); ``op_overhead_s`` the framework's time per op (:func:`probe_op_overhead`).
+    Its efficiencies are 1: the rates are measured, not datasheet peaks.
     ``hbm_gib`` is the machine's memory. About ``seconds`` on an idle core."""
     peaks, table = {}, {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
@@ -201,8 +229,10 @@ def probe_cpu(seconds: float = 0.3) -> Hardware:
         peaks[name] = 2 * 512 ** 3 / _timed(lambda a=a: a @ a, seconds / 6, 5, True) / 1e12
         table[name] = probe_gemm_table(dtype, seconds / 6)
         table[f"core_{name}"] = probe_core_table(dtype, seconds / 6)
+        table[f"flash_{name}"] = probe_flash_table(dtype, seconds / 6)
     elementwise, draws = probe_elementwise()
     gbps, latency = probe_gloo()
+    overhead = probe_op_overhead()
     try:
         import os
 
@@ -214,7 +244,21 @@ def probe_cpu(seconds: float = 0.3) -> Hardware:
                            f"elementwise kernels on 4 MiB, gloo over the loopback",
                     efficiencies={"GEMM_EFFICIENCY": 1.0, "ATTENTION_EFFICIENCY": 1.0, "MEMORY_EFFICIENCY": 1.0,
                                   "LINK_EFFICIENCY": 1.0},
-                    gemm_tflops=table, dropout_gelems=draws / 1e9, device="cpu")
+                    gemm_tflops=table, dropout_gelems=draws / 1e9, device="cpu", op_overhead_s=overhead)
+
+
+def probe_op_overhead() -> float:
+    """Seconds per op of the framework alone: 32 ops on a 4-element tensor that requires grad and the backward
+    through them (Python, the dispatcher, autograd's graph and engine; the kernels themselves nothing), over the 33
+    ops forward (the backward's are counted with them), the fastest of 5."""
+    def chain():
+        y = x = torch.ones(4, requires_grad=True)
+        for i in range(32):
+            y = y * 1.0001 if i % 2 else y + 0.5
+        y.sum().backward()
+        return x
+
+    return _timed(chain, 0.05, 5, True) / 33
 
 
 def probe_gloo() -> tuple[float, float]:
@@ -296,4 +340,5 @@ def load_hardware(kind: str, gpus_per_node: int | None = None, hardware_file: st
 
 
 __all__ = ["Hardware", "GPUS", "KINDS", "CPU_KIND", "GEMM_GRID", "CORE_GRID", "probe_cpu", "probe_gemm_table",
-           "probe_core_table", "probe_elementwise", "probe_gloo", "load_hardware"]
+           "probe_core_table", "probe_flash_table", "probe_elementwise", "probe_gloo", "probe_op_overhead",
+           "load_hardware"]

@@ -35,12 +35,14 @@ fitted per card on published runs: docs/planner.md, "Against published runs").
 
 A measured machine (``cpu-this-machine``: ``hardware.probe_cpu``) carries its rates, not a peak to take a share of:
 the GEMMs run at its matmul table's rates at this layout's own shapes (:func:`gemm_shapes`, a FLOP-weighted
-harmonic mean), the attention core at its core table's rate at this layout's sequence and head size; an attention
+harmonic mean), the attention core at its core table's rate (its matmuls, or the CPU flash kernel's) at this
+layout's sequence and head size; an attention
 core that writes out its score matrix (SDPA's math path, the explicit softmax: ``attention_core_kind``) computes
 every score, masked or not, and passes over the matrix elementwise (:data:`SCORE_ACCESSES`); with no fused
 kernels the layers' elementwise work is :data:`EAGER_ELEMENTS` (the ops one by one, and the gradients' accumulation
 each microbatch) at the probed elementwise rate; dropout masks cost their draws at the probed rate
-(``dropout_gelems``; 0 on GPUs: drawn inside the kernel's memory pass); gloo's links are probed.
+(``dropout_gelems``; 0 on GPUs: drawn inside the kernel's memory pass); each op the host dispatches costs the
+probed framework time (:data:`OPS`; 0 on GPUs, whose launches run ahead of the kernels); gloo's links are probed.
 """
 from __future__ import annotations
 
@@ -71,6 +73,10 @@ EFFICIENCIES = ("GEMM_EFFICIENCY", "ATTENTION_EFFICIENCY", "MEMORY_EFFICIENCY", 
 # the second bias's gradient (32 h). Each microbatch also adds every weight's gradient into its accumulator (read
 # both, write: 3 per parameter).
 EAGER_ELEMENTS = {"tp_h": 34, "tp_ffn": 6, "tp_ffn_swiglu": 12, "sp_h": 32, "grad_accumulation": 3}
+# Ops dispatched where the host runs the kernels (``hw.op_overhead_s``): a GPT layer's forward and backward of one
+# microbatch, and one step's outside the layers (embedding, loss, optimizer, gradient norm); torch.profiler's count
+# of the aten ops of a CPU step (benchmarks/bench_planner.py's base model at 4 and 2 layers: 9,709 and 5,893)
+OPS = {"layer": 477, "step": 2077}
 # An attention core that writes out its score matrix (``model.attention.attention_core_kind`` "math" or "local":
 # torch's SDPA math path, the explicit softmax) reads and writes it elementwise; elements accessed per score, from
 # the path's ops. Forward: the mask added (read, write), the softmax (read, write), its fully-masked-row guard
@@ -271,10 +277,12 @@ def measured_tflops(hw, dtype: str, shapes: list, layers: float) -> float | None
     return flops / seconds
 
 
-def core_tflops(hw, dtype: str, cfg) -> float | None:
-    """The attention core's matmuls' TFLOP/s from ``hw.gemm_tflops``' ``core_<dtype>`` table at this layout's
-    sequence (its CP share) and head size (MLA: the query/key head's); None without a table."""
-    table = _table(hw, "core_" + {"fp16": "bf16", "tf32": "fp32"}.get(dtype, dtype))
+def core_tflops(hw, dtype: str, cfg, kind: str) -> float | None:
+    """The attention core's TFLOP/s from ``hw.gemm_tflops``' ``core_<dtype>`` table (its matmuls; the ``flash_``
+    table for a flash ``kind``) at this layout's sequence (its CP share) and head size (MLA: the query/key
+    head's); None without a table."""
+    prefix = "flash_" if kind == "flash" else "core_"
+    table = _table(hw, prefix + {"fp16": "bf16", "tf32": "fp32"}.get(dtype, dtype))
     if not table:
         return None
     m = cfg.model
@@ -346,9 +354,9 @@ def step_time(cfg, hw, state, colls=None, rank: int | None = None, *, tp_overlap
     gemm_s = (flops - attn) * (1.0 + layer_share * again / 3) / world / gemm_rate
     attn_again = 1 / 3 if again or m.recompute.recompute_granularity == "selective" else 0.0
     attn_dtype = "bf16" if e == 2 else "tf32"
-    core_rate = core_tflops(hw, attn_dtype, cfg)
-    core_rate = core_rate * 1e12 if core_rate else hw.peak(attn_dtype) * eff["ATTENTION_EFFICIENCY"]
     kind = attention_core_path(cfg, cpu=getattr(hw, "device", "cuda") == "cpu")
+    core_rate = core_tflops(hw, attn_dtype, cfg, kind)
+    core_rate = core_rate * 1e12 if core_rate else hw.peak(attn_dtype) * eff["ATTENTION_EFFICIENCY"]
     scores = kind != "flash"  # the score matrix written out: every score computed, the masked ones too
     attn_s = attn * (1.0 if scores else 0.5) * (1 + attn_again) / world / core_rate
     slowest = stage_imbalance(cfg, logits / flops)
@@ -369,7 +377,8 @@ def step_time(cfg, hw, state, colls=None, rank: int | None = None, *, tp_overlap
     rng = getattr(hw, "dropout_gelems", 0.0)
     dropout_s = draws * slowest / (rng * 1e9) if rng else 0.0
     gemm_s, attn_s = gemm_s * slowest, attn_s * slowest  # (the optimizer step reads and writes its state)
-    compute = gemm_s + attn_s + mem_s + dropout_s
+    overhead_s = getattr(hw, "op_overhead_s", 0.0) * (OPS["layer"] * (L + D) / p * M + OPS["step"])
+    compute = gemm_s + attn_s + mem_s + dropout_s + overhead_s
     per_mb = compute / M  # one microbatch through this rank's layers, forward + backward
     bubble = bubble_fraction(p, v, M, par.pipeline_schedule) * compute
 
@@ -413,7 +422,8 @@ def step_time(cfg, hw, state, colls=None, rank: int | None = None, *, tp_overlap
     return {"step_s": step, "tokens_per_s_per_gpu": tokens / step / world, "model_tflops_per_gpu": tflops,
             "mfu": tflops * 1e12 / hw.peak("bf16"), "flops_per_step": flops,
             "breakdown_s": {"gemm": gemm_s, "attention": attn_s, "memory_bound": mem_s,
-                            **({"dropout_draws": dropout_s} if dropout_s else {}), "bubble": bubble,
+                            **({"dropout_draws": dropout_s} if dropout_s else {}),
+                            **({"op_overhead": overhead_s} if overhead_s else {}), "bubble": bubble,
                             **{f"exposed_{k}": x for k, x in exposed.items()}},
             "comm_s": comm_s, "comm_by_role_s": by_role, "comm_bytes": comm_bytes}
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from megatronish.arguments import build_parser, configs_from_args
-from megatronish.planner.hardware import CORE_GRID, CPU_KIND, GEMM_GRID, GPUS, probe_core_table, probe_gemm_table
-from megatronish.planner.perf import EAGER_ELEMENTS, MEMORY_BOUND_BYTES, SCORE_ACCESSES, table_tflops
+from megatronish.planner import hardware
+from megatronish.planner.hardware import CORE_GRID, CPU_KIND, GEMM_GRID, GPUS
+from megatronish.planner.perf import EAGER_ELEMENTS, MEMORY_BOUND_BYTES, OPS, SCORE_ACCESSES, table_tflops
 from megatronish.planner.plan import make_plan
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -43,15 +44,16 @@ def _time(cfg, hw):
 @pytest.mark.parametrize("world, extra", [(1, []), (2, ["--tensor-model-parallel-size", "2"]),
                                           (2, ["--pipeline-model-parallel-size", "2", "--bf16"])])
 def test_a_flat_table_prices_gemms_as_that_efficiency_of_the_peak(world, extra):
-    """Tables with one rate everywhere (the linears', the attention core's) give the GEMMs' and the core's
-    seconds of the efficiencies that reach that rate from the peak."""
+    """Tables with one rate everywhere (the linears', the attention core's matmuls' and flash kernel's) give the
+    GEMMs' and the core's seconds of the efficiencies that reach that rate from the peak."""
     cfg = _cfg(world, extra)
     hw = GPUS["H100-SXM"]
     dtype = "bf16" if "--bf16" in extra else "fp32"  # an fp32 run's GEMMs: the table's fp32, the peak's tf32
     rate = 0.37 * hw.peak("bf16" if dtype == "bf16" else "tf32")
     flat = {f"{m},{k},{n}": rate / 1e12 for m, k, n in itertools.product(GEMM_GRID, repeat=3)}
     core = {f"{s},{d}": rate / 1e12 for s, d in itertools.product(*CORE_GRID)}
-    tabled = _time(cfg, dataclasses.replace(hw, gemm_tflops={dtype: flat, f"core_{dtype}": core}))
+    tabled = _time(cfg, dataclasses.replace(hw, gemm_tflops={dtype: flat, f"core_{dtype}": core,
+                                                             f"flash_{dtype}": core}))
     fitted = _time(cfg, dataclasses.replace(hw, efficiencies={"GEMM_EFFICIENCY": 0.37,
                                                               "ATTENTION_EFFICIENCY": 0.37}))
     assert tabled["gemm"] == pytest.approx(fitted["gemm"], rel=1e-12)
@@ -116,14 +118,27 @@ def test_eager_elementwise_bytes(world, extra):
 
 
 def test_probe_tables_cover_their_grids():
-    table = probe_gemm_table(torch.float32, 0.01)
+    table = hardware.probe_gemm_table(torch.float32, 0.01)
     assert sorted(table) == sorted(f"{m},{k},{n}" for m, k, n in itertools.product(GEMM_GRID, repeat=3))
-    core = probe_core_table(torch.float32, 0.01)
-    assert sorted(core) == sorted(f"{s},{d}" for s, d in itertools.product(*CORE_GRID))
-    assert all(math.isfinite(v) and v > 0 for v in [*table.values(), *core.values()])
+    core, flash = hardware.probe_core_table(torch.float32, 0.01), hardware.probe_flash_table(torch.float32, 0.01)
+    assert sorted(core) == sorted(flash) == sorted(f"{s},{d}" for s, d in itertools.product(*CORE_GRID))
+    assert all(math.isfinite(v) and v > 0 for v in [*table.values(), *core.values(), *flash.values()])
 
 
 def test_core_table_is_interpolated_over_sequence_and_head_size():
     table = {f"{s},{d}": 2.0 * s ** 0.5 * d ** 0.25 for s, d in itertools.product(*CORE_GRID)}
     assert table_tflops(table, 256, 64) == pytest.approx(2.0 * 256 ** 0.5 * 64 ** 0.25, rel=1e-12)
     assert table_tflops(table, 4096, 8) == pytest.approx(table["512,32"], rel=1e-12)
+
+
+@pytest.mark.parametrize("world, extra", [(1, []), (2, ["--pipeline-model-parallel-size", "2"])])
+def test_op_overhead_term(world, extra):
+    """Where the host runs the kernels, each dispatched op costs ``op_overhead_s``: :data:`OPS` a layer and
+    microbatch (the stage's share of the layers) and a step's own; a GPU table has none."""
+    cfg = _cfg(world, extra)
+    gpu = GPUS["H100-SXM"]
+    t = make_plan(cfg, dataclasses.replace(gpu, op_overhead_s=7e-6))["time"]["breakdown_s"]
+    layers = cfg.model.num_layers / cfg.parallel.pp
+    assert t["op_overhead"] == pytest.approx(7e-6 * (OPS["layer"] * layers * cfg.num_microbatches + OPS["step"]),
+                                             rel=1e-12)
+    assert "op_overhead" not in _time(cfg, gpu)
