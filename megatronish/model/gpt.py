@@ -195,7 +195,8 @@ class GPTModel(nn.Module):
         sequence (``--reset-attention-mask``): attention stays within a document. Returns the per-token loss
         ``[b, s]`` (fp32; with ``--mtp-num-layers`` ``[1 + D, b, s]``, then each depth's, depth ``k``'s at ``i``
         for token ``i + k + 1``) if ``labels`` are given on the last stage, else logits ``[b, s, V_padded/t]``; earlier
-        stages return hidden states ``[s, b, h]``.
+        stages return hidden states ``[s, b, h]`` (from a standalone MTP stage on, with labels, ``[(1 + D) s, b, h]``:
+        the decoder's, then each depth's).
 
         ``inference_params`` (generation; ``megatronish.inference.kv_cache.InferenceParams``): the tokens are
         positions ``offset ... offset + s - 1`` of the sequences whose earlier keys/values the layers' caches
@@ -210,7 +211,8 @@ class GPTModel(nn.Module):
                 position_ids = torch.arange(offset, offset + input_ids.size(1), device=input_ids.device)
                 position_ids = position_ids.expand_as(input_ids)  # [b, s]
         x = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor
-        blocks = self.message_blocks if inference_params is None else 1  # generation sends one block
+        # the depths' hidden states travel only where computed (with labels; generation sends one block)
+        blocks = self.message_blocks if labels is not None and inference_params is None else 1
         rotary = None
         if self.rotary is not None:
             s = x.size(0) * (p.tp_size if self.sequence_parallel else 1)  # this CP rank's tokens
@@ -230,12 +232,9 @@ class GPTModel(nn.Module):
         if not self.post_process:
             if blocks == 1 or not self.mtp_process:
                 return x
-            # the MTP stage: the decoder's hidden states, then each depth's (zeros without labels) along the sequence
-            pad = [] if depths else [x.new_zeros((blocks - 1) * x.size(0), *x.shape[1:])]
-            return torch.cat([x, *depths, *pad])
+            return torch.cat([x, *depths])  # the MTP stage: the decoder's hidden states, then each depth's
         if blocks > 1 and self.after_mtp:  # the loss stage after a standalone MTP stage splits its message
-            x, *carried = x.chunk(blocks)
-            depths = carried if labels is not None else []
+            x, *depths = x.chunk(blocks)
         if inference_params is not None and inference_params.last_logits_only:
             x = x[-1:]  # [1, b, h]
         weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None

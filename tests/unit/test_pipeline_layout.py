@@ -21,6 +21,7 @@ from megatronish.parallel.pipeline.layout import (
     stage_layer_counts,
 )
 from megatronish.parallel.pipeline.schedules import custom_backward
+from megatronish.parallel.random import set_random_seed
 from megatronish.parallel_config import parallel_dims
 from tests.unit.test_arguments import cfg_of, errors_of
 
@@ -274,6 +275,20 @@ def test_a_standalone_mtp_stage():
     w = mtp_chunk.embedding.word_embeddings.weight
     assert w.shared_embedding and w.embedding_copy
     assert {n for n, _ in loss_chunk.named_global_parameters()} == {"output_layer.weight"}
+    # with labels the MTP stage sends the decoder's hidden states and the depth's along the sequence, which the loss
+    # stage splits ([1 + D, b, s] losses); generation (no labels) sends and reads the hidden states alone
+    set_random_seed(0)
+    mtp_chunk = build_model_chunks(cfg, ParallelContext.fake(small, 0))[1]
+    loss_chunk = build_model_chunks(cfg, ParallelContext.fake(small, 1))[1]
+    for chunk in (mtp_chunk, loss_chunk):
+        chunk.init_parameters(0)
+    ids = torch.randint(0, 64, (2, 16))
+    mtp_chunk.set_input_tensor(torch.randn(16, 2, 32))
+    assert mtp_chunk(ids, labels=ids).shape == (32, 2, 32) and mtp_chunk(ids).shape == (16, 2, 32)
+    loss_chunk.set_input_tensor(torch.randn(32, 2, 32))
+    assert loss_chunk(ids, labels=ids).shape == (2, 2, 16)
+    loss_chunk.set_input_tensor(torch.randn(16, 2, 32))
+    assert loss_chunk(ids).shape == (2, 16, cfg.padded_vocab_size(1))
 
 
 def test_dims_name_the_layout_flags():
