@@ -264,10 +264,11 @@ def finalize_model_grads(chunks: list[DistributedDataParallel], parallel: Parall
                          num_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
     """After the last backward of an iteration: (1) DP reduction of every chunk; (2) TP all-reduce of the
     gradients of TP-replicated parameters that saw sequence-sharded activations; (3) all-reduce of the tied
-    word-embedding gradient over the embedding group (first and last pipeline stage); (4) with ``num_tokens``
-    (``--calculate-per-token-loss``: this rank's loss tokens of the iteration, known on the last pipeline stage):
-    the count is sent to the whole pipeline group, summed over DP x CP, and every gradient divided by it
-    (Megatron's order). Returns the global token count (or None)."""
+    word-embedding gradient over the embedding group (the ranks holding a copy: the first and last pipeline stage,
+    a standalone MTP stage; ``ParallelDims.embedding_pp_ranks``), a rank's own copies summed first; (4) with
+    ``num_tokens`` (``--calculate-per-token-loss``: this rank's loss tokens of the iteration, known on the last
+    pipeline stage): the count is sent to the whole pipeline group, summed over DP x CP, and every gradient divided
+    by it (Megatron's order). Returns the global token count (or None)."""
     from .layers import allreduce_sequence_parallel_grads
 
     for chunk in chunks:
