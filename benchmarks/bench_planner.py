@@ -320,7 +320,7 @@ def _share(hw, world: int):
     return dataclasses.replace(hw, peak_tflops={k: v * share for k, v in hw.peak_tflops.items()},
                                gemm_tflops={d: {k: v * share for k, v in t.items()} for d, t in hw.gemm_tflops.items()},
                                hbm_tbps=hw.hbm_tbps * share, dropout_gelems=hw.dropout_gelems * share,
-                               op_overhead_s=hw.op_overhead_s / share)
+                               op_overhead_s=hw.op_overhead_s / share, rank_share=share)
 
 
 def cpu(args) -> None:

@@ -47,7 +47,9 @@ class Hardware:
     ``device``: the torch device type the run uses there (``cpu``: no fused kernels, SDPA's CPU kernels).
     ``op_overhead_s``: the framework's seconds per dispatched op (Python, dispatcher, autograd) where the host runs
     the kernels itself (a CPU); 0 where the host enqueues them ahead of the device (GPUs: the launches overlap the
-    kernels of a large model)."""
+    kernels of a large model). ``rank_share``: the share of one device each rank gets (below 1 where ranks
+    outnumber this machine's cores and the rates are already that share: a waiting rank's core runs another's
+    work, so the pipeline's bubble costs only what the ranks' own cores could not overlap)."""
 
     name: str
     peak_tflops: dict = field(default_factory=dict)
@@ -64,6 +66,7 @@ class Hardware:
     dropout_gelems: float = 0.0
     device: str = "cuda"
     op_overhead_s: float = 0.0
+    rank_share: float = 1.0
 
     def peak(self, dtype: str) -> float:
         """Dense peak FLOP/s for ``dtype`` (falls back to bf16's for fp16, and fp32's for tf32)."""

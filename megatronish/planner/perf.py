@@ -381,6 +381,9 @@ def step_time(cfg, hw, state, colls=None, rank: int | None = None, *, tp_overlap
     compute = gemm_s + attn_s + mem_s + dropout_s + overhead_s
     per_mb = compute / M  # one microbatch through this rank's layers, forward + backward
     bubble = bubble_fraction(p, v, M, par.pipeline_schedule) * compute
+    share = getattr(hw, "rank_share", 1.0)
+    if share < 1.0:  # ranks share cores: the critical path at a whole core each, or the cores' total work
+        bubble = max(0.0, (compute + bubble) * share - compute)
 
     by_role: dict[str, float] = {}
     count: dict[str, float] = {}

@@ -142,3 +142,17 @@ def test_op_overhead_term(world, extra):
     assert t["op_overhead"] == pytest.approx(7e-6 * (OPS["layer"] * layers * cfg.num_microbatches + OPS["step"]),
                                              rel=1e-12)
     assert "op_overhead" not in _time(cfg, gpu)
+
+
+def test_ranks_sharing_cores_fill_the_bubble():
+    """Ranks that share cores (``rank_share`` below 1, rates already shared): the step is the longer of the
+    critical path at a whole core each (compute plus bubble at ``share`` of the shared time) and the shared
+    compute; at a whole device the bubble is the schedule's."""
+    cfg = _cfg(4, ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4"])
+    hw = GPUS["H100-SXM"]
+    whole = _time(cfg, hw)
+    compute = whole["gemm"] + whole["attention"] + whole["memory_bound"]
+    for share in (0.5, 0.8):
+        shared = _time(cfg, dataclasses.replace(hw, rank_share=share))
+        assert shared["bubble"] == pytest.approx(max(0.0, (compute + whole["bubble"]) * share - compute), rel=1e-9,
+                                                 abs=1e-18)
