@@ -5,7 +5,7 @@ Activations travel forward (rank r -> r+1) and their gradients backward (r+1 -> 
 ``m`` before the loss's stage), whose messages hold ``1 + D`` such blocks along the sequence: each receive is
 posted for a local chunk, whose stage gives its shape (:meth:`P2PCommunicator.recv_shape`). Every call posts all of
 its sends and receives in one ``torch.distributed.batch_isend_irecv`` and waits for them (on gloo the receives
-are posted ahead and the sends waited for at the end, below), which works on gloo (CPU) and NCCL (GPU).
+are posted ahead and waited for at use, the sends at the end, below), which works on gloo (CPU) and NCCL (GPU).
 
 Neighbours form a ring (the first rank's previous is the last): the interleaved schedule sends the last
 rank's chunk-c output to the first rank's chunk c+1. With two pipeline ranks the next and previous rank are
@@ -18,10 +18,11 @@ On gloo (the CPU backend) a send does not move until its receive is posted, so a
 in the exchange that needs it waited for the sender to reach its own exchange, and a sender that waited for its
 sends waited for the receiver to reach its. There the schedule announces how many tensors of each kind it will
 receive (:meth:`P2PCommunicator.expect`), the communicator keeps the next :data:`RECEIVES_AHEAD` receives of each
-kind posted, and sends are not waited for until the schedule ends (:meth:`P2PCommunicator.wait_sends`; a finished
-send is let go at the next one, with its tensor). Each kind is still received in the schedule's order and the tags
-keep the kinds apart, so every tensor lands where it did. NCCL, which matches a link's messages in order without
-tags, keeps the one batch per exchange.
+kind posted, a received tensor comes back as a :class:`Pending` that the step using it waits for (a
+``wait_activation`` / ``wait_gradient`` span on the timeline), and sends are not waited for until the schedule ends
+(:meth:`P2PCommunicator.wait_sends`; a finished send is let go at the next one, with its tensor). Each kind is still
+received in the schedule's order and the tags keep the kinds apart, so every tensor lands where it did. NCCL, which
+matches a link's messages in order without tags, keeps the one batch per exchange.
 
 ``overlap`` (``--overlap-p2p-communication``, Megatron's ``overlap_p2p_comm``): each exchange is still posted
 as one batch (both directions together, which keeps NCCL's matching safe), but not waited for; a received
@@ -63,10 +64,9 @@ class Pending:
     def __init__(self, buffer: torch.Tensor, requests, kind: str, timeline=None):
         self.buffer, self.requests, self.kind, self.timeline = buffer, list(requests), kind, timeline
 
-    def wait(self, record: bool = True) -> torch.Tensor:
-        """``record``: the wait is a ``wait_<kind>`` span on the timeline."""
+    def wait(self) -> torch.Tensor:
         if self.requests:
-            with span(self.timeline if record else None, f"wait_{self.kind}", "comm"):
+            with span(self.timeline, f"wait_{self.kind}", "comm"):
                 for req in self.requests:
                     req.wait()
             self.requests = []
@@ -249,19 +249,14 @@ class P2PCommunicator:
         return from_prev, from_next
 
     def _exchange_ahead(self, name, send_next, send_prev, recv_prev, recv_next):
-        """gloo: the sends posted and not waited for (:meth:`wait_sends`), the receives those posted ahead; without
-        ``overlap`` they are waited for here, with it they come back :class:`Pending`."""
+        """gloo: the sends posted and not waited for (:meth:`wait_sends`); the receives are those posted ahead, each
+        a :class:`Pending` that the step using it waits for (:func:`arrived`), with or without ``overlap``."""
         ops = self._sends_of(send_next, send_prev)
         from_prev = self._take("activation") if recv_prev else None
         from_next = self._take("gradient") if recv_next else None
-        if not ops and (self.overlap or (from_prev is None and from_next is None)):
-            return from_prev, from_next
-        with span(self.timeline, name, "comm"):
-            if ops:
+        if ops:
+            with span(self.timeline, name, "comm"):
                 self._sends = [req for req in self._sends if not _finished(req)] + comm.batch_isend_irecv(ops)
-            if not self.overlap:  # the exchange's span covers the waits
-                from_prev = None if from_prev is None else from_prev.wait(record=False)
-                from_next = None if from_next is None else from_next.wait(record=False)
         return from_prev, from_next
 
     def wait_sends(self) -> None:

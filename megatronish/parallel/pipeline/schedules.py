@@ -339,7 +339,7 @@ class _Runner:
                     stack.enter_context(chunk.no_sync())
 
     def forward(self, mb: int, c: int, x):
-        x = arrived(x)  # a receive posted ahead (--overlap-p2p-communication) is waited for here
+        x = arrived(x)  # a receive posted ahead (gloo, --overlap-p2p-communication) is waited for here
         chunk = self.chunks[c]
         if hasattr(chunk, "set_input_tensor"):
             chunk.set_input_tensor(x)
