@@ -149,11 +149,9 @@ def probe_gemm_table(dtype: torch.dtype, budget: float) -> dict:
 
 def probe_elementwise() -> tuple[float, float]:
     """(bytes/s, dropout-mask elements/s) of one core's elementwise kernels: the :data:`_ELEMENTWISE` chain on a
-    ``[2, 8, 256, 256]`` fp32 tensor, the median of 8 runs (bytes read and written over its time), and
+    ``[2, 8, 256, 256]`` fp32 tensor, its fastest of 8 runs (bytes read and written over its time), and
     ``bernoulli_`` drawing a new mask of a quarter of it (fastest of 5). Each kernel writes a new tensor, as eager
-    code does: whether its pages are fresh (a page fault each, when the allocator has handed them back) varies from
-    run to run, so one run's kernels are a mix of fast and slow calls, and the chain's typical run costs about
-    twice the sum of its kernels' fastest calls; the median is that typical run."""
+    code does (fresh pages cost a page fault each where the allocator has handed them back to the system)."""
     x = torch.randn(2, 8, 256, 256)
     y = torch.randn_like(x)
     keep = torch.rand(2, 8, 256, 256) > 0.1
@@ -163,13 +161,7 @@ def probe_elementwise() -> tuple[float, float]:
         out = torch.softmax(x + causal, -1) * keep
         return torch.nn.functional.gelu(torch.where(keep, out, y)) * y
 
-    chain()
-    runs = []
-    for _ in range(8):
-        t0 = time.perf_counter()
-        chain()
-        runs.append(time.perf_counter() - t0)
-    seconds = sorted(runs)[len(runs) // 2]
+    seconds = _timed(chain, 0.1, 8, True)
     moved = sum(nbytes for _, nbytes in _ELEMENTWISE) * x.numel()
     draws = x.numel() / 4 / _timed(lambda: torch.empty(x.numel() // 4).bernoulli_(0.9), 0.05, 5, True)
     return moved / seconds, draws
