@@ -222,7 +222,7 @@ def probe_cpu(seconds: float = 0.3) -> Hardware:
     ``dropout_gelems`` its ``bernoulli_`` draws; the links gloo's, two ranks in two threads of this process over
     the loopback (:func:`probe_gloo`); ``op_overhead_s`` the framework's time per op (:func:`probe_op_overhead`).
     Its efficiencies are 1: the rates are measured, not datasheet peaks.
-    ``hbm_gib`` is the machine's memory. About ``seconds`` on an idle core."""
+    ``hbm_gib`` is the machine's memory. About 1 s on a core shared with a load average of 35."""
     peaks, table = {}, {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         a = torch.randn(512, 512, dtype=dtype)
