@@ -9,8 +9,11 @@ blur the schedule, while sleeping ranks keep the cost exact. Each rank records i
 :class:`PipelineTimeline`; the bubble is mean idle / mean busy over the iteration window (the least over the
 iterations: other load on the machine only adds idle time), from the first compute
 start to the last compute end over all ranks (the quantity Megatron's ``(p-1)/(v*m)`` describes). Beside it: the
-same schedule replayed in unit time without processes (zero-latency messages) and the formula. Also with the
-receives posted ahead (``--overlap-p2p-communication``).
+same schedule replayed in unit time without processes (zero-latency messages), replayed with every message taking
+the one-way latency ``L`` measured first by a ping between two ranks (:func:`message_latency`; "at L"), 1F1B and
+interleaved replayed with every step taking as long as it took in the measured iteration and no message time ("own
+steps": what the run's uneven steps leave, the rest of the measured bubble is message time), and the formula. Also
+with ``--overlap-p2p-communication`` ("overlap").
 
     python benchmarks/bench_pipeline_bubble.py [--p 4 --m 8 16 --t-ms 20 --iters 3 --ascii-dir DIR]
 
@@ -29,6 +32,7 @@ from torch import nn
 from megatronish.parallel import groups
 from megatronish.parallel.dims import ParallelDims
 from megatronish.parallel.pipeline.choose import forward_backward_func
+from megatronish.parallel.pipeline.p2p import P2PCommunicator, arrived
 from megatronish.parallel.pipeline.schedules import schedule_trace
 from megatronish.parallel.pipeline.timeline import (
     PipelineTimeline,
@@ -102,7 +106,7 @@ def _worker(rank, world, schedule, m, t, iters, overlap):
         return out, lambda y: (y.sum(), {"loss": y.sum().detach()})
 
     func = forward_backward_func(world, v, schedule)
-    bubbles, events = [], None
+    bubbles, best = [], None  # best: the events of the iteration with the least bubble
     for i in range(iters + 1):  # the first is a warm-up (the autograd engine's first call is slow)
         timeline = PipelineTimeline(rank)
         data = [iter([torch.ones(SHAPE) for _ in range(m)]) for _ in range(v)]
@@ -112,64 +116,109 @@ def _worker(rank, world, schedule, m, t, iters, overlap):
         events = gather_timeline(timeline)
         if rank == 0 and i > 0:
             bubbles.append(bubble_fraction(events))
+            best = events if bubbles[-1]["bubble"] == min(b["bubble"] for b in bubbles) else best
     groups.destroy_model_parallel()
-    return bubbles, events
+    return bubbles, best
 
 
-def simulated_bubble(p: int, v: int, m: int, tf: float, tb: float) -> float:
-    """The schedule's own bubble with zero-latency messages: replay every rank's :func:`schedule_trace`
-    (forward tf/v, backward tb/v; a batched exchange finishes when both ends of each message have posted)."""
+def _ping(rank, world, n, t):
+    """One-way latency of a pipeline message as the runner sends it: rank 1 waits in a receive posted ahead, rank 0
+    posts the send after sleeping ``t`` (a compute step); the tensor carries its send time (one clock: one host)."""
+    dims = ParallelDims(world_size=world, pp=world, vp=1, pipeline_schedule="1f1b")
+    ctx = groups.initialize_model_parallel(dims)
+    p2p = P2PCommunicator(SHAPE, torch.float64, parallel=ctx)
+    latencies = []
+    for _ in range(n):
+        if rank == 0:
+            p2p.expect(activations=0, gradients=1)
+            time.sleep(t)
+            p2p.send_forward(torch.full(SHAPE, time.time(), dtype=torch.float64))
+            arrived(p2p.recv_backward())  # rank 1 has posted its next receive
+        else:
+            p2p.expect(activations=1, gradients=0)
+            x = arrived(p2p.recv_forward())
+            latencies.append(time.time() - float(x.detach()[0, 0, 0]))
+            p2p.send_backward(torch.zeros(SHAPE, dtype=torch.float64))
+        p2p.wait_sends()
+    groups.destroy_model_parallel()
+    return latencies
+
+
+def message_latency(t: float, n: int = 40) -> float:
+    """The median one-way time of a pipeline message between two forked gloo ranks (:func:`_ping`), seconds."""
+    latencies = sorted(run_distributed(_ping, 2, n, t, timeout=300)[1])
+    return latencies[len(latencies) // 2]
+
+
+def simulated_bubble(p: int, v: int, m: int, tf: float, tb: float, latency: float = 0.0, steps=None) -> float:
+    """The schedule's own bubble with messages as the communicator moves them on gloo: replay every rank's
+    :func:`schedule_trace` (forward tf/v, backward tb/v, or rank r's k-th step ``steps[r][k]``); sends never wait and
+    receives are posted ahead, so a step waits only for the tensor it uses, which arrives ``latency`` after its
+    sender posted it. The bubble as :func:`bubble_fraction` reads it from a timeline."""
     traces = [schedule_trace(p, v, m, r) for r in range(p)]
-    clock, pos, posted = [0.0] * p, [0] * p, {}  # posted: (kind, channel, index) -> time
     count: dict = {}
 
-    def ops_of(r, step):
-        nxt, prv = (r + 1) % p, (r - 1) % p
-        ops = []
-        for kind, present, ch in (("send", step["send_next"], ("a", r, nxt)),
-                                  ("send", step["send_prev"], ("g", r, prv)),
-                                  ("recv", step["recv_prev"], ("a", prv, r)),
-                                  ("recv", step["recv_next"], ("g", nxt, r))):
-            if present is not None:
-                count[(r, kind, ch)] = count.get((r, kind, ch), 0) + 1
-                ops.append((kind, ch, count[(r, kind, ch)] - 1))
-        return ops
+    def message(role, kind, src, dst):  # (kind, src, dst, index on that link), counted by each end
+        i = count[(role, kind, src, dst)] = count.get((role, kind, src, dst), -1) + 1
+        return (kind, src, dst, i)
 
-    current = [None] * p
+    def links(r):  # (next, previous)
+        return (r + 1) % p, (r - 1) % p
+
+    received = {}  # the receiver's token of a tensor -> its message
+    for r in range(p):
+        nxt, prv = links(r)
+        for step in (s for s in traces[r] if s["op"] == "comm"):
+            for token, kind, src in ((step["recv_prev"], "a", prv), (step["recv_next"], "g", nxt)):
+                if token is not None:
+                    received[token] = message("recv", kind, src, r)
+    clock, pos, done, sent, spans = [0.0] * p, [0] * p, [0] * p, {}, []
     while any(pos[r] < len(traces[r]) for r in range(p)):
-        for r in range(p):  # run compute up to the next exchange and post it
-            while pos[r] < len(traces[r]) and current[r] is None:
+        progressed = False
+        for r in range(p):
+            nxt, prv = links(r)
+            while pos[r] < len(traces[r]):
                 step = traces[r][pos[r]]
                 if step["op"] == "comm":
-                    current[r] = ops_of(r, step)
-                    for op in current[r]:
-                        posted[op] = clock[r]
+                    for kind, present, dst in (("a", step["send_next"], nxt), ("g", step["send_prev"], prv)):
+                        if present is not None:
+                            sent[message("send", kind, r, dst)] = clock[r]
                 else:
-                    clock[r] += (tf if step["op"] == "F" else tb) / v
-                    pos[r] += 1
-        done = []
-        for r in range(p):
-            if current[r] is not None:
-                peers = [(("recv" if k == "send" else "send"), ch, i) for k, ch, i in current[r]]
-                if all(q in posted for q in peers):
-                    done.append((r, max([clock[r]] + [posted[q] for q in peers])))
-        if not done and any(pos[r] < len(traces[r]) for r in range(p)):
+                    token = step["input"] if step["op"] == "F" else step["output_grad"]
+                    if token is not None:
+                        if received[token] not in sent:
+                            break
+                        clock[r] = max(clock[r], sent[received[token]] + latency)
+                    t = steps[r][done[r]] if steps else (tf if step["op"] == "F" else tb) / v
+                    spans.append({"rank": r, "cat": "compute", "start": clock[r], "end": clock[r] + t})
+                    clock[r], done[r] = clock[r] + t, done[r] + 1
+                pos[r] += 1
+                progressed = True
+        if not progressed:
             raise RuntimeError("simulated schedule deadlocked")
-        for r, t in done:
-            clock[r], current[r] = t, None
-            pos[r] += 1
-    busy = m * (tf + tb)
-    return (max(clock) - busy) / busy
+    return bubble_fraction(spans)["bubble"]
 
 
-def replayed_bubble(schedule: str, p: int, m: int) -> float:
-    """The schedule's own bubble in unit time: zero-bubble lists through ``zero_bubble.simulate`` (F = B = W = 1),
-    1F1B and interleaved through their tables' message replay (forward 1, backward 2)."""
+def replayed_bubble(schedule: str, p: int, m: int, latency: float = 0.0) -> float:
+    """The schedule's own bubble in unit time (``latency`` in units of F): zero-bubble lists through
+    ``zero_bubble.simulate`` (F = B = W = 1, receives posted ahead), 1F1B and interleaved through their tables'
+    message replay (forward 1, backward 2)."""
     if schedule in ("1f1b", "interleaved-1f1b"):
-        return simulated_bubble(p, CHUNKS[schedule], m, 1.0, 2.0)
+        return simulated_bubble(p, CHUNKS[schedule], m, 1.0, 2.0, latency)
     lists = schedule_actions(schedule, p, m)
     return simulate(lists, lambda r, c: stage_of(schedule, p, r, c), p * num_chunks(schedule),
-                    {"F": 1, "B": 1, "W": 1})["bubble"]
+                    {"F": 1 / 2, "B": 1 / 2, "W": 1 / 2} if num_chunks(schedule) == 2 else {"F": 1, "B": 1, "W": 1},
+                    posted_receives=True, latency=latency)["bubble"]
+
+
+def own_times_bubble(schedule: str, p: int, m: int, events: list[dict]) -> float | None:
+    """1F1B and interleaved: the replay with every step taking as long as it took in the run (``events``) and
+    messages taking no time: the bubble the run's own step times leave; the rest is message time."""
+    if schedule not in ("1f1b", "interleaved-1f1b"):
+        return None
+    steps = [[e["end"] - e["start"] for e in sorted((e for e in events if e["rank"] == r and e["cat"] == "compute"),
+                                                      key=lambda e: e["start"])] for r in range(p)]
+    return simulated_bubble(p, CHUNKS[schedule], m, 0.0, 0.0, steps=steps)
 
 
 def main(argv=None):
@@ -182,10 +231,14 @@ def main(argv=None):
     ap.add_argument("--ascii-dir", default=None, help="write each run's last timeline as text here")
     args = ap.parse_args(argv)
     p, t = args.p, args.t_ms / 1e3
+    latency = message_latency(t)
     print(f"synthetic pipeline: p={p}, F = B = W = {args.t_ms:g} ms per microbatch per rank (sleep, split over the "
-          f"chunks), gloo, the least of {args.iters} iterations; bubble = mean idle / mean busy over the window")
-    print(f"{'schedule':<17}{'m':>3}  {'measured':>8}  {'overlap':>8}  {'replayed':>8}  {'formula':>8}  "
-          f"{'vs formula':>10}  {'vs 1F1B':>7}  iteration")
+          f"chunks), gloo, the least of {args.iters} iterations; bubble = mean idle / mean busy over the window",
+          flush=True)
+    print(f"message latency L (one way, median of 40 after a {args.t_ms:g} ms sleep, ping between two ranks): "
+          f"{latency * 1e3:.3f} ms; back to back (no sleep): {message_latency(0.0) * 1e3:.3f} ms", flush=True)
+    print(f"{'schedule':<17}{'m':>3}  {'measured':>8}  {'overlap':>8}  {'replayed':>8}  {'at L':>8}  {'own steps':>9}  "
+          f"{'formula':>8}  {'vs formula':>10}  {'vs at L':>7}  {'vs 1F1B':>7}  iteration")
     for m in args.m:
         base = None
         for schedule in args.schedules:
@@ -199,12 +252,15 @@ def main(argv=None):
                     name = f"{schedule}_p{p}_m{m}" + ("_overlap" if overlap else "") + ".txt"
                     with open(os.path.join(args.ascii_dir, name), "w") as f:
                         f.write(ascii_timeline(events) + "\n")
-            measured, window, _ = got[False]
+            measured, window, events = got[False]
             base = measured if schedule == "1f1b" else base
             formula = FORMULA[schedule](p, m)
+            at_latency = replayed_bubble(schedule, p, m, latency / t)
+            own = own_times_bubble(schedule, p, m, events)
             vs_base = f"{measured / base:7.2f}" if base else f"{'':>7}"
             print(f"{schedule:<17}{m:>3}  {measured:8.4f}  {got[True][0]:8.4f}  {replayed_bubble(schedule, p, m):8.4f}"
-                  f"  {formula:8.4f}  {measured / formula:10.2f}  {vs_base}  {window * 1e3:.0f} ms "
+                  f"  {at_latency:8.4f}  {'–' if own is None else f'{own:.4f}':>9}  {formula:8.4f}"
+                  f"  {measured / formula:10.2f}  {measured / at_latency:7.2f}  {vs_base}  {window * 1e3:.0f} ms "
                   f"(ideal {3 * m * args.t_ms:.0f} ms)", flush=True)
 
 

@@ -12,7 +12,8 @@ In the same worker group, each schedule's peak activation memory per rank (equal
 hidden 64, sequence 32, dropout on) is measured over one iteration and compared with the planner's per-rank
 prediction (``planner/activations.stage_activations``, CPU terms) within 10%: the saved-tensor hooks count what
 autograd keeps, and the tensors the zero-bubble schedules' deferred ``W`` keeps (each queued weight GEMM's input and
-output gradient) count from the ``B`` that queues them to their ``W``. ``pytest -s`` prints the table."""
+output gradient) count from the ``B`` that queues them to their ``W``. ``pytest -s`` prints the table;
+``benchmarks/bench_pipeline_memory.py`` runs the same measurement at PP 4 (8 microbatches)."""
 import dataclasses
 import io
 import os
