@@ -15,9 +15,9 @@ VP 2, zbv, dualpipev), twice that per rank under 1F1B and zb-h1. The test checks
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import io
 import os
-import sys
 from contextlib import redirect_stdout
 
 from megatronish.arguments import configs_from_args, parse_args
@@ -25,15 +25,20 @@ from megatronish.planner.activations import stage_activations
 from megatronish.testing import run_distributed
 from megatronish.training import pretrain as training
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "distributed"))
-from test_pipeline_reshard_matrix import (  # the test's measurement itself, not a copy of it
-    BASE,
-    CONFIGS,
-    MEMORY,
-    MEMORY_SCHEDULES,
-    _counting_activations,
-    _setup,
-)
+
+def _test_module():
+    """tests/distributed/test_pipeline_reshard_matrix.py: the test's measurement itself, not a copy of it."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "distributed",
+                        "test_pipeline_reshard_matrix.py")
+    spec = importlib.util.spec_from_file_location("test_pipeline_reshard_matrix", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_TEST = _test_module()
+BASE, CONFIGS, MEMORY, MEMORY_SCHEDULES = _TEST.BASE, _TEST.CONFIGS, _TEST.MEMORY, _TEST.MEMORY_SCHEDULES
+_counting_activations, _setup = _TEST._counting_activations, _TEST._setup
 
 
 def _argv(name: str, p: int, m: int, layers_per_stage: int) -> list[str]:
