@@ -9,24 +9,11 @@ FSDP2 at DP 2 only (rtol 1e-5); this script measures the other layouts too. Fork
     python benchmarks/bench_compile_parity.py [--layouts one fsdp2-dp2 tp2-sp-pp2-recompute tp2-sp-fsdp2]
 """
 import argparse
-import importlib.util
-import os
 import re
 
-from megatronish.testing import run_distributed
+from megatronish.testing import repo_test_module, run_distributed
 
-
-def _test_module():
-    """tests/distributed/test_torch_compile.py: its model, iterations and per-rank run are the ones measured here."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "distributed",
-                        "test_torch_compile.py")
-    spec = importlib.util.spec_from_file_location("test_torch_compile", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_TEST = _test_module()
+_TEST = repo_test_module("distributed/test_torch_compile.py")  # the test's own model and runs, not a copy
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 LAYOUTS = {  # name: (world size, flags besides --torch-compile)
     "one": (1, []),

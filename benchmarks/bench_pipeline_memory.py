@@ -15,28 +15,15 @@ VP 2, zbv, dualpipev), twice that per rank under 1F1B and zb-h1. The test checks
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import io
-import os
 from contextlib import redirect_stdout
 
 from megatronish.arguments import configs_from_args, parse_args
 from megatronish.planner.activations import stage_activations
-from megatronish.testing import run_distributed
+from megatronish.testing import repo_test_module, run_distributed
 from megatronish.training import pretrain as training
 
-
-def _test_module():
-    """tests/distributed/test_pipeline_reshard_matrix.py: the test's measurement itself, not a copy of it."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "distributed",
-                        "test_pipeline_reshard_matrix.py")
-    spec = importlib.util.spec_from_file_location("test_pipeline_reshard_matrix", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_TEST = _test_module()
+_TEST = repo_test_module("distributed/test_pipeline_reshard_matrix.py")  # the test's own model and runs, not a copy
 BASE, CONFIGS, MEMORY, MEMORY_SCHEDULES = _TEST.BASE, _TEST.CONFIGS, _TEST.MEMORY, _TEST.MEMORY_SCHEDULES
 _counting_activations, _setup = _TEST._counting_activations, _TEST._setup
 

@@ -9,6 +9,7 @@ should run many checks inside one call.
 """
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing as mp
 import os
 import socket
@@ -29,6 +30,16 @@ def subprocess_env(**extra: str) -> dict:
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = os.environ.get("PYTHONPATH")
     return dict(os.environ, PYTHONPATH=here + (os.pathsep + path if path else ""), **extra)
+
+
+def repo_test_module(relpath: str):
+    """A module of the repository's ``tests/`` tree (``relpath`` under it, e.g. ``distributed/test_torch_compile.py``)
+    loaded from its file, so that a benchmark measures with the test's own model and runs rather than a copy."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", relpath)
+    spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(relpath))[0], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def free_port() -> int:
