@@ -29,6 +29,9 @@ import torch
 
 from ..errors import ConfigError
 
+# the dtype whose rates stand for another's: 16-bit floats run as bf16's, tf32 (fp32 inputs) as fp32's
+DTYPE_FALLBACK = {"fp16": "bf16", "tf32": "fp32"}
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -71,10 +74,16 @@ class Hardware:
     def peak(self, dtype: str) -> float:
         """Dense peak FLOP/s for ``dtype`` (falls back to bf16's for fp16, and fp32's for tf32)."""
         table = self.peak_tflops
-        for key in (dtype, {"fp16": "bf16", "tf32": "fp32"}.get(dtype, dtype), "bf16"):
+        for key in (dtype, DTYPE_FALLBACK.get(dtype, dtype), "bf16"):
             if key in table:
                 return float(table[key]) * 1e12
         raise ConfigError(f"--gpu {self.name}: no peak TFLOP/s for {dtype}")
+
+    def measured(self, table: str, dtype: str) -> dict | None:
+        """A measured rate table of :attr:`gemm_tflops` for ``dtype`` (fp16 reads bf16's, tf32 fp32's): ``table``
+        ``""`` the matmuls', ``"core_"`` the attention core's matmuls', ``"flash_"`` its flash kernel's; None on a
+        datasheet entry."""
+        return self.gemm_tflops.get(table + DTYPE_FALLBACK.get(dtype, dtype)) or None
 
     @property
     def hbm_bytes(self) -> float:

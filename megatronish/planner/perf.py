@@ -259,14 +259,10 @@ def gemm_shapes(cfg) -> list:
     return [x for a, b, c, w in fwd for x in ((a, b, c, w), (a, c, b, w), (b, a, c, w))]
 
 
-def _table(hw, dtype: str) -> dict | None:
-    return (getattr(hw, "gemm_tflops", None) or {}).get({"fp16": "bf16", "tf32": "fp32"}.get(dtype, dtype))
-
-
 def measured_tflops(hw, dtype: str, shapes: list, layers: float) -> float | None:
     """The FLOP-weighted (harmonic) mean TFLOP/s of ``shapes`` (:func:`gemm_shapes`' ``(m, k, n, weight)``, a
     weight of -1 once, the others ``layers`` times) from ``hw.gemm_tflops``; None without a table."""
-    table = _table(hw, dtype)
+    table = hw.measured("", dtype)
     if not table:
         return None
     flops = seconds = 0.0
@@ -281,8 +277,7 @@ def core_tflops(hw, dtype: str, cfg, kind: str) -> float | None:
     """The attention core's TFLOP/s from ``hw.gemm_tflops``' ``core_<dtype>`` table (its matmuls; the ``flash_``
     table for a flash ``kind``) at this layout's sequence (its CP share) and head size (MLA: the query/key
     head's); None without a table."""
-    prefix = "flash_" if kind == "flash" else "core_"
-    table = _table(hw, prefix + {"fp16": "bf16", "tf32": "fp32"}.get(dtype, dtype))
+    table = hw.measured("flash_" if kind == "flash" else "core_", dtype)
     if not table:
         return None
     m = cfg.model
@@ -354,7 +349,7 @@ def step_time(cfg, hw, state, colls=None, rank: int | None = None, *, tp_overlap
     gemm_s = (flops - attn) * (1.0 + layer_share * again / 3) / world / gemm_rate
     attn_again = 1 / 3 if again or m.recompute.recompute_granularity == "selective" else 0.0
     attn_dtype = "bf16" if e == 2 else "tf32"
-    kind = attention_core_path(cfg, cpu=getattr(hw, "device", "cuda") == "cpu")
+    kind = attention_core_path(cfg, cpu=hw.device == "cpu")
     core_rate = core_tflops(hw, attn_dtype, cfg, kind)
     core_rate = core_rate * 1e12 if core_rate else hw.peak(attn_dtype) * eff["ATTENTION_EFFICIENCY"]
     scores = kind != "flash"  # the score matrix written out: every score computed, the masked ones too
@@ -368,20 +363,19 @@ def step_time(cfg, hw, state, colls=None, rank: int | None = None, *, tp_overlap
         per_token += FP8_CAST_BYTES * 2 * (3 + m.ffn_hidden_size / h) * (1 + again / 3)
     layer_bytes = tokens_rank * per_token * h * ((L + D) / p) / par.tp
     accumulate = 0.0
-    if getattr(hw, "device", "cuda") == "cpu":  # no fused kernels: the layers' elementwise ops one by one
+    if hw.device == "cpu":  # no fused kernels: the layers' elementwise ops one by one
         layer_bytes = _eager_bytes(cfg, tokens_rank, e) * (1 + again / 3) * ((L + D) / p)
         accumulate = EAGER_ELEMENTS["grad_accumulation"] * 4 * state.num_params * M  # fp32 accumulators
     score_bytes, draws = _scores_and_draws(cfg, scores, tokens_rank, again, attn_again, e)
     mem_s = (layer_bytes * slowest + score_bytes * slowest + 2 * state.total + accumulate) / \
         (hw.hbm_tbps * 1e12 * eff["MEMORY_EFFICIENCY"])
-    rng = getattr(hw, "dropout_gelems", 0.0)
-    dropout_s = draws * slowest / (rng * 1e9) if rng else 0.0
+    dropout_s = draws * slowest / (hw.dropout_gelems * 1e9) if hw.dropout_gelems else 0.0
     gemm_s, attn_s = gemm_s * slowest, attn_s * slowest  # (the optimizer step reads and writes its state)
-    overhead_s = getattr(hw, "op_overhead_s", 0.0) * (OPS["layer"] * (L + D) / p * M + OPS["step"])
+    overhead_s = hw.op_overhead_s * (OPS["layer"] * (L + D) / p * M + OPS["step"])
     compute = gemm_s + attn_s + mem_s + dropout_s + overhead_s
     per_mb = compute / M  # one microbatch through this rank's layers, forward + backward
     bubble = bubble_fraction(p, v, M, par.pipeline_schedule) * compute
-    share = getattr(hw, "rank_share", 1.0)
+    share = hw.rank_share
     if share < 1.0:  # ranks share cores: the critical path at a whole core each, or the cores' total work
         bubble = max(0.0, (compute + bubble) * share - compute)
 
