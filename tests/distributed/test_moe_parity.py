@@ -55,6 +55,17 @@ def _force(models, bias, k):
                 module.choose = lambda scores: torch.topk(scores + bias.to(scores.dtype), k, dim=1)[1]
 
 
+class _ExpertBiases:
+    """A model seen by ``global_tensors`` as its router expert biases only (assembling every parameter after every
+    iteration costs as much as the training step)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def named_global_parameters(self):
+        return ((n, p) for n, p in self.model.named_global_parameters() if n.endswith("expert_bias"))
+
+
 def _run(argv, world, force=None, iters=ITERS):
     """Losses, gradients and expert biases of every iteration."""
     groups.destroy_model_parallel()
@@ -71,12 +82,14 @@ def _run(argv, world, force=None, iters=ITERS):
 
     run.optimizer.step = step_and_record
     losses, norms, metrics = [], [], []
-    for _ in range(iters):
+    for it in range(iters):
         result = training.train_step(run, state)
         losses.append(result.loss)
         norms.append(result.grad_norm)
         metrics.append(result.moe)
-        params = global_tensors(run.models, run.parallel)
+        # the expert biases after every step; every parameter (its replicas agreeing) after the last one
+        params = global_tensors(run.models if it == iters - 1 else [_ExpertBiases(m) for m in run.models],
+                                run.parallel)
         biases.append({n: t for n, t in params.items() if n.endswith("expert_bias")})
     return {"losses": losses, "grads": grads, "biases": biases, "norms": norms, "metrics": metrics}
 
