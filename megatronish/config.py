@@ -150,6 +150,8 @@ class OptimizerConfig:
     end_weight_decay: float = 0.01
     weight_decay_incr_style: str = "constant"
     clip_grad: float = 1.0
+    # the step taken before the stages agree on its norm, validated one iteration later (optim/post_validation.py)
+    enable_optimizer_post_validation: bool = False
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8

@@ -326,6 +326,26 @@ def _check_rerun(t: configs.TrainingConfig, errors: list[str]) -> None:
                       "drop --no-check-for-nan-in-loss-and-grad")
 
 
+def _check_post_validation(o: configs.OptimizerConfig, t: configs.TrainingConfig, errors: list[str]) -> None:
+    """``--enable-optimizer-post-validation`` (optim/post_validation.py) against what must see the state before the
+    step."""
+    if not o.enable_optimizer_post_validation:
+        return
+    flag = "--enable-optimizer-post-validation"
+    if o.fp16:
+        errors.append(f"{flag} with --fp16 is not supported: the loss scaler must know of an overflow before the next "
+                      "iteration's backward; use --bf16")
+    judges = [f for f, on in (("--check-for-spiky-loss", t.check_for_spiky_loss),
+                              ("--check-for-large-grads", t.check_for_large_grads)) if on]
+    if judges:
+        errors.append(f"{flag} with {' and '.join(judges)} is not supported: the iteration is judged after the next "
+                      "one has run; drop one of them")
+    if t.rerun_mode == "report_stats" or (t.rerun_mode == "validate_results" and t.check_for_nan_in_loss_and_grad):
+        errors.append(f"{flag} validates a step after the next iteration, when --rerun-mode {t.rerun_mode} can no "
+                      "longer run the iteration again: add --rerun-mode disabled (a NaN or Inf still stops training, "
+                      "one iteration later, with --check-for-nan-in-loss-and-grad's error)")
+
+
 def _check_checkpoint(c: configs.CheckpointConfig, errors: list[str]) -> None:
     for name in ("save_interval", "exit_interval", "exit_duration_in_mins", "save_hf_interval"):
         value = getattr(c, name)

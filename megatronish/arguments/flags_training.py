@@ -54,6 +54,10 @@ def add_optimizer_flags(p) -> None:
     flag(g, "--end-weight-decay", type=float, default=None)
     flag(g, "--weight-decay-incr-style", default="constant", choices=["constant", "linear", "cosine"])
     flag(g, "--clip-grad", type=float, default=1.0)
+    flag(g, "--enable-optimizer-post-validation", **on,
+         help="take the optimizer step before the pipeline stages agree on the gradient norm and validate it one "
+         "iteration later, rolled back and taken again where clipping or a skip was due: no synchronization "
+         "between iterations (the zero-bubble schedules' last bubble, docs/pipeline.md)")
     flag(g, "--adam-beta1", type=float, default=0.9)
     flag(g, "--adam-beta2", type=float, default=0.999)
     flag(g, "--adam-eps", type=float, default=1e-8)

@@ -21,6 +21,7 @@ from .checks import (
     _check_model,
     _check_moe,
     _check_pipeline_schedule,
+    _check_post_validation,
     _check_precision,
     _check_rerun,
     _check_schedule,
@@ -43,6 +44,7 @@ def _problems(d: _Draft, errors: list[str], for_training: bool = True) -> list[s
         _check_batch(d.train, d.run if fits else None, errors)
         _check_schedule(d.optim, errors)
         _check_rerun(d.train, errors)
+        _check_post_validation(d.optim, d.train, errors)
         if not errors and d.run is not None:
             _check_warmup_vs_decay(d.run, errors)
     _check_data(d.data, errors, for_training)

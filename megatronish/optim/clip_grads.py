@@ -10,7 +10,8 @@ from ..parallel import comm_log as comm
 from ..parallel.context import ParallelContext
 
 
-def _grad(p):
+def grad_of(p):
+    """The gradient a step reads for ``p``: its DDP buffer (``main_grad``), else ``p.grad``."""
     g = getattr(p, "main_grad", None)
     return p.grad if g is None else g
 
@@ -35,24 +36,49 @@ def counts_once(p, parallel: ParallelContext) -> bool:
     return bool(getattr(p, "tensor_model_parallel", False)) or tp_rank == 0
 
 
-def sum_of_squares(tensors, group=None) -> torch.Tensor:
-    """``sum(t**2)`` over ``tensors`` (one fused pass, no temporaries of the tensors' size), summed over
-    ``group``; an fp32 scalar."""
+def local_sum_of_squares(tensors) -> torch.Tensor:
+    """``sum(t**2)`` over this rank's ``tensors`` (one fused pass, no temporaries of the tensors' size); an fp32
+    scalar."""
     tensors = [t for t in tensors if t is not None]
     device = tensors[0].device if tensors else torch.device("cpu")
     sq = torch.zeros((), dtype=torch.float32, device=device)
     if tensors:
         norms = torch._foreach_norm([t.detach() for t in tensors])
         sq += torch.stack([n.float() for n in norms]).pow(2).sum()
-    if group is not None and dist.get_world_size(group) > 1:
-        comm.all_reduce(sq, group=group)
     return sq
 
 
-def model_sum_of_squares(tensors_of, params, parallel: ParallelContext, experts: bool) -> torch.Tensor:
-    """``sum(t**2)`` of ``tensors_of(p)`` over the whole model, each piece counted once: the dense parameters' sum
-    runs over the model-parallel group (TP x PP), and with ``experts`` (every rank of a mixture-of-experts model
-    passes True) the expert weights' over the expert model-parallel group (expert-TP x EP x PP)."""
+def reduce_sums(terms, async_op: bool = False):
+    """Sum each ``(local sum, group)`` of ``terms`` over its group, in place (``async_op``: started, not waited
+    for); returns the collectives' handles (none without ``async_op`` or where a group has one rank)."""
+    works = []
+    for sq, group in terms:
+        if group is not None and dist.get_world_size(group) > 1:
+            work = comm.all_reduce(sq, group=group, async_op=async_op)
+            if async_op:
+                works.append(work)
+    return works
+
+
+def total_of(terms) -> torch.Tensor:
+    """The sum of the (reduced) terms' tensors, in their order, as one fp32 scalar."""
+    total = terms[0][0]
+    for sq, _ in terms[1:]:
+        total = total + sq
+    return total
+
+
+def sum_of_squares(tensors, group=None) -> torch.Tensor:
+    """``sum(t**2)`` over ``tensors`` (:func:`local_sum_of_squares`), summed over ``group``; an fp32 scalar."""
+    sq = local_sum_of_squares(tensors)
+    reduce_sums([(sq, group)])
+    return sq
+
+
+def model_sum_of_squares_terms(tensors_of, params, parallel: ParallelContext,
+                               experts: bool) -> list[tuple[torch.Tensor, object]]:
+    """The terms of :func:`model_sum_of_squares` before their collectives: ``[(this rank's sum, the group it is
+    summed over)]``."""
     from ..parallel.fsdp import is_sharded
 
     params = list(params)
@@ -60,11 +86,22 @@ def model_sum_of_squares(tensors_of, params, parallel: ParallelContext, experts:
     if any(is_sharded(p) for p in params):  # FSDP2: the DP ranks hold disjoint shards, summed over the world
         shards = [tensors_of(p) for p in counted]
         world = dist.group.WORLD if parallel.world_size > 1 else None
-        return sum_of_squares([t.to_local() if is_sharded(t) else t for t in shards if t is not None], world)
-    sq = sum_of_squares([tensors_of(p) for p in counted if not is_expert(p)], parallel.mp_group)
+        return [(local_sum_of_squares([t.to_local() if is_sharded(t) else t for t in shards if t is not None]),
+                 world)]
+    terms = [(local_sum_of_squares([tensors_of(p) for p in counted if not is_expert(p)]), parallel.mp_group)]
     if experts:
-        sq = sq + sum_of_squares([tensors_of(p) for p in counted if is_expert(p)], parallel.expert_mp_group)
-    return sq
+        terms.append((local_sum_of_squares([tensors_of(p) for p in counted if is_expert(p)]),
+                      parallel.expert_mp_group))
+    return terms
+
+
+def model_sum_of_squares(tensors_of, params, parallel: ParallelContext, experts: bool) -> torch.Tensor:
+    """``sum(t**2)`` of ``tensors_of(p)`` over the whole model, each piece counted once: the dense parameters' sum
+    runs over the model-parallel group (TP x PP), and with ``experts`` (every rank of a mixture-of-experts model
+    passes True) the expert weights' over the expert model-parallel group (expert-TP x EP x PP)."""
+    terms = model_sum_of_squares_terms(tensors_of, params, parallel, experts)
+    reduce_sums(terms)
+    return total_of(terms)
 
 
 def global_norm(params, use_grad: bool = True, parallel: ParallelContext | None = None,
@@ -73,7 +110,7 @@ def global_norm(params, use_grad: bool = True, parallel: ParallelContext | None 
     ``parallel``; default one process). Grads are DP-identical after the reduction, so the sum runs over the
     model-parallel groups only (``experts``: see :func:`model_sum_of_squares`)."""
     parallel = parallel or ParallelContext.single()
-    return math.sqrt(model_sum_of_squares(_grad if use_grad else (lambda p: p), params, parallel, experts).item())
+    return math.sqrt(model_sum_of_squares(grad_of if use_grad else (lambda p: p), params, parallel, experts).item())
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float | None:
@@ -92,7 +129,7 @@ def clip_grad_norm(params, max_norm: float, parallel: ParallelContext | None = N
     norm = global_norm(params, parallel=parallel, experts=experts)
     coeff = clip_coefficient(norm, max_norm)
     if coeff is not None:
-        grads = [g for g in map(_grad, params) if g is not None]
+        grads = [g for g in map(grad_of, params) if g is not None]
         if grads:
             torch._foreach_mul_(grads, coeff)
     return norm

@@ -45,7 +45,16 @@ import torch.distributed as dist
 from .. import device
 from ..parallel import comm_log as comm
 from ..parallel.context import ParallelContext
-from .clip_grads import clip_coefficient, clip_grad_norm, counts_once, model_sum_of_squares, sum_of_squares
+from .clip_grads import (
+    clip_coefficient,
+    clip_grad_norm,
+    counts_once,
+    grad_of,
+    local_sum_of_squares,
+    model_sum_of_squares_terms,
+    reduce_sums,
+    total_of,
+)
 
 
 def no_weight_decay(name: str, p: torch.Tensor) -> bool:
@@ -329,7 +338,7 @@ class MegatronOptimizer:
             return None
         return dist.group.WORLD if self.sharded or self.has_experts else self.parallel.mp_group
 
-    def _prepare_grads(self) -> list[torch.Tensor]:
+    def prepare_grads(self) -> list[torch.Tensor]:
         grads = []
         for s in self.slots:
             g = s.grad_source()
@@ -349,56 +358,60 @@ class MegatronOptimizer:
             comm.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
         return bool(found.item() > 0)
 
-    def grad_norm(self) -> float:
-        """Global L2 norm of the main gradients, each element of the global model counted once."""
-        if not self.sharded and not self.float16:
-            from .clip_grads import global_norm
-            return global_norm(self.model_params, parallel=self.parallel, experts=self.has_experts)
-        if not self.sharded:  # 16-bit master copies, whole parameters: as global_norm, on the main grads
-            main = {id(s.model): s.main for s in self.slots}
-            sq = model_sum_of_squares(lambda p: main[id(p)].grad, [s.model for s in self.slots], self.parallel,
-                                      self.has_experts)
-            return math.sqrt(sq.item())
-        tensors = [s.main.grad for s in self.slots if counts_once(s.model, self.parallel)]
-        sq = sum_of_squares(tensors)
+    def grad_norm_terms(self) -> list[tuple[torch.Tensor, object]]:
+        """This rank's sums of squared main gradients, each with the group it is summed over (the global norm is
+        the square root of their total once summed): each element of the global model counted once."""
+        if not self.sharded:
+            if self.float16:  # 16-bit master copies, whole parameters: on the main grads
+                main = {id(s.model): s.main for s in self.slots}
+                params, of = [s.model for s in self.slots], (lambda p: main[id(p)].grad)
+            else:  # the DDP buffers are the main grads
+                params, of = self.model_params, grad_of
+            return model_sum_of_squares_terms(of, params, self.parallel, self.has_experts)
+        sq = local_sum_of_squares([s.main.grad for s in self.slots if counts_once(s.model, self.parallel)])
         group = self._stats_group()
-        if group is not None and dist.get_world_size(group) > 1:
-            sq = sq.to(_collective_device())
-            comm.all_reduce(sq, group=group)
-        return math.sqrt(sq.item())
+        return [(sq.to(_collective_device()) if group is not None else sq, group)]
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of the main gradients (:meth:`grad_norm_terms`, summed)."""
+        terms = self.grad_norm_terms()
+        reduce_sums(terms)
+        return math.sqrt(total_of(terms).item())
 
     def step(self) -> tuple[bool, float | None]:
         """One optimizer step on the reduced gradients; returns ``(update_successful, grad_norm)``
         (``grad_norm`` is None when an fp16 overflow skipped the step)."""
-        grads = self._prepare_grads()
+        grads = self.prepare_grads()
         if self.grad_scaler is not None:
             found_inf = self._found_inf(grads)
             self.grad_scaler.update(found_inf)
             if found_inf:
-                self._release_grads()
+                self.release_grads()
                 return False, None
-        if not self.sharded and not self.float16:
-            norm = clip_grad_norm(self.model_params, self.clip_grad, self.parallel,  # DDP buffers: main grads
-                                  experts=self.has_experts)
-        else:
-            norm = self.grad_norm()
-            coeff = clip_coefficient(norm, self.clip_grad)
-            if coeff is not None and grads:
-                torch._foreach_mul_(grads, coeff)
+        norm = self.grad_norm()
+        return self.apply_grads(grads, norm), norm
+
+    def apply_grads(self, grads: list[torch.Tensor], norm: float) -> bool:
+        """The step on the prepared main gradients ``grads`` whose global norm is ``norm``: clip
+        (``max_norm / (norm + 1e-6)``), skip when the norm is not finite, step, copy to the model; returns whether
+        the update was applied."""
+        coeff = clip_coefficient(norm, self.clip_grad)
+        if coeff is not None and grads:
+            torch._foreach_mul_(grads, coeff)
         if not math.isfinite(norm):
-            self._release_grads()
-            return False, norm
+            self.release_grads()
+            return False
         self.optimizer.step()
         self.num_steps += 1
-        self._release_grads()
-        self._copy_main_to_model()
-        return True, norm
+        self.release_grads()
+        self.copy_main_to_model()
+        return True
 
-    def _release_grads(self) -> None:
+    def release_grads(self) -> None:
         for s in self.slots:
             s.main.grad = None
 
-    def _copy_main_to_model(self) -> None:
+    def copy_main_to_model(self) -> None:
         with torch.no_grad():
             if self.float16:
                 for s in self.slots:

@@ -21,6 +21,7 @@ from ..model.build import build_model_chunks
 from ..optim.grad_scaler import build_grad_scaler
 from ..optim.lr_schedule import OptimizerParamScheduler, scheduler_steps_from_config
 from ..optim.optimizer import get_megatron_optimizer
+from ..optim.post_validation import PostValidation
 from ..parallel import groups
 from ..parallel.pipeline.choose import forward_backward_func
 from ..parallel.pipeline.schedules import pipeline_tensor_shape
@@ -156,6 +157,8 @@ def setup(cfg, watch: Watch | None = None) -> tuple[TrainContext, TrainState]:
                        compiler=compiler, rng_tracker=rng_tracker)
     optimizer.timers = timers  # params-all-gather
     run.rerun = make_rerun(cfg, parallel)  # --rerun-mode: a suspicious iteration runs again (training/rerun.py)
+    if o.enable_optimizer_post_validation:  # the step validated one iteration later (optim/post_validation.py)
+        run.post_validation = PostValidation(optimizer, scheduler)
     state = TrainState()
     if cfg.checkpoint.save_hf:  # --save-hf: written at checkpoint saves or its own interval (convert/hf_save.py)
         run.hf_export = HFExport(cfg, models, parallel)

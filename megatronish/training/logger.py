@@ -54,28 +54,36 @@ class TrainLogger:
         self.restart_window()
 
     def restart_window(self) -> None:
-        self.window_losses, self.window_batches, self.window_start = [], [], time.perf_counter()
+        self.window_steps: list[StepResult] = []
+        self.window_batches, self.window_start = [], time.perf_counter()
         self.window_moe: list[dict] = []
-        self.window_mtp: list[dict] = []
 
     def after_step(self, state: TrainState, step: StepResult) -> None:
-        if not step.update_successful:
-            self.skipped += 1
-            self.nan_iters += int(not math.isfinite(step.loss)
-                                  or (step.grad_norm is not None and not math.isfinite(step.grad_norm)))
-        self.window_losses.append(step.loss)
+        """Record the iteration; at ``--log-interval`` write the window's record. The step's loss, norm and success
+        are read then (under ``--enable-optimizer-post-validation`` an iteration's are known once it is
+        validated: the loop validates before a logging iteration)."""
+        self.window_steps.append(step)
         self.window_batches.append(step.global_batch_size or self.cfg.train.global_batch_size)
         if step.moe is not None:
             self.window_moe.append(step.moe)
-        if step.mtp is not None:
-            self.window_mtp.append(step.mtp)
         if state.iteration % self.cfg.logging.log_interval == 0 or state.iteration == self.train_iters:
             self._log(state, step.grad_norm)
 
+    def _tally(self) -> list[float]:
+        """The window's losses; counts its skipped and non-finite iterations."""
+        for step in self.window_steps:
+            if not step.update_successful:
+                self.skipped += 1
+                self.nan_iters += int(not math.isfinite(step.loss)
+                                      or (step.grad_norm is not None and not math.isfinite(step.grad_norm)))
+        return [step.loss for step in self.window_steps]
+
     def _log(self, state: TrainState, grad_norm: float | None) -> None:
         run, lg = self.run, self.cfg.logging
+        losses = self._tally()
+        window_mtp = [step.mtp for step in self.window_steps if step.mtp is not None]
         device.synchronize()
-        elapsed = (time.perf_counter() - self.window_start) / len(self.window_losses)
+        elapsed = (time.perf_counter() - self.window_start) / len(losses)
         batch = sum(self.window_batches) / len(self.window_batches)  # mean samples per iteration of the window
         tflops = num_floating_point_operations(self.cfg.model, batch) / elapsed / run.parallel.world_size / 1e12
         params_norm = None
@@ -84,7 +92,7 @@ class TrainLogger:
             params_norm = global_norm([p for m in run.models for p in m.parameters()], use_grad=False,
                                       parallel=run.parallel, experts=self.cfg.model.moe.num_experts is not None)
         record = {"iteration": state.iteration, "consumed_samples": state.consumed_samples,
-                  "lm_loss": sum(self.window_losses) / len(self.window_losses),
+                  "lm_loss": sum(losses) / len(losses),
                   "lr": run.scheduler.lr, "grad_norm": grad_norm,
                   "loss_scale": run.optimizer.loss_scale, "elapsed_ms": elapsed * 1e3,
                   "tokens_per_sec": batch * self.cfg.model.seq_length / elapsed, "tflops": tflops,
@@ -92,10 +100,10 @@ class TrainLogger:
         if params_norm is not None:
             record["params_norm"] = params_norm
         moe_line = self._moe_record(record)
-        mtp_line = {name: sum(m[name] for m in self.window_mtp) / len(self.window_mtp)
-                    for name in (self.window_mtp[0] if self.window_mtp else ())}  # each depth's, over the window
+        mtp_line = {name: sum(m[name] for m in window_mtp) / len(window_mtp)
+                    for name in (window_mtp[0] if window_mtp else ())}  # each depth's, over the window
         record.update({name.replace(" ", "_"): value for name, value in mtp_line.items()})
-        timing, straggler = self._gather_timers(len(self.window_losses))
+        timing, straggler = self._gather_timers(len(losses))
         if straggler is not None:
             record["straggler"] = straggler[1]
         self.writer.write(record, state.iteration)

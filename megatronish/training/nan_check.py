@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .. import device
 from ..errors import NonFiniteError
 from ..parallel import comm_log as comm
 
@@ -143,28 +144,43 @@ def describe(seen: list[tuple]) -> str:
     return "; ".join(parts)
 
 
-def check_loss_and_grads(models, chunks, stats: list[dict], *, iteration: int, check_grads: bool) -> None:
-    """Raise :class:`~megatronish.errors.NonFiniteError` on every rank if any rank's local loss (last pipeline
-    stage) or gradient (unless ``check_grads`` is False) is not finite. Collective (one small all-reduce; the names
-    are gathered only when something is wrong)."""
+def local_report(models, chunks, stats: list[dict], check_grads: bool) -> tuple[torch.Tensor, tuple]:
+    """This rank's findings: ``(flags, mine)``, flags ``[loss not finite, a gradient not finite]`` (int32, on the
+    collective's device: MAX-reduce them over the world) and ``mine`` what :func:`raise_found` gathers."""
     loss_bad, grad_bad = local_findings(chunks, stats, check_grads)
     flags = torch.tensor([int(loss_bad), int(grad_bad)], dtype=torch.int32)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if world > 1:
-        grads = [g for c in chunks for g in grad_tensors(c)]
-        dev = grads[0].device if grads else torch.device("cpu")
-        flags = flags.to(dev if dist.get_backend() == "nccl" else "cpu")
-        comm.all_reduce(flags, op=dist.ReduceOp.MAX)
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        flags = flags.to(device.current_device())
+    mine = (int(loss_bad), first_bad_param(models, chunks) if grad_bad else None)
+    return flags, mine
+
+
+def raise_found(flags: torch.Tensor, mine: tuple, iteration: int, note: str) -> None:
+    """With ``flags`` reduced over the world: nothing when all is finite, else gather every rank's ``mine``
+    (collective) and raise :class:`~megatronish.errors.NonFiniteError` on every rank."""
     if not flags.any():
         return
-    mine = (int(loss_bad), first_bad_param(models, chunks) if grad_bad else None)
+    world = dist.get_world_size() if dist.is_initialized() else 1
     seen = [None] * world
     if world > 1:
         comm.all_gather_object(seen, mine)
     else:
         seen = [mine]
-    raise NonFiniteError(f"iteration {iteration}: {describe(seen)}; stopped before the optimizer step, nothing "
-                         "saved from this state (--check-for-nan-in-loss-and-grad, Megatron's default)")
+    raise NonFiniteError(f"iteration {iteration}: {describe(seen)}; {note}")
+
+
+STOPPED_BEFORE_STEP = ("stopped before the optimizer step, nothing saved from this state "
+                       "(--check-for-nan-in-loss-and-grad, Megatron's default)")
+
+
+def check_loss_and_grads(models, chunks, stats: list[dict], *, iteration: int, check_grads: bool) -> None:
+    """Raise :class:`~megatronish.errors.NonFiniteError` on every rank if any rank's local loss (last pipeline
+    stage) or gradient (unless ``check_grads`` is False) is not finite. Collective (one small all-reduce; the names
+    are gathered only when something is wrong)."""
+    flags, mine = local_report(models, chunks, stats, check_grads)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        comm.all_reduce(flags, op=dist.ReduceOp.MAX)
+    raise_found(flags, mine, iteration, STOPPED_BEFORE_STEP)
 
 
 def ranks_text(ranks: list[int]) -> str:

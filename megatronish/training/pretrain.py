@@ -35,6 +35,21 @@ __all__ = ["pretrain", "setup", "train_step", "compute_gradients", "apply_update
            "TrainContext", "TrainCounters", "TrainState", "TrainResult", "StepResult"]
 
 
+def state_read_after(cfg, iteration: int, train_iters: int) -> bool:
+    """Whether anything after iteration ``iteration`` reads its loss, its gradient norm or the model and
+    optimizer state: the log line, an evaluation, a save (interval, exit, signal, duration, ``--save-hf-interval``),
+    the end of training. Under ``--enable-optimizer-post-validation`` the step is validated there; otherwise by
+    the next iteration (optim/post_validation.py)."""
+    t, ck = cfg.train, cfg.checkpoint
+
+    def every(n):
+        return bool(n) and iteration % n == 0
+
+    return (iteration >= train_iters or every(cfg.logging.log_interval) or (every(t.eval_interval) and t.eval_iters)
+            or every(ck.save_interval) or every(ck.exit_interval) or every(ck.save_hf_interval)
+            or bool(ck.exit_duration_in_mins) or ck.exit_signal_handler)
+
+
 def pretrain(cfg, watch: Watch | None = None, report=None) -> TrainResult:
     """Train (and evaluate) as configured by a :class:`megatronish.config.RunConfig`; returns the loop's state
     (``.state``: iteration, losses, exit reason) and the run's live objects (``.context``). ``watch``: the entry
@@ -59,6 +74,8 @@ def pretrain(cfg, watch: Watch | None = None, report=None) -> TrainResult:
         while state.iteration < train_iters:
             profiler.before_iteration(state.iteration)
             if cfg.num_microbatches_at(state.consumed_samples) != num_mb and state.iteration and cfg.checkpoint.save:
+                if run.post_validation is not None:
+                    run.post_validation.settle()
                 run.checkpointer.save(state)  # Megatron saves when the ramp changes the number of microbatches
             num_mb = cfg.num_microbatches_at(state.consumed_samples)
             last = state.iteration == train_iters - 1
@@ -66,6 +83,8 @@ def pretrain(cfg, watch: Watch | None = None, report=None) -> TrainResult:
             step = train_step(run, state, timeline, loader.next_iteration() if loader else None)
             if timeline is not None:
                 write_timeline(run, timeline)
+            if run.post_validation is not None and state_read_after(cfg, state.iteration, train_iters):
+                run.post_validation.settle()  # what reads the step's result or the weights next sees them validated
             logger.after_step(state, step)
             if report is not None:
                 report.after_step(state, logger.last_record)

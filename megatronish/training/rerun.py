@@ -112,6 +112,20 @@ class Run:
         return any(self.flags)
 
 
+def capture_iteration_inputs(run) -> tuple:
+    """What a run of an iteration changes besides the gradients: the RNG streams, the FP8 scaling state (to run
+    the iteration again, :func:`restore_iteration_inputs`)."""
+    fp8 = copy.deepcopy(run.fp8.state_dict()) if run.fp8 is not None else None
+    return capture_rng(run.rng_tracker), fp8
+
+
+def restore_iteration_inputs(run, saved: tuple) -> None:
+    rng, fp8 = saved
+    restore_rng(rng, run.rng_tracker)
+    if fp8 is not None:
+        run.fp8.load_state_dict(copy.deepcopy(fp8))
+
+
 def make_rerun(cfg, parallel) -> RerunMachine | None:
     """The run's machine, or None where there is nothing to rerun or judge: ``--rerun-mode disabled`` without
     the spike and gradient-norm checks, or ``validate_results`` with every check off (the loop then runs as it
@@ -155,19 +169,19 @@ class RerunMachine:
         NaN check goes. Raises on a divergence or a faulty rank (collective: every rank decides alike)."""
         it, me, dp = state.iteration + 1, self.parallel.rank, self.parallel
         batches = read(None)
-        saved = self._capture(run)
+        saved = capture_iteration_inputs(run)
         injection = self._injection(it, run)
         first = self._start(run, it, "first", me, batches, injection)
         stats = execute(first)
         if self.mode == "report_stats":
-            self._restore(run, saved)
+            restore_iteration_inputs(run, saved)
             second = self._start(run, it, "rerun", me, batches, injection)
             stats = execute(second)
             self._report(it, first, second)
             return self._settle(it, second, stats)
         if not first.suspicious or self.mode == "disabled":
             return self._settle(it, first, stats)
-        self._restore(run, saved)
+        restore_iteration_inputs(run, saved)
         second = self._start(run, it, "rerun", me, batches, injection)
         stats = execute(second)
         if not second.suspicious:
@@ -177,7 +191,7 @@ class RerunMachine:
             return self._settle(it, second, stats)
         reason, pairs = self._cannot_shift(run, first), ""
         if reason is None:
-            self._restore(run, saved)
+            restore_iteration_inputs(run, saved)
             nxt = (dp.dp_rank + 1) % dp.dp_size
             third = self._start(run, it, "shifted", dp.ranks("dp")[nxt], read(nxt), injection)
             execute(third)
@@ -189,7 +203,7 @@ class RerunMachine:
                     f"ranks but not when other ranks computed the same micro-batches ({pairs}): a persistent fault "
                     f"of {where}; stopped before the optimizer step, nothing saved from this state; resume with "
                     "--load without that node (--rerun-mode validate_results)")
-        self._restore(run, saved)
+        restore_iteration_inputs(run, saved)
         saved_note = self._save_before(run, state)
         if reason is None:
             how = (f"it came back on every rerun, also when other ranks computed the same micro-batches ({pairs}): "
@@ -204,19 +218,6 @@ class RerunMachine:
         r = Run(kind, owner, batches, injection)
         r.check = functools.partial(self._observe, run, r, it)
         return r
-
-    @staticmethod
-    def _capture(run) -> tuple:
-        """What a run of the iteration changes besides the gradients: the RNG streams, the FP8 scaling state."""
-        fp8 = copy.deepcopy(run.fp8.state_dict()) if run.fp8 is not None else None
-        return capture_rng(run.rng_tracker), fp8
-
-    @staticmethod
-    def _restore(run, saved: tuple) -> None:
-        rng, fp8 = saved
-        restore_rng(rng, run.rng_tracker)
-        if fp8 is not None:
-            run.fp8.load_state_dict(copy.deepcopy(fp8))
 
     def _injection(self, it: int, run) -> nan_check.Injection | None:
         """``--error-injection-rate``'s fault at ``it``: Megatron's rule, ``(r + rank) % N == 0`` with ``r`` drawn

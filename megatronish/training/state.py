@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from ..model.gpt import GPTModel
     from ..optim.lr_schedule import OptimizerParamScheduler
     from ..optim.optimizer import MegatronOptimizer
+    from ..optim.post_validation import PostValidation
     from ..parallel.context import ParallelContext
     from ..parallel.ddp import DistributedDataParallel
     from ..parallel.fsdp import FullyShardedDataParallel
@@ -80,6 +81,7 @@ class TrainContext:
     rng_tracker: RNGStatesTracker | None = None  # the RNG streams of the model and the checkpoint
     rerun: RerunMachine | None = None  # --rerun-mode and the spike and gradient-norm checks (training/rerun.py)
     hf_export: HFExport | None = None  # under --save-hf: when and how the model is written for transformers
+    post_validation: PostValidation | None = None  # --enable-optimizer-post-validation: the step awaiting validation
 
 
 @dataclass

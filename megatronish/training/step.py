@@ -4,6 +4,7 @@ step (unscale, clip, step), FP8 scales and the LR/WD schedule (:func:`apply_upda
 from __future__ import annotations
 
 import functools
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -12,12 +13,14 @@ import torch.distributed as dist
 from .. import device
 from ..model.moe import stats as moe_stats
 from ..model.mtp import mtp_loss
+from ..optim.post_validation import Deferred
 from ..parallel import comm_log as comm
 from ..parallel.context_parallel import split_for_context_parallel
 from ..parallel.ddp import finalize_model_grads
 from . import nan_check
 from .batches import data_iterators, microbatches, model_arg
 from .metrics import print_rank_last
+from .rerun import capture_iteration_inputs, restore_iteration_inputs
 from .state import StepResult
 from .timers import Timers
 
@@ -30,26 +33,37 @@ if TYPE_CHECKING:
 __all__ = ["make_forward_step", "loss_sums", "print_rank0", "compute_gradients", "apply_update", "train_step"]
 
 
-def loss_sums(stats: list[dict], parallel: ParallelContext, key: str = "lm loss") -> torch.Tensor:
+def loss_sums(stats: list[dict], parallel: ParallelContext, key: str = "lm loss", works: list | None = None):
     """``[sum of token losses, loss tokens]`` of the whole global batch (Megatron's reporting: each microbatch
     reports both, summed over microbatches and DP x CP), on every rank (sent from the last pipeline stage).
-    ``key``: which report (``mtp_<k> loss``: a multi-token-prediction depth's)."""
+    ``key``: which report (``mtp_<k> loss``: a multi-token-prediction depth's). ``works``: the sending is started,
+    not waited for; its handle is appended there."""
     sums = torch.zeros(2, dtype=torch.float32, device=device.current_device())
     if parallel.holds_loss:
         sums = torch.stack([s[key].float() for s in stats]).sum(0)
         group = parallel.dp_cp_group
-        if group is not None and group.size() > 1:
+        if group is not None and group.size() > 1:  # one stage's ranks: they reach it together
             comm.all_reduce(sums, group=group)
     if parallel.pp_size > 1:
-        comm.broadcast(sums, src=parallel.loss_rank, group=parallel.pp_group)
+        work = comm.broadcast(sums, src=parallel.loss_rank, group=parallel.pp_group, async_op=works is not None)
+        if works is not None:
+            works.append(work)
     return sums
 
 
-def _reported_loss(stats: list[dict], parallel: ParallelContext, key: str = "lm loss") -> float:
-    """The iteration's loss: the token-weighted mean over the global batch (Megatron's), on every rank."""
-    total, tokens = loss_sums(stats, parallel, key).tolist()
+def _mean(sums: torch.Tensor) -> float:
+    total, tokens = sums.tolist()
     return total / max(tokens, 1.0)
 
+
+def _reported_loss(stats: list[dict], parallel: ParallelContext, key: str = "lm loss", deferred: bool = False):
+    """The iteration's loss: the token-weighted mean over the global batch (Megatron's), on every rank
+    (``deferred``: a :class:`~megatronish.optim.post_validation.Deferred` of it)."""
+    if not deferred:
+        return _mean(loss_sums(stats, parallel, key))
+    works: list = []
+    sums = loss_sums(stats, parallel, key, works)
+    return Deferred(works, lambda: _mean(sums))
 
 
 def make_forward_step(reset_position_ids: bool, parallel: ParallelContext, per_token_loss: bool = False,
@@ -110,7 +124,18 @@ def compute_gradients(run: TrainContext, state: TrainState, timeline: PipelineTi
     iteration runs again before anything below changes the state."""
     cfg = run.cfg
     num_mb = cfg.num_microbatches_at(state.consumed_samples)
-    if run.rerun is None:
+    pv = run.post_validation
+    if pv is not None:  # the NaN check's local findings, validated with the step (optim/post_validation.py)
+        def check(stats):
+            if details is not None and cfg.train.check_for_nan_in_loss_and_grad:
+                details["nan_report"] = nan_check.local_report(run.models, run.chunks, stats, check_grads=True)
+
+        saved = capture_iteration_inputs(run) if pv.pending is not None else None
+        stats = _forward_backward(run, state, num_mb, batches, timeline, check)
+        if saved is not None and pv.settle():  # the last step was taken again: this iteration saw the old weights
+            restore_iteration_inputs(run, saved)
+            stats = _forward_backward(run, state, num_mb, batches, None, check)
+    elif run.rerun is None:
         check = None
         if cfg.train.check_for_nan_in_loss_and_grad:
             check = functools.partial(nan_check.check_loss_and_grads, run.models, run.chunks,
@@ -130,10 +155,11 @@ def compute_gradients(run: TrainContext, state: TrainState, timeline: PipelineTi
         moe_stats.update_expert_biases(run.models, run.parallel)
     if cfg.train.empty_unused_memory_level >= 1:
         device.empty_cache()
+    deferred = pv is not None
     if details is not None and cfg.model.mtp_num_layers:  # collective: every rank
-        details["mtp"] = {f"mtp_{k} loss": _reported_loss(stats, run.parallel, f"mtp_{k} loss")
+        details["mtp"] = {f"mtp_{k} loss": _reported_loss(stats, run.parallel, f"mtp_{k} loss", deferred)
                           for k in range(1, cfg.model.mtp_num_layers + 1)}
-    return _reported_loss(stats, run.parallel)
+    return _reported_loss(stats, run.parallel, deferred=deferred)
 
 
 def _forward_backward(run: TrainContext, state: TrainState, num_mb: int, batches: list[dict] | None,
@@ -180,21 +206,52 @@ def _forward_backward(run: TrainContext, state: TrainState, num_mb: int, batches
     return stats
 
 
-def apply_update(run: TrainContext, state: TrainState, loss: float) -> StepResult:
-    """The optimizer step on the finalized gradients, FP8 scales, the LR/WD schedule; advances ``state``."""
+def apply_update(run: TrainContext, state: TrainState, loss, details: dict | None = None) -> StepResult:
+    """The optimizer step on the finalized gradients, FP8 scales, the LR/WD schedule; advances ``state``. Under
+    ``--enable-optimizer-post-validation`` (``loss`` and ``details``' values are then
+    :class:`~megatronish.optim.post_validation.Deferred`) the step is taken at once and the result's loss, norm and
+    success are filled in when it is validated."""
     batch = run.cfg.global_batch_size_at(state.consumed_samples)
-    with (run.timers or Timers(0))("optimizer"):
-        update_successful, grad_norm = run.optimizer.step()  # unscale/overflow check, clip, step, copy back
+    if run.post_validation is not None:
+        result = _speculative_update(run, state, loss, details or {}, batch)
+    else:
+        with (run.timers or Timers(0))("optimizer"):
+            update_successful, grad_norm = run.optimizer.step()  # unscale/overflow check, clip, step, copy back
+        if update_successful:  # Megatron: the LR/WD schedule advances only with an applied update
+            run.scheduler.step(increment=batch)
+        result = StepResult(loss, update_successful, grad_norm, batch)
+        state.history.append((state.iteration + 1, loss))
     if run.fp8 is not None:
         run.fp8.update()  # amax histories and next scales, once per optimizer step
-    if update_successful:  # Megatron: the LR/WD schedule advances only with an applied update
-        run.scheduler.step(increment=batch)
     if run.cfg.train.empty_unused_memory_level >= 2:
         device.empty_cache()
     state.iteration += 1
     state.consumed_samples += batch
-    state.history.append((state.iteration, loss))
-    return StepResult(loss, update_successful, grad_norm, batch)
+    return result
+
+
+def _speculative_update(run: TrainContext, state: TrainState, loss, details: dict, batch: int) -> StepResult:
+    """The post-validated step (:class:`~megatronish.optim.post_validation.PostValidation`); the result and the
+    history entry are completed once validated."""
+    iteration, index = state.iteration + 1, len(state.history)
+    result = StepResult(math.nan, True, None, batch)
+    state.history.append((iteration, math.nan))
+    mtp = details.get("mtp")
+
+    def settled(update_successful: bool, grad_norm: float) -> None:
+        result.loss, result.update_successful, result.grad_norm = loss.get(), update_successful, grad_norm
+        result.mtp = {name: value.get() for name, value in mtp.items()} if mtp is not None else None
+        state.history[index] = (iteration, result.loss)
+
+    check = None
+    if "nan_report" in details:
+        flags, mine = details["nan_report"]
+        check = (flags, lambda reduced: nan_check.raise_found(
+            reduced, mine, iteration, "stopped at the step's validation and rolled back, nothing saved from this "
+            "state (--check-for-nan-in-loss-and-grad, --enable-optimizer-post-validation)"))
+    with (run.timers or Timers(0))("optimizer"):
+        run.post_validation.step(batch, settled, check)
+    return result
 
 
 def train_step(run: TrainContext, state: TrainState, timeline: PipelineTimeline | None = None,
@@ -208,7 +265,9 @@ def train_step(run: TrainContext, state: TrainState, timeline: PipelineTimeline 
     if cfg.model.moe.num_experts is not None:  # collective: every rank, before the update advances the state
         moe = moe_stats.step_metrics(run.models, run.parallel, cfg.model,
                                      cfg.num_microbatches_at(state.consumed_samples))
-    result = apply_update(run, state, loss)
-    result.moe, result.mtp = moe, details.get("mtp")
+    result = apply_update(run, state, loss, details)
+    result.moe = moe
+    if run.post_validation is None:
+        result.mtp = details.get("mtp")
     return result
 
