@@ -22,6 +22,7 @@ One warm-up iteration runs before the measured ones.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 
@@ -29,7 +30,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatronish.optim.optimizer import MegatronOptimizer
+from megatronish.optim.post_validation import PostValidation
 from megatronish.parallel import groups
+from megatronish.parallel.ddp import DistributedDataParallel, finalize_model_grads
 from megatronish.parallel.dims import ParallelDims
 from megatronish.parallel.pipeline.choose import forward_backward_func
 from megatronish.parallel.pipeline.p2p import P2PCommunicator, arrived
@@ -39,6 +43,7 @@ from megatronish.parallel.pipeline.timeline import (
     ascii_timeline,
     bubble_fraction,
     gather_timeline,
+    steady_state_bubble,
 )
 from megatronish.parallel.pipeline.zero_bubble import num_chunks, schedule_actions, simulate, stage_of
 from megatronish.testing import run_distributed
@@ -119,6 +124,44 @@ def _worker(rank, world, schedule, m, t, iters, overlap):
             best = events if bubbles[-1]["bubble"] == min(b["bubble"] for b in bubbles) else best
     groups.destroy_model_parallel()
     return bubbles, best
+
+
+def _steady_worker(rank, world, schedule, m, t, iters):
+    """Back-to-back iterations with ``--enable-optimizer-post-validation``'s step between them (the stages wrapped
+    in DDP, the run's optimizer, :class:`PostValidation`): nothing synchronizes the ranks between iterations. One
+    warm-up iteration, then ``iters`` measured periods (:func:`steady_state_bubble`). The step is SGD at LR 0 with a
+    ``--clip-grad`` no norm reaches: every step stands at its validation (the usual case in stable training), so
+    the stages' cost stays exact."""
+    v = CHUNKS[schedule]
+    dims = ParallelDims(world_size=world, pp=world, vp=v, pipeline_schedule=schedule)
+    ctx = groups.initialize_model_parallel(dims)
+    chunks = [DistributedDataParallel(SleepStage(t / v)) for _ in range(v)]
+    validation = PostValidation(MegatronOptimizer(chunks, optimizer="sgd", lr=0.0, sgd_momentum=0.0,
+                                                  clip_grad=1e9, parallel=ctx), None)
+
+    def forward_step(data_iterator, model):
+        out = model(next(data_iterator))
+        return out, lambda y: (y.sum(), {"loss": y.sum().detach()})
+
+    func = forward_backward_func(world, v, schedule)
+    timeline = PipelineTimeline(rank)
+    dist.barrier()
+    for i in range(iters + 2):
+        seen = len(timeline.events)
+        for c in chunks:
+            c.zero_grad_buffer()
+        data = [iter([torch.ones(SHAPE) for _ in range(m)]) for _ in range(v)]
+        func(forward_step, data if v > 1 else data[0], chunks if v > 1 else chunks[0], m, tensor_shape=SHAPE,
+             timeline=timeline, parallel=ctx)
+        for e in timeline.events[seen:]:
+            e["iteration"] = i
+        finalize_model_grads(chunks, ctx)
+        validation.settle()  # the last iteration's step, as the training loop validates it
+        validation.step(1, lambda ok, norm: None)
+    validation.settle()
+    events = gather_timeline(timeline)
+    groups.destroy_model_parallel()
+    return steady_state_bubble([e for e in events if e["iteration"] >= 1]) if rank == 0 else None
 
 
 def _ping(rank, world, n, t):
@@ -211,6 +254,24 @@ def replayed_bubble(schedule: str, p: int, m: int, latency: float = 0.0) -> floa
                     posted_receives=True, latency=latency)["bubble"]
 
 
+def steady_replay(schedule: str, p: int, m: int, iterations: int = 6) -> float:
+    """The schedule's steady-state bubble in unit time with no synchronization between iterations: its lists
+    replayed ``iterations`` times back to back (each iteration's messages its own), the growth of the makespan
+    per iteration against the ideal ``3m`` (F = B = W = 1); NaN for 1F1B and interleaved (not replayed so)."""
+    if schedule in ("1f1b", "interleaved-1f1b"):
+        return float("nan")
+
+    def makespan(k):
+        lists = schedule_actions(schedule, p, m)
+        chained = [[dataclasses.replace(a, microbatch=a.microbatch + i * m) for i in range(k) for a in lists[r]]
+                   for r in range(p)]
+        v = num_chunks(schedule)
+        return simulate(chained, lambda r, c: stage_of(schedule, p, r, c), p * v,
+                        {op: 1 / v for op in "FBW"}, posted_receives=True)["makespan"]
+
+    return (makespan(iterations) - makespan(iterations // 2)) / (iterations - iterations // 2) / (3 * m) - 1
+
+
 def own_times_bubble(schedule: str, p: int, m: int, events: list[dict]) -> float | None:
     """1F1B and interleaved: the replay with every step taking as long as it took in the run (``events``) and
     messages taking no time: the bubble the run's own step times leave; the rest is message time."""
@@ -229,6 +290,9 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
     ap.add_argument("--ascii-dir", default=None, help="write each run's last timeline as text here")
+    ap.add_argument("--no-steady", action="store_true",
+                    help="skip the back-to-back iterations under --enable-optimizer-post-validation")
+    ap.add_argument("--steady-only", action="store_true", help="only the back-to-back iterations")
     args = ap.parse_args(argv)
     p, t = args.p, args.t_ms / 1e3
     latency = message_latency(t)
@@ -239,7 +303,7 @@ def main(argv=None):
           f"{latency * 1e3:.3f} ms; back to back (no sleep): {message_latency(0.0) * 1e3:.3f} ms", flush=True)
     print(f"{'schedule':<17}{'m':>3}  {'measured':>8}  {'overlap':>8}  {'replayed':>8}  {'at L':>8}  {'own steps':>9}  "
           f"{'formula':>8}  {'vs formula':>10}  {'vs at L':>7}  {'vs 1F1B':>7}  iteration")
-    for m in args.m:
+    for m in [] if args.steady_only else args.m:
         base = None
         for schedule in args.schedules:
             got = {}
@@ -262,6 +326,25 @@ def main(argv=None):
                   f"  {at_latency:8.4f}  {'–' if own is None else f'{own:.4f}':>9}  {formula:8.4f}"
                   f"  {measured / formula:10.2f}  {measured / at_latency:7.2f}  {vs_base}  {window * 1e3:.0f} ms "
                   f"(ideal {3 * m * args.t_ms:.0f} ms)", flush=True)
+    if args.no_steady:
+        return
+    print(f"\nback to back under --enable-optimizer-post-validation (no synchronization between iterations; "
+          f"{args.iters} periods after a warm-up): steady-state bubble = (period - busy) / busy", flush=True)
+    print(f"{'schedule':<17}{'m':>3}  {'steady':>8}  {'replayed':>8}  {'formula':>8}  {'vs 1F1B':>7}  "
+          f"{'vs 1F1B synchronized':>20}  period")
+    for m in args.m:
+        base = synced = None
+        for schedule in args.schedules:
+            got = run_distributed(_steady_worker, p, schedule, m, t, args.iters, timeout=600)[0]
+            if schedule == "1f1b":
+                base = got["bubble"]
+                synced = min(b["bubble"] for b in run_distributed(_worker, p, schedule, m, t, args.iters, False,
+                                                                  timeout=600)[0][0])
+            ratio = f"{got['bubble'] / base:7.2f}" if base else f"{'':>7}"
+            vs_synced = f"{got['bubble'] / synced:20.2f}" if synced else f"{'':>20}"
+            print(f"{schedule:<17}{m:>3}  {got['bubble']:8.4f}  {steady_replay(schedule, p, m):8.4f}  "
+                  f"{FORMULA[schedule](p, m):8.4f}  {ratio}  {vs_synced}  {got['period'] * 1e3:.0f} ms "
+                  f"(busy {got['busy'] * 1e3:.0f} ms)", flush=True)
 
 
 if __name__ == "__main__":

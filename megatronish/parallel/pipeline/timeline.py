@@ -20,7 +20,7 @@ import json
 import time
 
 __all__ = ["PipelineTimeline", "gather_timeline", "write_chrome_trace", "read_chrome_trace", "bubble_fraction",
-           "ascii_timeline"]
+           "steady_state_bubble", "ascii_timeline"]
 
 
 class PipelineTimeline:
@@ -144,6 +144,29 @@ def bubble_fraction(events: list[dict]) -> dict:
     mean_idle = window - mean_busy
     return {"bubble": mean_idle / mean_busy, "idle_of_total": mean_idle / window, "window": window,
             "per_rank": per_rank}
+
+
+def steady_state_bubble(events: list[dict]) -> dict:
+    """Measured bubble of back-to-back iterations that are not synchronized between each other (each compute span
+    tagged with its ``"iteration"``): per rank, the period is the time from its first compute start in the first
+    iteration to that of the last, over the iterations between; ``bubble = (mean period - mean busy) / mean busy``,
+    busy the rank's compute per iteration over those iterations (the first and last iteration only bound the
+    window). Comparable to :func:`bubble_fraction`'s ``bubble`` and to each schedule's formula. Returns
+    ``{"bubble", "period", "busy", "per_rank": {rank: (period - busy) / busy}}``."""
+    compute = [e for e in events if e["cat"] == "compute"]
+    its = sorted({e["iteration"] for e in compute})
+    first, last = its[0], its[-1]
+    periods, busies, per_rank = [], [], {}
+    for r in sorted({e["rank"] for e in compute}):
+        mine = [e for e in compute if e["rank"] == r]
+        starts = {i: min(e["start"] for e in mine if e["iteration"] == i) for i in (first, last)}
+        period = (starts[last] - starts[first]) / (last - first)
+        busy = sum(e["end"] - e["start"] for e in mine if first <= e["iteration"] < last) / (last - first)
+        periods.append(period)
+        busies.append(busy)
+        per_rank[r] = (period - busy) / busy
+    period, busy = sum(periods) / len(periods), sum(busies) / len(busies)
+    return {"bubble": (period - busy) / busy, "period": period, "busy": busy, "per_rank": per_rank}
 
 
 def ascii_timeline(events: list[dict], columns: int = 96) -> str:
