@@ -1,6 +1,6 @@
 """Context parallelism through ``pretrain()`` is the one-process model: for GPT-2 and Llama (GQA), every CP comm
 type at CP 2 and 4, a2a+p2p 2 x 2, TP 2 x CP 2 with SP, CP 2 x PP 2 (interleaved too), CP 2 x DP 2 with the
-distributed optimizer and CP 2 with full or selective recompute give the losses and gradient norms of 8
+distributed optimizer and CP 2 with full or selective recompute give the losses and gradient norms of 3
 iterations and the parameters after every one of them of one process (fp32, rtol 1e-5), the CP replicas of each
 parameter agreeing; the padded vocabulary rows stay zero. Plain SGD makes the parameters a linear function of the
 gradients, so equal parameters after every step mean equal gradients."""
@@ -14,10 +14,10 @@ from megatronish.training import pretrain as training
 from megatronish.training.pretrain import pretrain
 
 ITERS = 6
-# Iterations run per world size: the 4-rank layouts run the first half of the reference's (the suite's time); every
-# step's loss, grad norm and parameters are compared either way
-ITERS_AT = {2: ITERS, 4: ITERS // 2}
-BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+# Iterations run per world size: the 2- and 4-rank layouts run the first half of the reference's (the suite's time);
+# every step's loss, grad norm and parameters are compared either way
+ITERS_AT = {2: ITERS // 2, 4: ITERS // 2}
+BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
         "--max-position-embeddings", "32", "--vocab-size", "96", "--tokenizer-type", "NullTokenizer", "--mock-data",
         "--global-batch-size", "8", "--micro-batch-size", "2", "--train-iters", str(ITERS), "--lr", "0.5",
         "--optimizer", "sgd", "--sgd-momentum", "0", "--weight-decay", "0.01", "--clip-grad", "1.0",
@@ -29,6 +29,7 @@ FLAVORS = {
               "--untie-embeddings-and-output-weights", "--group-query-attention", "--num-query-groups", "2"],
 }
 CP2 = ["--context-parallel-size", "2"]
+FOUR_LAYERS = ["--num-layers", "4"]  # the interleaved layout's (the rest train 2 layers: the suite's time)
 CASES = {
     2: {**{f"cp2-{t}": CP2 + ["--cp-comm-type", t] for t in ("p2p", "a2a", "allgather")},
         "cp2-full-recompute": CP2 + ["--recompute-granularity", "full", "--recompute-method", "uniform",
@@ -40,7 +41,8 @@ CASES = {
                             "--hierarchical-context-parallel-sizes", "2", "2"],
         "tp2-cp2-sp": CP2 + ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
         "cp2-pp2": CP2 + ["--pipeline-model-parallel-size", "2", "--cp-comm-type", "a2a"],
-        "cp2-pp2-vp2": CP2 + ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+        "cp2-pp2-vp2": CP2 + FOUR_LAYERS + ["--pipeline-model-parallel-size", "2",
+                                            "--num-layers-per-virtual-pipeline-stage", "1"],
         "cp2-dp2-distopt": CP2 + ["--use-distributed-optimizer", "--cp-comm-type", "allgather"]},
 }
 
@@ -69,7 +71,13 @@ def _worker(rank, world, cases):
 
 @pytest.fixture(scope="module")
 def references():
-    return {f: run_distributed(_worker, 1, {f: extra})[0][f] for f, extra in FLAVORS.items()}
+    """Each flavor's one-process run, at 2 layers and (its name + ``-4-layers``) at 4."""
+    return run_distributed(_worker, 1, {**FLAVORS, **{f"{f}-4-layers": FOUR_LAYERS + extra
+                                                      for f, extra in FLAVORS.items()}})[0]
+
+
+def _reference_of(flavor, argv):
+    return f"{flavor}-4-layers" if "--num-layers" in argv else flavor
 
 
 VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -107,7 +115,7 @@ def test_context_parallel_equals_one_process(world, references):
         cases = {name: argv + extra for name, argv in {**CASES[world], **ONLY.get((flavor, world), {})}.items()}
         got = run_distributed(_worker, world, cases, timeout=600)[0]
         for name, result in got.items():
-            _assert_same(result, references[flavor], f"{flavor} {name}")
+            _assert_same(result, references[_reference_of(flavor, cases[name])], f"{flavor} {name}")
 
 
 def _resume_worker(rank, world, argv, tmp):
