@@ -1,6 +1,6 @@
 """FSDP2 (``--use-torch-fsdp2``): every layout trains exactly as one process.
 
-Each case runs 5 iterations through the training step (setup / train_step) and compares against a one-process
+Each case runs 3 iterations through the training step (setup / train_step) and compares against a one-process
 run of the same model (same seed, no weight copying): the losses, the gradient norms, and every parameter's
 reduced gradient of every iteration (assembled from the ranks' FSDP shards of their tensor-parallel slices, before
 the optimizer step clips them), fp32, rtol 1e-5. SGD with momentum and an active clip (the norm exceeds 0.5), so a
@@ -16,7 +16,7 @@ from megatronish.parallel.fsdp import is_sharded
 from megatronish.testing import assert_parity, global_tensors, run_distributed
 from megatronish.training import pretrain as training
 
-ITERS = 5
+ITERS = 3
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--vocab-size", "96", "--tokenizer-type", "NullTokenizer", "--mock-data", "--global-batch-size", "8",
         "--micro-batch-size", "2", "--train-iters", str(ITERS), "--optimizer", "sgd", "--lr", "0.3",
