@@ -15,7 +15,7 @@ from megatronish.parallel import groups
 from megatronish.testing import run_distributed
 from megatronish.training.pretrain import pretrain
 
-BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--vocab-size", "96", "--tokenizer-type", "NullTokenizer", "--mock-data", "--global-batch-size", "8",
         "--micro-batch-size", "2", "--optimizer", "sgd", "--lr", "0.3", "--clip-grad", "0.5",
         "--lr-decay-style", "constant", "--attention-dropout", "0", "--hidden-dropout", "0", "--eval-iters", "0",
