@@ -4,7 +4,7 @@ semantics): attention never crosses an end-of-document token and positions resta
 - One process = a per-document reference: the packed sequence's per-token losses equal each document run on its
   own (GPT-2 with learned positions, Llama with RoPE).
 - From a corpus of many short documents through ``pretrain()``: every context-parallel comm type gives the losses,
-  grad norms and parameters of one process with the same masks (8 SGD iterations, rtol 1e-5), and the masks
+  grad norms and parameters of one process with the same masks (4 SGD iterations, rtol 1e-5), and the masks
   change the run (it is not the causal one).
 """
 import json
@@ -79,7 +79,7 @@ def _corpus(prefix):
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
         "--max-position-embeddings", "32", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(V),
-        "--global-batch-size", "4", "--micro-batch-size", "2", "--train-iters", "8", "--lr", "0.5",
+        "--global-batch-size", "4", "--micro-batch-size", "2", "--train-iters", "4", "--lr", "0.5",
         "--optimizer", "sgd", "--sgd-momentum", "0", "--clip-grad", "1.0", "--attention-dropout", "0",
         "--hidden-dropout", "0", "--eval-iters", "0", "--log-interval", "1", "--seed", "5", "--split", "100,0,0"]
 MASKS = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
