@@ -1,6 +1,6 @@
 """Mixture of experts: every expert layout trains exactly as one process with the same routing.
 
-Each case runs 5 iterations through the training step (setup / train_step) and compares, against a one-process
+Each case runs 3 iterations through the training step (setup / train_step) and compares, against a one-process
 run of the same model (same seed, no weight copying, the same micro-batch size so every routing call sees the
 same tokens): the losses, every parameter's reduced gradient of every iteration (assembled from the ranks'
 slices, before the optimizer step clips them), and the router expert biases (fp32, rtol 1e-5). Load-balancing
@@ -23,13 +23,7 @@ from megatronish.parallel import groups
 from megatronish.testing import global_tensors, run_distributed
 from megatronish.training import pretrain as training
 
-ITERS = 5
-# Forced routing is the same map every iteration: a few iterations run every collective and gradient path it has
-FORCED_ITERS = 3
-
-
-def iters_of(variant: str) -> int:
-    return FORCED_ITERS if variant in FORCE else ITERS
+ITERS = 3
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--vocab-size", "96", "--tokenizer-type", "NullTokenizer", "--mock-data", "--global-batch-size", "8",
         "--micro-batch-size", "2", "--train-iters", str(ITERS), "--optimizer", "sgd", "--lr", "0.3",
@@ -66,7 +60,7 @@ class _ExpertBiases:
         return ((n, p) for n, p in self.model.named_global_parameters() if n.endswith("expert_bias"))
 
 
-def _run(argv, world, force=None, iters=ITERS):
+def _run(argv, world, force=None):
     """Losses, gradients and expert biases of every iteration."""
     groups.destroy_model_parallel()
     cfg = configs_from_args(parse_args(BASE + argv), world)
@@ -82,13 +76,13 @@ def _run(argv, world, force=None, iters=ITERS):
 
     run.optimizer.step = step_and_record
     losses, norms, metrics = [], [], []
-    for it in range(iters):
+    for it in range(ITERS):
         result = training.train_step(run, state)
         losses.append(result.loss)
         norms.append(result.grad_norm)
         metrics.append(result.moe)
         # the expert biases after every step; every parameter (its replicas agreeing) after the last one
-        params = global_tensors(run.models if it == iters - 1 else [_ExpertBiases(m) for m in run.models],
+        params = global_tensors(run.models if it == ITERS - 1 else [_ExpertBiases(m) for m in run.models],
                                 run.parallel)
         biases.append({n: t for n, t in params.items() if n.endswith("expert_bias")})
     return {"losses": losses, "grads": grads, "biases": biases, "norms": norms, "metrics": metrics}
@@ -104,8 +98,8 @@ def _numpy(x):
 
 def _worker(rank, world, cases):
     # numpy, not tensors: results travel to the parent through a pipe
-    return {name: _numpy(_run(argv, world, FORCE.get(v), iters_of(v))) for name, (argv, v) in cases.items()} \
-        if rank == 0 else {name: _run(argv, world, FORCE.get(v), iters_of(v)) and None
+    return {name: _numpy(_run(argv, world, FORCE.get(v))) for name, (argv, v) in cases.items()} \
+        if rank == 0 else {name: _run(argv, world, FORCE.get(v)) and None
                            for name, (argv, v) in cases.items()}
 
 
@@ -206,7 +200,7 @@ def test_layout_equals_one_process(results, name):
     ref, out = refs[CASES[name][2]], got[name]
     _close(torch.tensor(out["losses"]), torch.tensor(ref["losses"]), f"{name} losses")
     _close(torch.tensor(out["norms"]), torch.tensor(ref["norms"]), f"{name} grad norms (each expert counted once)")
-    assert len(out["grads"]) == len(ref["grads"]) == iters_of(CASES[name][2])
+    assert len(out["grads"]) == len(ref["grads"]) == ITERS
     for it, (g, r) in enumerate(zip(out["grads"], ref["grads"])):
         assert sorted(g) == sorted(r), f"{name}: parameter names differ"
         for param in r:
