@@ -22,7 +22,7 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
         "--moe-ffn-hidden-size", "16", "--moe-aux-loss-coeff", "1e-2", "--moe-router-score-function", "sigmoid",
         "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-2",
         "--moe-shared-expert-intermediate-size", "16", "--moe-token-dispatcher-type", "alltoall"]
-SAVE_AT, END = 3, 6
+SAVE_AT, END = 3, 5
 SOURCES = {  # world 4
     "ep2_tp2_sp": ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
     "ep4_distopt": ["--expert-model-parallel-size", "4", "--use-distributed-optimizer"],
