@@ -271,40 +271,67 @@ def probe_op_overhead() -> float:
 
 
 def probe_gloo() -> tuple[float, float]:
-    """(GB/s, seconds per message) of gloo between two ranks over the loopback: two gloo process groups in two
-    threads of this process (an in-process store: no process group of the caller's is touched). A 4-byte
-    all-reduce's time is two ring steps' latency, a 4 MiB all-reduce's time less that moves ``2 (n-1)/n`` of its
-    bytes (``planner/perf.py``'s ring); each the fastest of 5 after one warm-up."""
+    """(GB/s, seconds per message) of gloo between two forked processes over the loopback, met as a training step
+    meets its collectives: before each all-reduce a rank computes for about a millisecond, so one of the two arrives
+    first and waits in the collective until the other's data wakes it (on a virtual machine that wake-up, not the
+    transport, is most of a small collective's time: 0.03 ms between two threads of one process, 0.3 to 3 ms between
+    processes here). The median 4-byte all-reduce is two ring steps' latency, the median 4 MiB all-reduce less that
+    moves ``2 (n-1)/n`` of its bytes (``planner/perf.py``'s ring); 15 of each after two warm-ups, the slower rank's."""
+    import multiprocessing
+    import os
+    import tempfile
+
+    ctx = multiprocessing.get_context("fork")
+    with tempfile.TemporaryDirectory() as d:
+        ends, procs = [], []
+        for rank in range(2):
+            mine, theirs = ctx.Pipe()
+            proc = ctx.Process(target=_gloo_rank, args=(rank, os.path.join(d, "store"), theirs), daemon=True)
+            proc.start()
+            ends.append(mine)
+            procs.append(proc)
+        results = [end.recv() for end in ends]
+        for proc in procs:
+            proc.join(timeout=30)
+    small = max(r[0] for r in results)
+    large = max(r[1] for r in results)
+    latency = small / 2
+    seconds = max(large - 2 * latency, 1e-9)
+    return 2 ** 22 / seconds / 1e9, latency
+
+
+def _gloo_rank(rank: int, path: str, conn) -> None:
+    """One rank of :func:`probe_gloo`: sends (median seconds of a 4-byte all-reduce, of a 4 MiB one)."""
     import datetime
-    import threading
+    import statistics
 
     import torch.distributed as dist
 
-    store, groups, out = dist.HashStore(), [None, None], {}
+    torch.set_num_threads(1)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    opts._timeout = datetime.timedelta(seconds=30)
+    group = dist.ProcessGroupGloo(dist.FileStore(path, 2), rank, 2, opts)
+    a = torch.randn(64, 64)
 
-    def make(rank):
-        opts = dist.ProcessGroupGloo._Options()
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-        opts._timeout = datetime.timedelta(seconds=30)
-        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, opts)
+    def compute(seconds=1e-3):  # about a millisecond of work, as between a step's collectives
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            a @ a
 
-    def run(rank, numel):
+    out = []
+    for numel in (1, 2 ** 20):
         x = torch.ones(numel)
-        out[rank] = _timed(lambda: groups[rank].allreduce([x]).wait(), math.inf, 5, True)  # both ranks: 6 calls
-
-    def both(fn, *args):
-        threads = [threading.Thread(target=fn, args=(r, *args)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-
-    both(make)
-    both(run, 1)
-    latency = max(out.values()) / 2
-    both(run, 2 ** 20)
-    seconds = max(max(out.values()) - 2 * latency, 1e-9)
-    return 2 ** 22 / seconds / 1e9, latency
+        times = []
+        for i in range(17):
+            compute()
+            t0 = time.perf_counter()
+            group.allreduce([x]).wait()
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+        out.append(statistics.median(times))
+    conn.send(tuple(out))
+    conn.close()
 
 
 def load_hardware(kind: str, gpus_per_node: int | None = None, hardware_file: str | None = None) -> Hardware:
