@@ -213,7 +213,8 @@ CASES = [
 # launched by the hooks at the last W), FSDP2 (gradients accumulated unsharded, one reduce-scatter after the last W)
 # and selective recompute. Every iteration's reduced gradients (before the step), the losses and the parameters
 # after the steps equal the one-process run of the same flags without the layout's.
-TRAIN_BASE = CP_BASE + CP_FLAVORS["llama"] + ["--train-iters", str(STEPS)]  # Llama (GQA), sequence 32, SGD
+# Llama (GQA), sequence 32, SGD, 4 layers (the CP test trains 2)
+TRAIN_BASE = CP_BASE + CP_FLAVORS["llama"] + ["--num-layers", "4", "--train-iters", str(STEPS)]
 TRAIN_MODELS = {"dense": [], "moe": ["--num-experts", "4", "--moe-ffn-hidden-size", "16", "--moe-aux-loss-coeff",
                                      "1e-2", "--moe-z-loss-coeff", "1e-3"]}
 PP2 = ["--pipeline-model-parallel-size", "2"]
