@@ -10,6 +10,7 @@ should run many checks inside one call.
 from __future__ import annotations
 
 import importlib.util
+import math
 import multiprocessing as mp
 import os
 import socket
@@ -155,9 +156,11 @@ def global_tensors(models, parallel, *, grads: bool = False, optimizer=None,
     names = [None] * dist.get_world_size()
     comm.all_gather_object(names, sorted((n, tuple(q.desc.global_shape)) for n, (q, _, _) in local.items()))
     rank, world = dist.get_rank(), dist.get_world_size()
-    out = {}
-    for name, shape in sorted({entry for rank_names in names for entry in rank_names}):
-        # where this rank holds the element: its value (hi/lo: +-inf elsewhere, for the replicas' spread) and rank
+    entries = sorted({entry for rank_names in names for entry in rank_names})
+    # where this rank holds each element: its value (hi/lo: +-inf elsewhere, for the replicas' spread) and rank;
+    # all of them in one MIN all-reduce (hi negated), then each element's lowest holder's copy in one sum
+    spans = {}
+    for name, shape in entries:
         hi, lo = torch.full(shape, -float("inf")), torch.full(shape, float("inf"))
         owner = torch.full(shape, float(world))
         if name in local:
@@ -165,13 +168,21 @@ def global_tensors(models, parallel, *, grads: bool = False, optimizer=None,
             for dst, src in ((hi, value.masked_fill(~mask, -float("inf"))),
                              (lo, value.masked_fill(~mask, float("inf"))),
                              (owner, torch.full_like(value, float(rank)).masked_fill(~mask, float(world)))):
-                for piece in param_pieces(p, src, p.desc, parallel):
-                    region = dst
-                    for dim, (at, n) in enumerate(zip(piece.offsets, piece.tensor.shape)):
-                        region = region.narrow(dim, at, n)
-                    region.copy_(piece.tensor)
-        for t, op in ((hi, dist.ReduceOp.MAX), (lo, dist.ReduceOp.MIN), (owner, dist.ReduceOp.MIN)):
-            comm.all_reduce(t, op=op)
+                _place(dst, p, src, parallel)
+        spans[name] = (hi, lo, owner)
+    flat = [t.reshape(-1) for hi, lo, owner in spans.values() for t in (-hi, lo, owner)]
+    if flat:
+        packed = torch.cat(flat)
+        comm.all_reduce(packed, op=dist.ReduceOp.MIN)
+        at = 0
+        for name, shape in entries:
+            n = math.prod(shape)
+            neg_hi, lo, owner = (packed[at + i * n: at + (i + 1) * n].view(shape) for i in range(3))
+            spans[name] = (-neg_hi, lo, owner)
+            at += 3 * n
+    mine_of = {}
+    for name, shape in entries:
+        hi, lo, owner = spans[name]
         held = owner < world
         hi, lo = hi.where(held, torch.zeros(())), lo.where(held, torch.zeros(()))
         scale = float(torch.maximum(hi.abs(), lo.abs()).max()) if hi.numel() else 0.0
@@ -192,6 +203,25 @@ def global_tensors(models, parallel, *, grads: bool = False, optimizer=None,
                 for dim, (at, n) in enumerate(zip(piece.offsets, piece.tensor.shape)):
                     region, first = region.narrow(dim, at, n), first.narrow(dim, at, n)
                 region.copy_(torch.where(first == rank, piece.tensor, region))
-        comm.all_reduce(mine)
-        out[name] = mine
-    return out
+        mine_of[name] = mine
+    if mine_of:
+        packed = torch.cat([t.reshape(-1) for t in mine_of.values()])
+        comm.all_reduce(packed)
+        at, out = 0, {}
+        for name, shape in entries:
+            n = math.prod(shape)
+            out[name] = packed[at: at + n].view(shape).clone()
+            at += n
+        return out
+    return {}
+
+
+def _place(dst: torch.Tensor, p, src: torch.Tensor, parallel) -> None:
+    """Copy ``src`` (this rank's slice of ``p``, shaped like it) into the global ``dst`` at its pieces' offsets."""
+    from .checkpoint.state import param_pieces
+
+    for piece in param_pieces(p, src, p.desc, parallel):
+        region = dst
+        for dim, (at, n) in enumerate(zip(piece.offsets, piece.tensor.shape)):
+            region = region.narrow(dim, at, n)
+        region.copy_(piece.tensor)
