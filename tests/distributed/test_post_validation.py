@@ -4,6 +4,7 @@ exactly (every loss, every parameter and optimizer state after 6 iterations):
 
 - with ``--clip-grad`` between the iterations' norms, so that some steps stand and others are rolled back, taken
   again clipped, and the iteration computed since runs again (both counted);
+- the same under PP 2 x DP 2 with the distributed optimizer;
 - with a NaN gradient injected on rank 1 at iteration 3: with the NaN check, every rank raises the check's error
   naming iteration 3 and rank 1; without it, the step is skipped as the synchronous step skips it.
 
@@ -30,10 +31,10 @@ BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
         "--rerun-mode", "disabled"]
 
 
-def _norms(world):
+def _norms(world, argv=()):
     """The gradient norms of an unclipped synchronous run."""
     groups.destroy_model_parallel()
-    run, state = training.setup(configs_from_args(parse_args(BASE + ["--clip-grad", "0"]), world))
+    run, state = training.setup(configs_from_args(parse_args(BASE + list(argv) + ["--clip-grad", "0"]), world))
     return [float(training.train_step(run, state).grad_norm) for _ in range(ITERS)]
 
 
@@ -74,6 +75,16 @@ def _worker(rank, world):
     return out
 
 
+def _sharded_worker(rank, world):
+    """PP 2 x DP 2 with the distributed optimizer (each rank steps its shard, the step's all-gather follows)."""
+    flags = ["--use-distributed-optimizer"]
+    norms = _norms(world, flags)
+    flags += ["--clip-grad", f"{sorted(norms)[len(norms) // 2]:.6f}"]
+    sync, post = _pretrain(flags, world), _pretrain(flags + PV, world)
+    groups.destroy_model_parallel()
+    return _differences(post, sync, "distributed optimizer"), post["counts"]
+
+
 def _differences(a, b, what) -> list[str]:
     """Where run ``a`` is not exactly run ``b``: losses, counts, every parameter and optimizer state."""
     out = []
@@ -96,6 +107,12 @@ def test_post_validated_steps_equal_the_synchronous_ones():
         assert out["nan-post"]["error"].startswith("iteration 3: non-finite gradient on rank 1"), out["nan-post"]
         assert "rolled back" in out["nan-post"]["error"]
         assert out["skip-sync"]["steps"] == ITERS - 1  # the NaN's iteration skipped, training went on
+
+
+def test_post_validated_sharded_steps_equal_the_synchronous_ones():
+    for differ, (stood, redone) in run_distributed(_sharded_worker, 4, timeout=300):
+        assert differ == [], differ
+        assert stood > 0 and redone > 0, f"both paths must run: {stood} stood, {redone} taken again"
 
 
 @pytest.mark.parametrize("argv, expected", [
