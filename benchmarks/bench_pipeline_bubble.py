@@ -100,15 +100,16 @@ class SleepStage(nn.Module):
         return _Sleep.apply(x, self.w, self.t, self.weight_grad_store)  # [s, b, h]
 
 
+def _forward_step(data_iterator, model):
+    out = model(next(data_iterator))
+    return out, lambda y: (y.sum(), {"loss": y.sum().detach()})
+
+
 def _worker(rank, world, schedule, m, t, iters, overlap):
     v = CHUNKS[schedule]
     dims = ParallelDims(world_size=world, pp=world, vp=v, pipeline_schedule=schedule)
     ctx = groups.initialize_model_parallel(dims)
     chunks = [SleepStage(t / v) for _ in range(v)]
-
-    def forward_step(data_iterator, model):
-        out = model(next(data_iterator))
-        return out, lambda y: (y.sum(), {"loss": y.sum().detach()})
 
     func = forward_backward_func(world, v, schedule)
     bubbles, best = [], None  # best: the events of the iteration with the least bubble
@@ -116,7 +117,7 @@ def _worker(rank, world, schedule, m, t, iters, overlap):
         timeline = PipelineTimeline(rank)
         data = [iter([torch.ones(SHAPE) for _ in range(m)]) for _ in range(v)]
         dist.barrier()
-        func(forward_step, data if v > 1 else data[0], chunks if v > 1 else chunks[0], m, tensor_shape=SHAPE,
+        func(_forward_step, data if v > 1 else data[0], chunks if v > 1 else chunks[0], m, tensor_shape=SHAPE,
              timeline=timeline, parallel=ctx, overlap_p2p_comm=overlap)
         events = gather_timeline(timeline)
         if rank == 0 and i > 0:
@@ -139,10 +140,6 @@ def _steady_worker(rank, world, schedule, m, t, iters):
     validation = PostValidation(MegatronOptimizer(chunks, optimizer="sgd", lr=0.0, sgd_momentum=0.0,
                                                   clip_grad=1e9, parallel=ctx), None)
 
-    def forward_step(data_iterator, model):
-        out = model(next(data_iterator))
-        return out, lambda y: (y.sum(), {"loss": y.sum().detach()})
-
     func = forward_backward_func(world, v, schedule)
     timeline = PipelineTimeline(rank)
     dist.barrier()
@@ -151,7 +148,7 @@ def _steady_worker(rank, world, schedule, m, t, iters):
         for c in chunks:
             c.zero_grad_buffer()
         data = [iter([torch.ones(SHAPE) for _ in range(m)]) for _ in range(v)]
-        func(forward_step, data if v > 1 else data[0], chunks if v > 1 else chunks[0], m, tensor_shape=SHAPE,
+        func(_forward_step, data if v > 1 else data[0], chunks if v > 1 else chunks[0], m, tensor_shape=SHAPE,
              timeline=timeline, parallel=ctx)
         for e in timeline.events[seen:]:
             e["iteration"] = i
@@ -250,7 +247,7 @@ def replayed_bubble(schedule: str, p: int, m: int, latency: float = 0.0) -> floa
         return simulated_bubble(p, CHUNKS[schedule], m, 1.0, 2.0, latency)
     lists = schedule_actions(schedule, p, m)
     return simulate(lists, lambda r, c: stage_of(schedule, p, r, c), p * num_chunks(schedule),
-                    {"F": 1 / 2, "B": 1 / 2, "W": 1 / 2} if num_chunks(schedule) == 2 else {"F": 1, "B": 1, "W": 1},
+                    {op: 1 / num_chunks(schedule) for op in "FBW"},
                     posted_receives=True, latency=latency)["bubble"]
 
 

@@ -28,7 +28,9 @@ import math
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
+from ..parallel import comm_log as comm
 from .clip_grads import clip_coefficient, reduce_sums, total_of
 
 __all__ = ["Deferred", "PostValidation"]
@@ -154,10 +156,6 @@ class PostValidation:
 
 
 def _max_over_world(flags: torch.Tensor) -> list:
-    import torch.distributed as dist
-
-    from ..parallel import comm_log as comm
-
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return []
     return [comm.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)]

@@ -274,9 +274,10 @@ def probe_gloo() -> tuple[float, float]:
     """(GB/s, seconds per message) of gloo between two forked processes over the loopback, met as a training step
     meets its collectives: before each all-reduce a rank computes for about a millisecond, so one of the two arrives
     first and waits in the collective until the other's data wakes it (on a virtual machine that wake-up, not the
-    transport, is most of a small collective's time: 0.03 ms between two threads of one process, 0.3 to 3 ms between
-    processes here). The median 4-byte all-reduce is two ring steps' latency, the median 4 MiB all-reduce less that
-    moves ``2 (n-1)/n`` of its bytes (``planner/perf.py``'s ring); 15 of each after two warm-ups, the slower rank's."""
+    transport, is most of a small collective's time: 0.03 ms between two threads of one process, 0.3 to 0.5 ms
+    between processes here). The median 4-byte all-reduce is two ring steps' latency, the median 4 MiB all-reduce
+    less that moves ``2 (n-1)/n`` of its bytes (``planner/perf.py``'s ring); 15 of each after two warm-ups, the
+    slower rank's."""
     import multiprocessing
     import os
     import tempfile
