@@ -16,7 +16,11 @@ FP8 recipes (Megatron's ``--fp8-recipe`` names) map onto TE's ``transformer_engi
 - no recipe: TE's GEMMs in the parameters' precision (bf16), no FP8.
 
 Each hooked call runs inside TE's autocast with the recipe and the amax-reduction group; a caller may wrap a whole
-forward in :meth:`TeManager.autocast` as well (TE nests autocasts: the outermost one reduces the amaxes).
+forward in :meth:`TeManager.autocast` as well (TE nests autocasts: the outermost one reduces the forward amaxes).
+Because every call enters its own autocast, TE takes each linear for the first FP8 module of its region (its exit
+restores that flag), so with ``delayed`` every linear's backward reduces and updates all backward amaxes: right for
+Megatron's default history (length 1, ``most_recent``), while a longer history advances once per linear, not once
+per step.
 TE updates its scales itself, so :meth:`TeManager.update` does nothing; the delayed-scaling amax histories live in
 TE's modules and are not checkpointed (a resumed run starts them afresh).
 
@@ -89,9 +93,18 @@ def te_recipe(fp8_format: str | None, fp8_recipe: str = "delayed", *, margin: in
     if fp8_recipe == "delayed":
         return r.DelayedScaling(margin=margin, fp8_format=fmt, amax_history_len=amax_history_len,
                                 amax_compute_algo=amax_compute_algo)
+    # Float8CurrentScaling came with TE 2.2 and MXFP8BlockScaling with TE 2.0; TE 1.x has DelayedScaling only
+    cls_name = "Float8CurrentScaling" if fp8_recipe == "tensorwise" else "MXFP8BlockScaling"
+    cls = getattr(r, cls_name, None)
+    if cls is None:
+        from ..errors import ConfigError
+
+        raise ConfigError(f"--fp8-recipe {fp8_recipe}: this Transformer Engine has no recipe.{cls_name} "
+                          f"(it needs TE {'2.2' if fp8_recipe == 'tensorwise' else '2.0'} or later); "
+                          f"use --fp8-recipe delayed or a newer Transformer Engine")
     if fp8_recipe == "tensorwise":
-        return r.Float8CurrentScaling(fp8_format=fmt)
-    return r.MXFP8BlockScaling(fp8_format=r.Format.E4M3)  # MXFP8 is E4M3 throughout
+        return cls(fp8_format=fmt)
+    return cls(fp8_format=r.Format.E4M3)  # MXFP8: E4M3 throughout (TE's default for this recipe)
 
 
 def te_autocast(recipe, group=None):
@@ -111,12 +124,17 @@ class TeLinearHook:
         out_features, in_features = weight.shape
         # On the meta device TE allocates nothing; the layer's own parameter replaces the placeholder weight.
         self.module = te.Linear(in_features, out_features, bias=False, params_dtype=weight.dtype, device="meta")
-        self.module.weight = weight
+        self._set_weight(weight)
         self.recipe, self.group, self.name = recipe, group, name
+
+    def _set_weight(self, weight: torch.Tensor) -> None:
+        # TE reads ``getattr(module, "weight")``; writing the parameter table directly also takes a tensor that is
+        # not an ``nn.Parameter`` (where ``Module.__setattr__`` would raise a TypeError).
+        self.module._parameters["weight"] = weight
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if weight is not self.module.weight:  # a tied or re-created parameter: follow the layer
-            self.module.weight = weight
+            self._set_weight(weight)
         with te_autocast(self.recipe, self.group):
             out = self.module(x)
         return out if bias is None else out + bias
@@ -159,6 +177,19 @@ def _transformer_linears(model):
                 yield global_name(f"{prefix}.{sub}.weight")[: -len(".weight")], lin
 
 
+def _check_fp8_shapes(linears, multiple: int, fp8_recipe: str) -> None:
+    """TE's FP8 GEMMs take local weights whose both dimensions are multiples of 16 (32 for MXFP8's blocks); TE
+    itself only finds out inside the first forward, so say which layer here."""
+    bad = [f"{name} {list(lin.weight.shape)}" for name, lin in linears
+           if lin.weight is not None and any(d % multiple for d in lin.weight.shape)]
+    if bad:
+        from ..errors import ConfigError
+
+        raise ConfigError(f"--fp8-recipe {fp8_recipe} with --transformer-impl transformer_engine: TE's FP8 GEMMs "
+                          f"need local weight dimensions divisible by {multiple}; not so for "
+                          f"{', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}")
+
+
 def enable_te(model: torch.nn.Module, fp8_format: str | None = None, fp8_recipe: str = "delayed",
               **recipe_kw) -> TeManager:
     """Run the linears inside ``model``'s transformer layers through TE (FP8 with ``fp8_format``, else the
@@ -166,8 +197,11 @@ def enable_te(model: torch.nn.Module, fp8_format: str | None = None, fp8_recipe:
     recipe = te_recipe(fp8_format, fp8_recipe, **recipe_kw)
     parallel = getattr(model, "parallel", None)
     group = parallel.amax_reduction_group() if parallel is not None and recipe is not None else None
+    found = list(_transformer_linears(model))
+    if recipe is not None:
+        _check_fp8_shapes(found, 32 if fp8_recipe == "mxfp8" else 16, fp8_recipe)
     linears = {}
-    for name, lin in _transformer_linears(model):
+    for name, lin in found:
         lin.fp8 = TeLinearHook(lin.weight, recipe, group, name)
         linears[name] = lin
     if not linears:

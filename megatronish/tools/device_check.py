@@ -23,9 +23,11 @@ criterion judged on a GPU), ``ran`` (executed, no criterion applies), or ``skipp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -34,7 +36,7 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from ..errors import CommandLineParser
+from ..errors import CommandLineParser, ConfigError
 
 STEPS = ("env", "gpu_tests", "te_fp8", "mfu", "kernels", "generation")
 # Seconds per step on a GPU (together 8 minutes) and in the CPU rehearsal.
@@ -125,8 +127,6 @@ def _progressions(batch: int, seq: int, vocab: int, step: int, dev):
 def _step(model, opt, batch: int, i: int, dev, autocast=None, after=None):
     """One training step on batch ``i`` of the progression stream (``autocast``: a context factory around the
     forward; ``after``: called after the optimizer step); returns the loss tensor."""
-    import contextlib
-
     cfg = model.config
     ids, labels = _progressions(batch, cfg.seq_length, cfg.vocab_size, i, dev)
     with autocast() if autocast else contextlib.nullcontext():
@@ -155,7 +155,6 @@ def step_te_fp8(rehearsal: bool) -> dict:
     import torch
 
     from .. import device
-    from ..errors import ConfigError
     from ..precision.fp8 import Fp8Recipe, enable_fp8
 
     dev = "cpu" if rehearsal else "cuda"
@@ -173,12 +172,16 @@ def step_te_fp8(rehearsal: bool) -> dict:
     base = _train(_build(cfg, dtype, dev), steps, batch, dev)
     checks["baseline"] = _sub("ran", losses=base, dtype=str(dtype))
 
-    # our emulated FP8 (the CPU path), delayed scaling, hybrid
-    model = _build(cfg, dtype, dev)
-    fp8 = enable_fp8(model, Fp8Recipe(fp8_format="hybrid"))
-    emulated = _train(model, steps, batch, dev, after=fp8.update)
-    rel = abs(_tail(emulated) - _tail(base)) / _tail(base)
-    checks["emulated_fp8_delayed"] = _sub("ran", losses=emulated, rel_diff_vs_baseline=rel)
+    failures = []
+    try:  # our emulated FP8 (the CPU path), delayed scaling, hybrid; a failure here leaves the TE checks to run
+        model = _build(cfg, dtype, dev)
+        fp8 = enable_fp8(model, Fp8Recipe(fp8_format="hybrid"))
+        emulated = _train(model, steps, batch, dev, after=fp8.update)
+        rel = abs(_tail(emulated) - _tail(base)) / _tail(base)
+        checks["emulated_fp8_delayed"] = _sub("ran", losses=emulated, rel_diff_vs_baseline=rel)
+    except Exception as e:
+        failures.append(f"emulated_fp8_delayed: {type(e).__name__}: {e}")
+        checks["emulated_fp8_delayed"] = _sub("failed", f"{type(e).__name__}: {e}")
 
     # Transformer Engine
     try:
@@ -189,10 +192,9 @@ def step_te_fp8(rehearsal: bool) -> dict:
         reason = str(e)
         for name in ("te_bf16", "te_fp8_delayed", "te_fp8_current", "te_mxfp8", "te_vs_emulated"):
             checks[name] = _sub("skipped", reason)
-        status = "ran" if rehearsal else "failed"
-        return _result(status, "" if rehearsal else reason, checks=checks)
-
-    failures = []
+        if rehearsal:
+            return _result("failed" if failures else "ran", "; ".join(failures), checks=checks)
+        return _result("failed", "; ".join([reason, *failures]), checks=checks)
 
     def run_te(name, fmt, recipe):
         model = _build(cfg, dtype, dev)
@@ -206,12 +208,12 @@ def step_te_fp8(rehearsal: bool) -> dict:
 
     for name, fmt, recipe in (("te_bf16", None, "delayed"), ("te_fp8_delayed", "hybrid", "delayed"),
                               ("te_fp8_current", "hybrid", "tensorwise"), ("te_mxfp8", "e4m3", "mxfp8")):
-        if recipe == "mxfp8":
-            ok, why = te_layers.mxfp8_support()
-            if not ok:
-                checks[name] = _sub("skipped", f"MXFP8 is not supported here: {why}")
-                continue
         try:
+            if recipe == "mxfp8":
+                ok, why = te_layers.mxfp8_support()
+                if not ok:
+                    checks[name] = _sub("skipped", f"MXFP8 is not supported here: {why}")
+                    continue
             run_te(name, fmt, recipe)
         except Exception as e:  # one recipe failing leaves the others to run
             failures.append(f"{name}: {type(e).__name__}: {e}")
@@ -226,8 +228,6 @@ def step_te_fp8(rehearsal: bool) -> dict:
         ids, labels = _progressions(batch, seq, vocab, 0, dev)
         out = {}
         for name, m, ctx in (("emulated", ref_model, None), ("te", te_model, mgr.autocast)):
-            import contextlib
-
             with ctx() if ctx else contextlib.nullcontext():
                 loss = m(ids, labels=labels).float().mean()
             loss.backward()
@@ -280,7 +280,10 @@ def _measure_mfu(cfg, dev, dtype, batches, steps, warmup, use_te: bool) -> dict:
             step(b, 1).item()
             fits = b
             search.append({"micro_batch": b, "fits": True})
-        except torch.OutOfMemoryError:
+        except RuntimeError as e:  # torch's OutOfMemoryError, or TE's / cuBLAS's allocation failure
+            if not isinstance(e, torch.OutOfMemoryError) and not any(m in str(e) for m in ("out of memory",
+                                                                                       "ALLOC_FAILED")):
+                raise
             search.append({"micro_batch": b, "fits": False})
             opt.zero_grad(set_to_none=True)
             device.empty_cache()
@@ -329,8 +332,10 @@ def step_mfu(rehearsal: bool) -> dict:
     for name, use_te in (("local", False), ("transformer_engine", True)):
         try:
             r = _measure_mfu(cfg, "cuda", torch.bfloat16, [1, 2, 4, 8, 16], steps=30, warmup=3, use_te=use_te)
-        except Exception as e:
-            r = {"status": "failed" if not use_te else "skipped", "reason": f"{type(e).__name__}: {e}"}
+        except ConfigError as e:  # Transformer Engine is not installed: nothing to measure on that path
+            r = {"status": "skipped", "reason": str(e)}
+        except Exception as e:  # an error on either path is a failure, not a skip
+            r = {"status": "failed", "reason": f"{type(e).__name__}: {e}"}
         r.setdefault("status", "ran")
         paths[name] = r
         import gc
@@ -340,8 +345,9 @@ def step_mfu(rehearsal: bool) -> dict:
 
         device.empty_cache()
     best = max((p.get("mfu") or 0.0) for p in paths.values())
-    if paths["local"]["status"] == "failed":
-        failures.append(f"local path: {paths['local']['reason']}")
+    for name, p in paths.items():
+        if p["status"] == "failed":
+            failures.append(f"{name} path: {p.get('reason', '')}")
     if best < 0.45:
         failures.append(f"best MFU {best:.1%} < 45%")
     return _result("failed" if failures else "passed", "; ".join(failures), paths=paths, best_mfu=best)
@@ -484,16 +490,26 @@ def _run_child(name: str, rehearsal: bool, budget: float) -> dict:
         cmd = [sys.executable, "-m", "megatronish.tools.device_check", "--step", name, "--result", out]
         if rehearsal:
             cmd.append("--cpu-rehearsal")
+        # Its own session: the time box ends the step's whole process tree (gpu_tests' pytest, compile workers),
+        # so nothing of a killed step keeps running on the GPU into the next one.
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                                start_new_session=True)
         try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=budget, cwd=REPO)
+            stdout, stderr = proc.communicate(timeout=budget)
         except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # the session's id is the child's pid
+            with contextlib.suppress(subprocess.TimeoutExpired):  # a descendant that left it may hold the pipes
+                proc.communicate(timeout=10)
             r = _result("failed", f"timed out after {budget:.0f} s")
         else:
+            with contextlib.suppress(ProcessLookupError):  # whatever the step left running in the background
+                os.killpg(proc.pid, signal.SIGKILL)
             if os.path.exists(out):
                 with open(out) as fh:
                     r = json.load(fh)
             else:
-                lines = (proc.stderr or proc.stdout).strip().splitlines()
+                lines = (stderr or stdout).strip().splitlines()
                 r = _result("failed", f"exited {proc.returncode}: {lines[-1] if lines else 'no output'}",
                             stderr_tail=lines[-20:])
     r["seconds"] = round(time.perf_counter() - t0, 2)
