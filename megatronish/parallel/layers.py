@@ -68,7 +68,7 @@ class ColumnParallelLinear(_TensorParallel):
             TensorDesc((output_size, input_size), 0, stride, "normal", init_std), tp, params_dtype, device)
         self.bias = _new_param(TensorDesc((output_size,), 0, stride, "zeros"), tp, params_dtype, device) \
             if bias else None
-        self.fp8 = None  # set by megatronish.precision.fp8.enable_fp8: callable (x, weight, bias) -> x W^T + b
+        self.fp8 = None  # set by enable_fp8 / enable_te: callable (x, weight, bias, weight_grad_store) -> x W^T + b
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None):
         """``weight`` overrides the layer's own (a tied output layer passes the embedding's)."""
@@ -79,7 +79,7 @@ class ColumnParallelLinear(_TensorParallel):
             x = copy_to_tensor_model_parallel_region(x, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
         out = linear(x, weight, bias, self.weight_grad_store) if self.fp8 is None \
-            else self.fp8(x, weight, bias)  # [s, b, out/t]
+            else self.fp8(x, weight, bias, self.weight_grad_store)  # [s, b, out/t]
         if self.gather_output:
             out = gather_from_tensor_model_parallel_region(out, self.tp_group)  # [s, b, out]
         return out, (self.bias if self.skip_bias_add else None)
@@ -110,13 +110,13 @@ class RowParallelLinear(_TensorParallel):
         self.bias = _new_param(TensorDesc((output_size,), None, 1, "zeros",
                                           sequence_parallel=self.sequence_parallel), tp, params_dtype, device) \
             if bias else None
-        self.fp8 = None  # set by megatronish.precision.fp8.enable_fp8: callable (x, weight, bias) -> x W^T + b
+        self.fp8 = None  # set by enable_fp8 / enable_te: callable (x, weight, bias, weight_grad_store) -> x W^T + b
 
     def forward(self, x: torch.Tensor):
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
         out = linear(x, self.weight, None, self.weight_grad_store) if self.fp8 is None \
-            else self.fp8(x, self.weight, None)  # partial [s,b,out]
+            else self.fp8(x, self.weight, None, self.weight_grad_store)  # partial [s,b,out]
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(out, self.tp_group)  # [s/t, b, out]
         else:

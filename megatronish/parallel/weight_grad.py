@@ -12,8 +12,11 @@ What is deferred, and how:
   (:func:`attached`) runs its matmul through :class:`_DeferrableLinear`; inside :meth:`WeightGradStore.defer`
   its backward computes only ``dX = dY W`` and queues ``(X, dY)``; ``W`` computes ``dW = dY^T X`` and
   ``db = sum dY`` from them, the same operations the undeferred backward runs, so the result is bitwise equal.
-- Every other parameter (norms, embeddings, the router, the MoE experts' grouped weights, an FP8 linear): its
-  gradient is computed in ``B`` (the autograd engine is asked for it instead of accumulating it,
+  Under FP8 (``--fp8-format``, the emulated path) the layer's FP8 linear defers the same way: ``B`` quantizes
+  ``dY`` and computes dgrad, ``W`` the wgrad from the saved fp8 ``X`` and the fp8 ``dY``
+  (``precision/fp8.py``).
+- Every other parameter (norms, embeddings, the router, the MoE experts' grouped weights, a Transformer Engine
+  linear): its gradient is computed in ``B`` (the autograd engine is asked for it instead of accumulating it,
   :func:`backward_input`) and held until ``W``.
 
 ``W`` (:func:`backward_weight`) accumulates all of a microbatch's weight gradients through the autograd

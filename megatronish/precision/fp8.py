@@ -21,7 +21,8 @@ The matmuls use the fp8 payloads: ``torch._scaled_mm`` where this build runs it 
 ``fp8 -> fp32`` dequantize and an fp32 matmul (products of two fp8 numbers are exact in fp32, so both paths
 round only in the fp32 accumulation). The forward saves the fp8 input and weight for the backward; dgrad
 ``= g_fp8 @ w_fp8`` and wgrad ``= g_fp8^T @ x_fp8``; the bias gradient is taken from the unquantized fp32
-``grad_output`` (as Transformer Engine does).
+``grad_output`` (as Transformer Engine does). Under a zero-bubble schedule's split backward the wgrad GEMM and the
+bias gradient wait for ``W`` (``parallel/weight_grad.py``), computed then from the same fp8 tensors.
 
 Usage::
 
@@ -43,6 +44,7 @@ import torch.distributed as dist
 
 from ..errors import ConfigError
 from ..parallel import comm_log as comm
+from ..parallel.weight_grad import linear
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -195,18 +197,28 @@ class Fp8LinearState:
         self.states = {r: ScalingState(recipe, recipe.dtype(r)) for r in ROLES}
         self.group = group if recipe.reduce_amax else None  # the amax-reduction group (tensor x data parallel)
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store=None) -> torch.Tensor:
+        """``store``: the layer's :class:`~megatronish.parallel.weight_grad.WeightGradStore` while a zero-bubble
+        schedule runs (the weight and bias gradients then wait for ``W``), else None."""
         if not _FP8_ENABLED[0]:
-            return torch.nn.functional.linear(x, weight, bias)
-        return _Fp8Linear.apply(x, weight, bias, self)
+            return linear(x, weight, bias, store)
+        return _Fp8Linear.apply(x, weight, bias, self, store)
+
+
+def _fp8_weight_grads(gq, sg, xq, sx, g2, dtype, has_bias: bool) -> tuple:
+    """The weight gradient from the fp8 ``grad_output`` and input (and the bias's from the unquantized one)."""
+    dw = fp8_matmul(gq.t().contiguous(), sg, xq.t().contiguous(), sx).to(dtype)  # [out, in]
+    return (dw, g2.sum(0)) if has_bias else (dw,)
 
 
 class _Fp8Linear(torch.autograd.Function):
     """forward: ``q(x) @ q(w)^T + b`` with fp8 casts; backward: dgrad/wgrad from ``q(grad_output)`` and the
-    saved fp8 input and weight; bias grad from the fp32 ``grad_output``."""
+    saved fp8 input and weight; bias grad from the fp32 ``grad_output``. Under a deferring ``store`` (the split
+    backward's ``B``) the backward computes dgrad only and queues the wgrad and bias grad for ``W``, from the same
+    quantized tensors (``grad_output``'s scale is taken, and its amax observed, in ``B``): bitwise the same."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, st: Fp8LinearState):
+    def forward(ctx, x, weight, bias, st: Fp8LinearState, store=None):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [s*b, in]
         sx = st.states["input"].scale_for(x2, st.group)
@@ -216,7 +228,8 @@ class _Fp8Linear(torch.autograd.Function):
         if bias is not None:
             out = out + bias
         ctx.save_for_backward(xq, wq, sx, sw)
-        ctx.st, ctx.shape, ctx.has_bias = st, shape, bias is not None
+        ctx.st, ctx.shape, ctx.has_bias, ctx.store = st, shape, bias is not None, store
+        ctx.params = (weight, bias) if bias is not None else (weight,)  # the parameters themselves, for W
         ctx.dtypes = (x.dtype, weight.dtype)
         return out.view(*shape[:-1], out.shape[-1])
 
@@ -230,11 +243,15 @@ class _Fp8Linear(torch.autograd.Function):
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             dx = fp8_matmul(gq, sg, wq.t().contiguous(), sw).to(ctx.dtypes[0]).view(ctx.shape)  # [s*b, in]
+        if ctx.needs_input_grad[1] and ctx.store is not None and ctx.store.deferring:
+            g_bias = g2 if ctx.has_bias else None  # the unquantized grad_output is kept only for a bias
+            ctx.store.put(ctx.params, lambda: _fp8_weight_grads(gq, sg, xq, sx, g_bias, ctx.dtypes[1], ctx.has_bias))
+            return dx, None, None, None, None
         if ctx.needs_input_grad[1]:
-            dw = fp8_matmul(gq.t().contiguous(), sg, xq.t().contiguous(), sx).to(ctx.dtypes[1])  # [out, in]
+            dw = _fp8_weight_grads(gq, sg, xq, sx, g2, ctx.dtypes[1], False)[0]
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g2.sum(0)
-        return dx, dw, db, None
+        return dx, dw, db, None, None
 
 
 # ---- model-level switch ---------------------------------------------------------------------------

@@ -132,7 +132,9 @@ class TeLinearHook:
         # not an ``nn.Parameter`` (where ``Module.__setattr__`` would raise a TypeError).
         self.module._parameters["weight"] = weight
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store=None) -> torch.Tensor:
+        """``store`` (a zero-bubble schedule's weight-gradient store) is not used: TE's backward computes the
+        weight gradient at once, and the split backward holds it until ``W`` (``parallel/weight_grad.py``)."""
         if weight is not self.module.weight:  # a tied or re-created parameter: follow the layer
             self._set_weight(weight)
         with te_autocast(self.recipe, self.group):

@@ -26,6 +26,7 @@ from megatronish.parallel.pipeline.zero_bubble import (
     stage_of,
 )
 from megatronish.parallel.weight_grad import WeightGradStore, attached, backward_input, backward_weight
+from megatronish.precision.fp8 import Fp8LinearState, Fp8Recipe
 
 UNIT = {"F": 1, "B": 1, "W": 1}
 
@@ -179,6 +180,40 @@ def test_split_backward_bitwise():
     norm(row(torch.relu(col(xc)[0]))[0]).backward(torch.linspace(-1, 1, 64).view(4, 2, 8))
     for u, p in zip(g1, c.parameters()):
         torch.testing.assert_close(u, p.grad, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_split_backward_under_fp8_defers_the_weight_gemms_bitwise(recipe):
+    """The FP8 linears' wgrad GEMMs (and bias gradients) are queued in ``B``, not computed there, and ``W``'s
+    gradients equal the unsplit FP8 backward's bitwise (the same fp8 tensors, the same operations)."""
+    x = torch.randn(4, 2, 8, generator=torch.Generator().manual_seed(1))
+    dy = torch.linspace(-1, 1, 64).view(4, 2, 8)
+    runs = []
+    for split in (False, True):
+        mods = _mlp()
+        col, row, norm = mods
+        for name, lin in (("col", col), ("row", row)):
+            lin.fp8 = Fp8LinearState(Fp8Recipe(fp8_format="hybrid", fp8_recipe=recipe), name)
+        xi = x.clone().requires_grad_(True)
+        store = WeightGradStore()
+        with attached([mods], store):
+            y = norm(row(torch.relu(col(xi)[0]))[0])
+            if split:
+                dx, work = backward_input(y, dy, xi, list(mods.parameters()), store)
+                # the row-parallel bias is added after the TP reduction, outside the FP8 linear: computed in B
+                queued = {id(col.weight), id(col.bias), id(row.weight)}
+                assert len(work.queued) == 2 and {id(p) for ps, _ in work.queued for p in ps} == queued
+                assert {id(p) for p, _ in work.computed} == {id(p) for p in (*norm.parameters(), row.bias)}
+                assert all(p.grad is None for p in mods.parameters())
+                backward_weight(work)
+            else:
+                y.backward(dy)
+                dx = xi.grad
+        runs.append((dx, [p.grad.clone() for p in mods.parameters()]))
+    (dx1, g1), (dx2, g2) = runs
+    assert torch.equal(dx1, dx2) and all(torch.equal(u, w) for u, w in zip(g1, g2))
+    _, plain = _run(_mlp(), x.clone().requires_grad_(True), split=False)  # without FP8: other values
+    assert not torch.equal(plain[0], g1[0])
 
 
 def test_ascii_timeline():
