@@ -15,12 +15,14 @@ FP8 recipes (Megatron's ``--fp8-recipe`` names) map onto TE's ``transformer_engi
 - ``mxfp8``: ``MXFP8BlockScaling(E4M3)`` (where TE reports the GPU supports it);
 - no recipe: TE's GEMMs in the parameters' precision (bf16), no FP8.
 
-Each hooked call runs inside TE's autocast with the recipe and the amax-reduction group; a caller may wrap a whole
-forward in :meth:`TeManager.autocast` as well (TE nests autocasts: the outermost one reduces the forward amaxes).
-Because every call enters its own autocast, TE takes each linear for the first FP8 module of its region (its exit
-restores that flag), so with ``delayed`` every linear's backward reduces and updates all backward amaxes: right for
-Megatron's default history (length 1, ``most_recent``), while a longer history advances once per linear, not once
-per step.
+The training forward runs inside one TE autocast (:meth:`TeManager.autocast`, entered by the forward step around
+the model's forward, as Megatron-LM's ``get_fp8_context`` does): the hooked calls then run in that region, so TE
+takes the first of them for the region's first FP8 module, reduces the forward amaxes once at the region's end and
+the backward ones once, in the first module's backward. A call outside any region (generation, and the forward
+that recompute runs again inside the backward) enters its own autocast; TE then takes each such linear for a first
+module (an autocast's exit restores that flag), so with ``delayed`` its backward reduces and updates the backward
+amaxes: right for Megatron's default history (length 1, ``most_recent``), while a longer history advances once per
+such linear.
 TE updates its scales itself, so :meth:`TeManager.update` does nothing; the delayed-scaling amax histories live in
 TE's modules and are not checkpointed (a resumed run starts them afresh).
 
@@ -126,6 +128,7 @@ class TeLinearHook:
         self.module = te.Linear(in_features, out_features, bias=False, params_dtype=weight.dtype, device="meta")
         self._set_weight(weight)
         self.recipe, self.group, self.name = recipe, group, name
+        self.in_region = False  # inside TeManager.autocast: the region's autocast is in force
 
     def _set_weight(self, weight: torch.Tensor) -> None:
         # TE reads ``getattr(module, "weight")``; writing the parameter table directly also takes a tensor that is
@@ -137,8 +140,11 @@ class TeLinearHook:
         weight gradient at once, and the split backward holds it until ``W`` (``parallel/weight_grad.py``)."""
         if weight is not self.module.weight:  # a tied or re-created parameter: follow the layer
             self._set_weight(weight)
-        with te_autocast(self.recipe, self.group):
+        if self.in_region:
             out = self.module(x)
+        else:
+            with te_autocast(self.recipe, self.group):
+                out = self.module(x)
         return out if bias is None else out + bias
 
 
@@ -151,9 +157,17 @@ class TeManager:
 
     @contextlib.contextmanager
     def autocast(self):
-        """One TE autocast around a whole forward (the amaxes are then reduced once, at its end)."""
+        """One TE autocast around a whole forward: the hooked linears run in it without their own (the forward
+        amaxes are reduced once, at its end, and the backward ones once per microbatch)."""
+        hooks = [lin.fp8 for lin in self.linears.values()]
         with te_autocast(self.recipe, self.group):
-            yield
+            for h in hooks:
+                h.in_region = True
+            try:
+                yield
+            finally:
+                for h in hooks:
+                    h.in_region = False
 
     def update(self) -> None:
         """TE updates its scales in its autocast; nothing to do at the end of a step."""

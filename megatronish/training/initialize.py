@@ -32,7 +32,7 @@ from .compile import Compiler
 from .memory import ActivationMeter, report_theoretical_memory
 from .rerun import make_rerun
 from .state import TrainContext, TrainState
-from .step import make_forward_step, print_rank0
+from .step import in_region, make_forward_step, print_rank0
 from .timers import Timers
 from .watchdog import Watch
 from .wrap import model_params_dtype, wrap_model_chunks
@@ -151,6 +151,8 @@ def setup(cfg, watch: Watch | None = None) -> tuple[TrainContext, TrainState]:
     timers = Timers(cfg.logging.timing_log_level, always=("forward-backward",) if cfg.logging.log_straggler else ())
     forward_step = make_forward_step(cfg.data.reset_position_ids, parallel, t.calculate_per_token_loss,
                                      cfg.model.mtp_loss_scaling_factor)
+    if hasattr(fp8, "autocast"):  # --transformer-impl transformer_engine: one TE autocast a forward
+        forward_step = in_region(forward_step, fp8.autocast)
     run = TrainContext(models, chunks, optimizer, scheduler, fp8, parallel=parallel, cfg=cfg, schedule=schedule,
                        forward_step=forward_step,
                        train_ds=train_ds, valid_ds=valid_ds, test_ds=test_ds, timers=timers, device=dev,

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     from .rerun import Run
     from .state import TrainContext, TrainState
 
-__all__ = ["make_forward_step", "loss_sums", "print_rank0", "compute_gradients", "apply_update", "train_step"]
+__all__ = ["make_forward_step", "in_region", "loss_sums", "print_rank0", "compute_gradients", "apply_update",
+           "train_step"]
 
 
 def loss_sums(stats: list[dict], parallel: ParallelContext, key: str = "lm loss", works: list | None = None):
@@ -107,6 +108,16 @@ def make_forward_step(reset_position_ids: bool, parallel: ParallelContext, per_t
         return output, loss_func
 
     return forward_step
+
+
+def in_region(forward_step, region):
+    """``forward_step`` with the model's forward inside ``region()`` (Transformer Engine's one autocast a forward:
+    ``TeManager.autocast``); the loss function it returns runs after the region, as the backward does."""
+    def forward_step_in_region(data_iterator, model):
+        with region():
+            return forward_step(data_iterator, model)
+
+    return forward_step_in_region
 
 
 def print_rank0():

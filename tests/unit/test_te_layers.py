@@ -131,7 +131,18 @@ def test_te_layers_keep_names_parameters_and_gradients(fake_te, monkeypatch):
     linear_calls = [c for c in fake_te if c[0] == "linear"]
     assert len(linear_calls) == 8  # every linear of both layers ran through TE
     autocasts = [c for c in fake_te if c[0] == "autocast"]
-    assert len(autocasts) == 9 and all(c[1] is True and c[2] is r for c in autocasts)  # the whole forward + each call
+    assert len(autocasts) == 1 and autocasts[0][1:] == (True, r, None)  # the forward's one region, none a call
+    assert not any(lin.fp8.in_region for lin in mgr.linears.values())  # the region ended with the forward
+    fake_te.clear()  # the training forward step enters the region (as its backward runs after it)
+    from megatronish.training.step import in_region
+
+    step = in_region(lambda data, model: (model(next(data), labels=(next(data) + 1) % 64).mean(), None), mgr.autocast)
+    ids = torch.arange(16).view(2, 8) % 64
+    step(iter([ids, ids]), m)[0].backward()
+    assert [c[0] for c in fake_te].count("autocast") == 1 and [c[0] for c in fake_te].count("linear") == 8
+    fake_te.clear()  # outside a region (generation, recompute's second forward): each call its own autocast
+    _loss_and_grads(m)
+    assert [c[1:] for c in fake_te if c[0] == "autocast"] == [(True, r, None)] * 8
     assert mgr.state_dict()["recipe"]["fp8_recipe"] == "delayed"
 
 
