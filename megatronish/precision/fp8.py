@@ -135,7 +135,9 @@ def _scaled_mm_works(device: torch.device) -> bool:
 def fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
     """``dequant(a) @ dequant(b_t)^T`` in fp32 for fp8 ``a [m, k]`` and ``b_t [n, k]`` (both row-major)."""
     inv_a, inv_b = (1.0 / a_scale).float(), (1.0 / b_scale).float()
-    if _scaled_mm_works(a.device) and not (a.dtype == E5M2 and b_t.dtype == E5M2):
+    # cuBLAS's fp8 GEMM takes k and n in multiples of 16 (torch._scaled_mm checks it); others dequantize
+    aligned = a.device.type == "cpu" or (a.shape[1] % 16 == 0 and b_t.shape[0] % 16 == 0)
+    if aligned and _scaled_mm_works(a.device) and not (a.dtype == E5M2 and b_t.dtype == E5M2):
         # _scaled_mm wants a row-major and b column-major: b_t row-major -> b_t.t() is column-major.
         return torch._scaled_mm(a.contiguous(), b_t.contiguous().t(), scale_a=inv_a, scale_b=inv_b,
                                 out_dtype=torch.float32)

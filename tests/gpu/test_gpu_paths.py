@@ -3,6 +3,7 @@
 - the Triton kernels *compiled* (not interpreted) against the PyTorch ops, forward and backward;
 - SDPA's flash and cuDNN/efficient kernels (``--attention-backend flash|fused``) against SDPA's math path;
 - ``torch._grouped_mm`` in bf16 (``--moe-grouped-gemm``) against the per-expert loop;
+- the emulated FP8's GEMM (``torch._scaled_mm`` where the shape allows) against the dequantized product;
 - context-parallel attention's block kernels (efficient attention with the merged log-sum-exp) against full
   attention, with and without document masks;
 - the page-locked async-save staging buffers and the side-stream deferred copies.
@@ -179,6 +180,24 @@ def test_grouped_mm_bf16_matches_loop():
     _close(dx, dx_ref, 1e-2, "grouped_mm dx")
     _close(dw, dw_ref, 1e-2, "grouped_mm dw")
     assert dw[1].abs().max() == 0  # the expert with no tokens gets a zero gradient
+
+
+# ---- emulated FP8's GEMM --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("m,k,n", [(64, 128, 96), (50, 40, 24)])
+def test_fp8_matmul_on_cuda_matches_the_dequantized_product(m, k, n):
+    """``--fp8-format`` with the local layers: cuBLAS's fp8 GEMM (``torch._scaled_mm``) where k and n are multiples
+    of 16, the dequantize path otherwise (50 x 40 x 24); both the fp32 product of the dequantized operands."""
+    from megatronish.precision.fp8 import E4M3, E5M2, _scaled_mm_works, dequantize, fp8_matmul, quantize
+
+    if torch.cuda.get_device_capability() >= (8, 9):
+        assert _scaled_mm_works(CUDA), "torch._scaled_mm does not run fp8 on this FP8-capable GPU"
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for da, db in ((E4M3, E4M3), (E5M2, E4M3)):
+        a, b = torch.randn(m, k, device=CUDA, generator=g), torch.randn(n, k, device=CUDA, generator=g)
+        sa, sb = torch.tensor(2.0, device=CUDA), torch.tensor(0.5, device=CUDA)
+        qa, qb = quantize(a, sa, da), quantize(b, sb, db)
+        ref = dequantize(qa, sa) @ dequantize(qb, sb).t()
+        _close(fp8_matmul(qa, sa, qb, sb), ref, 1e-5, f"fp8_matmul {da} x {db} at {m}x{k}x{n}")
 
 
 # ---- context-parallel block kernels --------------------------------------------------------------------------
