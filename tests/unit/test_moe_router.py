@@ -453,6 +453,30 @@ def test_expert_paths_agree(swiglu):
         _close(a, b, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("counts", [[5, 0, 11, 3], [8, 16, 0, 8], [0, 0, 7, 0]])
+def test_grouped_mm_with_groups_padded_to_the_alignment(counts):
+    """CUDA's grouped GEMM pads each expert's rows to a multiple of 8 (``group_align``); forced here on the CPU:
+    the output and both gradients equal the per-expert loop (an empty expert's weight gradient zero)."""
+    from megatronish.model.moe.experts import grouped_linear, grouped_mm
+
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(sum(counts), 16, generator=g)
+    w = torch.randn(4, 24, 16, generator=g)
+    if not _grouped_mm_ok(x, w):
+        pytest.skip("torch._grouped_mm does not run here")
+    dy = torch.randn(sum(counts), 24, generator=g)
+    got, want = [], []
+    for fn, into in ((lambda a, b: grouped_mm(a, b, counts, 8), got),
+                     (lambda a, b: grouped_linear(a, b, counts, "sequential"), want)):
+        a, b = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        out = fn(a, b)
+        out.backward(dy)
+        into += [out.detach(), a.grad, b.grad]
+    for u, v in zip(got, want):
+        _close(u, v, rtol=1e-6, atol=1e-6)
+    assert all(not got[2][e].any() for e, c in enumerate(counts) if c == 0)
+
+
 def test_batched_path_with_an_idle_expert():
     """An expert that receives no token still gets a (zero) gradient on every path."""
     cfg = _moe_config(topk=1)

@@ -34,6 +34,29 @@ def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     return x.size(-1) % align == 0 and w.size(-1) % align == 0 and w.size(-2) % align == 0
 
 
+def group_align(x: torch.Tensor) -> int:
+    """The multiple each expert's token count is padded to for ``torch._grouped_mm``: on CUDA its weight-gradient
+    GEMM slices the tokens as its contraction dimension, and each group's start must be 16-byte aligned (8 bf16
+    rows; torch checks only the strides); on the CPU 1."""
+    return 16 // x.element_size() if x.device.type == "cuda" else 1
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: list[int], align: int = 1) -> torch.Tensor:
+    """``torch._grouped_mm`` of ``x`` ``[N, in]`` (``counts[e]`` rows for expert ``e``) with each ``weight[e]^T``;
+    with ``align > 1`` every group is padded with zero rows to a multiple of ``align`` first and the real rows
+    taken back (the zero rows add nothing to any gradient)."""
+    padded = [-(-c // align) * align for c in counts]
+    offs = torch.tensor(padded, device=x.device).cumsum(0).to(torch.int32)
+    if padded == counts:
+        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offs)
+    starts = [0]
+    for c in padded[:-1]:
+        starts.append(starts[-1] + c)
+    index = torch.cat([torch.arange(c, device=x.device) + s for c, s in zip(counts, starts)])
+    xp = x.new_zeros((sum(padded), x.size(1))).index_copy(0, index, x)
+    return torch._grouped_mm(xp, weight.transpose(1, 2), offs=offs).index_select(0, index)
+
+
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], how: str = "grouped") -> torch.Tensor:
     """``x`` ``[N, in]`` (rows grouped by expert, ``counts[e]`` rows for local expert ``e``) times each
     expert's ``weight[e]^T`` (``weight``: ``[E_local, out, in]``) -> ``[N, out]``."""
@@ -48,8 +71,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], how
             at += c
         return torch.cat(outs)
     if how == "grouped" and _grouped_mm_ok(x, weight):
-        offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offs)
+        return grouped_mm(x, weight, counts, group_align(x))
     # batched: pad every expert's rows to the largest count, one bmm, and take the real rows back
     most = max(counts)
     expert = torch.repeat_interleave(torch.arange(e, device=x.device), torch.tensor(counts, device=x.device))
