@@ -68,6 +68,8 @@ CASES = {  # name: (world, layout flags, model variant)
     "dp2-distopt": (2, ["--use-distributed-optimizer"], "mla-yarn"),
     "dp2-fsdp2": (2, ["--use-torch-fsdp2"], "mla-yarn"),
     "pp2-vp2": (4, PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"], "mla-yarn-4-layers"),
+    # the split backward: the down- and up-projections' weight GEMMs wait for W, the latent norms' in B
+    "pp2-zbv": (2, PP2 + ["--pipeline-schedule", "zbv"], "mla-yarn-4-layers"),
     "cp2-allgather-tp2": (4, TP2 + CP2 + ["--cp-comm-type", "allgather"], "mla-yarn"),
     # hierarchical: a2a inside pairs of adjacent CP ranks, the ring across the two pairs
     "cp4-a2a-p2p": (4, ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
