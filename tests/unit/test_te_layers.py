@@ -171,3 +171,27 @@ def test_pretrain_uses_te_layers_for_the_flag(fake_te, monkeypatch):
     assert type(mgr).__name__ == "TeManager" and mgr.recipe is None and len(mgr.linears) == 8
     _loss_and_grads(m)
     assert [c for c in fake_te if c[0] == "autocast"][0][1] is False
+
+
+def test_training_step_runs_each_forward_in_one_te_region(fake_te, monkeypatch):
+    """``--transformer-impl transformer_engine`` through the training set-up: the forward step enters TE's
+    autocast once a microbatch and the linears run inside it (2 microbatches x 8 linears, 2 autocasts)."""
+    from megatronish.arguments import configs_from_args, parse_args
+    from megatronish.precision import fp8, te_layers
+    from megatronish.training import initialize
+    from megatronish.training import pretrain as training
+
+    # the run itself stays on the CPU: TE's CUDA checks (arguments, set-up, import) see the stand-in
+    for module in (fp8, initialize):
+        monkeypatch.setattr(module, "check_transformer_impl", lambda impl: impl)
+    monkeypatch.setattr(te_layers, "import_te", lambda: sys.modules["transformer_engine.pytorch"])
+    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "8",
+            "--max-position-embeddings", "8", "--vocab-size", "64", "--tokenizer-type", "NullTokenizer",
+            "--mock-data", "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "1",
+            "--lr", "1e-3", "--eval-iters", "0", "--transformer-impl", "transformer_engine"]
+    run, state = training.setup(configs_from_args(parse_args(argv), 1))
+    fake_te.clear()
+    training.train_step(run, state)
+    kinds = [c[0] for c in fake_te]
+    assert kinds.count("linear") == 16 and kinds.count("autocast") == 2, kinds
+    assert kinds[0] == "autocast" and kinds[9] == "autocast"  # each microbatch: its region, then its 8 linears
