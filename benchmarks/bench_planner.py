@@ -296,7 +296,9 @@ def _median(probes):
                                inter_node_gbps=med(p.inter_node_gbps for p in probes),
                                intra_node_latency_s=med(p.intra_node_latency_s for p in probes),
                                inter_node_latency_s=med(p.inter_node_latency_s for p in probes),
-                               op_overhead_s=med(p.op_overhead_s for p in probes))
+                               op_overhead_s=med(p.op_overhead_s for p in probes),
+                               collective_links={k: [med(p.collective_links[k][i] for p in probes) for i in (0, 1)]
+                                                 for k in first.collective_links})
 
 
 def _cpu_hw(world: int, probes: int = 3):
@@ -338,8 +340,9 @@ def cpu(args) -> None:
           f"2 warm-up steps; the probe: {hw.source}", flush=True)
     print(f"probed (one thread): fp32 512^3 {hw.peak_tflops['fp32'] * 1e3:.0f} GFLOP/s, elementwise "
           f"{hw.hbm_tbps * 1e3:.1f} GB/s, dropout draws {hw.dropout_gelems:.3f} G/s, gloo {hw.intra_node_gbps:.2f} "
-          f"GB/s and {hw.intra_node_latency_s * 1e6:.0f} us a message, {hw.op_overhead_s * 1e6:.1f} us an op",
-          flush=True)
+          f"GB/s and {hw.intra_node_latency_s * 1e6:.0f} us a step (all-reduce; "
+          + ", ".join(f"{k} {g:.2f} GB/s {lat * 1e6:.0f} us" for k, (g, lat) in hw.collective_links.items())
+          + f"), {hw.op_overhead_s * 1e6:.1f} us an op", flush=True)
     head = f"{'layout':22s} {'predicted ms':>12s} {'fastest ms':>12s} {'pred/meas':>9s}"
     print(f"{'round':>5s} {head} {'median ms':>9s} {'load':>5s}", flush=True)
     fastest = {name: [] for name in CPU_LAYOUTS}

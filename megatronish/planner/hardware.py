@@ -52,7 +52,11 @@ class Hardware:
     the kernels itself (a CPU); 0 where the host enqueues them ahead of the device (GPUs: the launches overlap the
     kernels of a large model). ``rank_share``: the share of one device each rank gets (below 1 where ranks
     outnumber this machine's cores and the rates are already that share: a waiting rank's core runs another's
-    work, so the pipeline's bubble costs only what the ranks' own cores could not overlap)."""
+    work, so the pipeline's bubble costs only what the ranks' own cores could not overlap).
+    ``collective_links``: ``{kind: [GB/s, seconds per step]}`` measured for each collective kind inside a node
+    (``all_reduce``, ``all_gather``, ``reduce_scatter``; this machine's gloo, whose all-gather and reduce-scatter
+    are not the ring's fractions of its all-reduce), used in place of the intra-node link for that kind; empty
+    for the datasheet entries."""
 
     name: str
     peak_tflops: dict = field(default_factory=dict)
@@ -70,6 +74,7 @@ class Hardware:
     device: str = "cuda"
     op_overhead_s: float = 0.0
     rank_share: float = 1.0
+    collective_links: dict = field(default_factory=dict)
 
     def peak(self, dtype: str) -> float:
         """Dense peak FLOP/s for ``dtype`` (falls back to bf16's for fp16, and fp32's for tf32)."""
@@ -240,7 +245,8 @@ def probe_cpu(seconds: float = 0.3) -> Hardware:
         table[f"core_{name}"] = probe_core_table(dtype, seconds / 6)
         table[f"flash_{name}"] = probe_flash_table(dtype, seconds / 6)
     elementwise, draws = probe_elementwise()
-    gbps, latency = probe_gloo()
+    links = probe_gloo()
+    gbps, latency = links["all_reduce"]
     overhead = probe_op_overhead()
     try:
         import os
@@ -253,7 +259,8 @@ def probe_cpu(seconds: float = 0.3) -> Hardware:
                            f"elementwise kernels on 4 MiB, gloo over the loopback",
                     efficiencies={"GEMM_EFFICIENCY": 1.0, "ATTENTION_EFFICIENCY": 1.0, "MEMORY_EFFICIENCY": 1.0,
                                   "LINK_EFFICIENCY": 1.0},
-                    gemm_tflops=table, dropout_gelems=draws / 1e9, device="cpu", op_overhead_s=overhead)
+                    gemm_tflops=table, dropout_gelems=draws / 1e9, device="cpu", op_overhead_s=overhead,
+                    collective_links=links)
 
 
 def probe_op_overhead() -> float:
@@ -270,14 +277,22 @@ def probe_op_overhead() -> float:
     return _timed(chain, 0.05, 5, True) / 33
 
 
-def probe_gloo() -> tuple[float, float]:
-    """(GB/s, seconds per message) of gloo between two forked processes over the loopback, met as a training step
-    meets its collectives: before each all-reduce a rank computes for about a millisecond, so one of the two arrives
-    first and waits in the collective until the other's data wakes it (on a virtual machine that wake-up, not the
-    transport, is most of a small collective's time: 0.03 ms between two threads of one process, 0.3 to 0.5 ms
-    between processes here). The median 4-byte all-reduce is two ring steps' latency, the median 4 MiB all-reduce
-    less that moves ``2 (n-1)/n`` of its bytes (``planner/perf.py``'s ring); 15 of each after two warm-ups, the
-    slower rank's."""
+# the kinds probe_gloo times: (sequential steps, the share of the full tensor each rank moves) of each at n = 2,
+# as planner/perf.py's ring prices them
+GLOO_KINDS = {"all_reduce": (2, 1.0), "all_gather": (1, 0.5), "reduce_scatter": (1, 0.5)}
+
+
+def probe_gloo() -> dict:
+    """``{kind: [GB/s, seconds per step]}`` of gloo between two forked processes over the loopback for an
+    all-reduce, an all-gather and a reduce-scatter, met as a training step meets its collectives: before each a
+    rank computes for about a millisecond, so one of the two arrives first and waits in the collective until the
+    other's data wakes it (on a virtual machine that wake-up, not the transport, is most of a small collective's
+    time: 0.03 ms between two threads of one process, 0.3 to 0.5 ms between processes here). For each kind the
+    median of an 8-byte tensor's collective is its steps' latency, the median of a 4 MiB one's (the full tensor:
+    the all-gather's output, the reduce-scatter's input) less that moves its share of the bytes
+    (:data:`GLOO_KINDS`, ``planner/perf.py``'s ring); 15 of each after two warm-ups, the slower rank's. Gloo's
+    all-gather and reduce-scatter take about as long as its all-reduce of the same full tensor, or longer (where
+    the ring would take half): each kind is priced at its own rates."""
     import multiprocessing
     import os
     import tempfile
@@ -294,15 +309,18 @@ def probe_gloo() -> tuple[float, float]:
         results = [end.recv() for end in ends]
         for proc in procs:
             proc.join(timeout=30)
-    small = max(r[0] for r in results)
-    large = max(r[1] for r in results)
-    latency = small / 2
-    seconds = max(large - 2 * latency, 1e-9)
-    return 2 ** 22 / seconds / 1e9, latency
+    links = {}
+    for kind, (steps, share) in GLOO_KINDS.items():
+        small = max(r[kind][0] for r in results)
+        large = max(r[kind][1] for r in results)
+        latency = small / steps
+        seconds = max(large - steps * latency, 1e-9)
+        links[kind] = [share * 2 ** 22 / seconds / 1e9, latency]
+    return links
 
 
 def _gloo_rank(rank: int, path: str, conn) -> None:
-    """One rank of :func:`probe_gloo`: sends (median seconds of a 4-byte all-reduce, of a 4 MiB one)."""
+    """One rank of :func:`probe_gloo`: sends ``{kind: (median seconds of an 8-byte collective, of a 4 MiB one)}``."""
     import datetime
     import statistics
 
@@ -320,18 +338,23 @@ def _gloo_rank(rank: int, path: str, conn) -> None:
         while time.perf_counter() - t0 < seconds:
             a @ a
 
-    out = []
-    for numel in (1, 2 ** 20):
-        x = torch.ones(numel)
-        times = []
-        for i in range(17):
-            compute()
-            t0 = time.perf_counter()
-            group.allreduce([x]).wait()
-            if i >= 2:
-                times.append(time.perf_counter() - t0)
-        out.append(statistics.median(times))
-    conn.send(tuple(out))
+    out = {}
+    for kind in GLOO_KINDS:
+        out[kind] = []
+        for numel in (2, 2 ** 20):
+            full, half = torch.ones(numel), torch.ones(numel // 2)
+            run = {"all_reduce": lambda: group.allreduce([full]),
+                   "all_gather": lambda: group._allgather_base(full, half),
+                   "reduce_scatter": lambda: group._reduce_scatter_base(half, full)}[kind]
+            times = []
+            for i in range(17):
+                compute()
+                t0 = time.perf_counter()
+                run().wait()
+                if i >= 2:
+                    times.append(time.perf_counter() - t0)
+            out[kind].append(statistics.median(times))
+    conn.send(out)
     conn.close()
 
 

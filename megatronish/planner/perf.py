@@ -100,11 +100,15 @@ def _moved(kind: str, n: int, nbytes: float) -> tuple[float, int]:
     return (n - 1) / n * nbytes, n - 1  # reduce_scatter, all_gather, all_to_all
 
 
-def link(hw, par, rank: int, group: str, eff: float | None = None) -> tuple[float, float]:
-    """(bytes/s, latency) of ``rank``'s group ``group``: NVLink inside one node, else the network."""
+def link(hw, par, rank: int, group: str, eff: float | None = None, kind: str | None = None) -> tuple[float, float]:
+    """(bytes/s, latency) of ``rank``'s group ``group``: NVLink inside one node (``kind``'s own rates where the
+    hardware measured them, ``hw.collective_links``), else the network."""
     lo, hi, _ = group_span(par, rank, group)
     eff = LINK_EFFICIENCY if eff is None else eff
     if lo // hw.gpus_per_node == hi // hw.gpus_per_node:
+        if kind in hw.collective_links:
+            gbps, latency = hw.collective_links[kind]
+            return gbps * 1e9 * eff, latency
         return hw.intra_node_gbps * 1e9 * eff, hw.intra_node_latency_s
     return hw.inter_node_gbps * 1e9 * eff, hw.inter_node_latency_s
 
@@ -114,7 +118,7 @@ def price(c, hw, par, rank: int, eff: float | None = None) -> float:
     if c.n <= 1 or not c.count:
         return 0.0
     moved, steps = _moved(c.kind, c.n, c.nbytes)
-    bw, lat = link(hw, par, rank, c.group, eff)
+    bw, lat = link(hw, par, rank, c.group, eff, c.kind)
     one = moved / bw + steps * lat
     if c.kind == "all_reduce":  # NCCL's tree for small messages: 2 B over 2 log2(n) hops
         one = min(one, 2 * c.nbytes / bw + 2 * math.ceil(math.log2(c.n)) * lat)

@@ -156,3 +156,29 @@ def test_ranks_sharing_cores_fill_the_bubble():
         shared = _time(cfg, dataclasses.replace(hw, rank_share=share))
         assert shared["bubble"] == pytest.approx(max(0.0, (compute + whole["bubble"]) * share - compute), rel=1e-9,
                                                  abs=1e-18)
+
+
+def test_each_collective_kind_at_its_own_measured_rates():
+    """A measured machine's ``collective_links`` price each kind at its own rates inside a node (the ring's bytes
+    and steps over that kind's GB/s and latency); a kind it did not measure, and every kind on a datasheet entry,
+    takes the intra-node link."""
+    from megatronish.planner.comms import Collective
+    from megatronish.planner.perf import price
+
+    par = _cfg(4, ["--tensor-model-parallel-size", "4"]).parallel
+    links = {"all_gather": [0.5, 2e-4], "reduce_scatter": [0.25, 3e-4]}
+    hw = dataclasses.replace(GPUS["H100-SXM"], collective_links=links)
+    nbytes = 2 ** 20
+    for kind, (gbps, lat) in links.items():
+        c = Collective("tp", kind, 4, nbytes, 3.0)
+        assert price(c, hw, par, 0, 1.0) == pytest.approx(3 * (0.75 * nbytes / (gbps * 1e9) + 3 * lat), rel=1e-12)
+        assert price(c, GPUS["H100-SXM"], par, 0, 1.0) == pytest.approx(
+            3 * (0.75 * nbytes / (hw.intra_node_gbps * 1e9) + 3 * hw.intra_node_latency_s), rel=1e-12)
+    p2p = Collective("tp", "p2p", 4, nbytes, 1.0)
+    assert price(p2p, hw, par, 0, 1.0) == price(p2p, GPUS["H100-SXM"], par, 0, 1.0)
+
+
+def test_gloo_probe_measures_every_kind_it_prices():
+    links = hardware.probe_gloo()
+    assert set(links) == set(hardware.GLOO_KINDS)
+    assert all(gbps > 0 and 0 < latency < 1 for gbps, latency in links.values())
