@@ -279,9 +279,17 @@ def stage_activations(cfg, pp_rank: int = 0, *, cpu: bool = False, loss: str = "
     per_chunk = 0.0
     chunk_bytes = []  # each chunk's layers, one microbatch
     peak_extra = 0.0
+    vocab = m.padded_vocab_size(t) / t
+    norm = 2 * s * b * h * scale  # the final norm's input (on CPU an RMSNorm keeps fp32 copies)
+    if cpu and m.normalization == "RMSNorm":
+        norm = 8 * s * b * h + 4 * s * b
+    depths = m.mtp_num_layers or 0
+    standalone = par.mtp_stage if depths else None  # the MTP depths on a stage of their own, before the loss's
     for c in range(v):
         layers = list(par.layer_range(m.num_layers, pp_rank, c))
         before = per_chunk
+        if standalone is not None and par.stage_of(pp_rank, c) == standalone:  # the final norm and the depths
+            per_chunk += norm + depths * _mtp_depth(cfg, cpu=cpu, norm=norm, vocab=vocab)[0]
         full = [_layer(cfg, moe=is_moe_layer(m, i), cpu=cpu, recompute=None) for i in layers]
         if rec.recompute_granularity == "full":
             k = rec.recompute_num_layers or 1
@@ -308,13 +316,12 @@ def stage_activations(cfg, pp_rank: int = 0, *, cpu: bool = False, loss: str = "
     if pp_rank == 0:
         embedding = flight * one_embedding
     if pp_rank == par.loss_pp_rank:
-        vocab = m.padded_vocab_size(t) / t
-        norm = 2 * s * b * h * scale  # the final norm's input (on CPU an RMSNorm keeps fp32 copies)
-        if cpu and m.normalization == "RMSNorm":
-            norm = 8 * s * b * h + 4 * s * b
-        # + the output layer's input and the loss's fp32 [tokens, V / t] tensors at its peak
-        output = norm + 2 * s * b * h * scale + 4 * copies * s * b * vocab
-        output += (m.mtp_num_layers or 0) * _mtp_depth(cfg, cpu=cpu, norm=norm, vocab=vocab)
+        # the final norm's input (on the MTP stage when that stands alone), the output layer's input and the
+        # loss's fp32 [tokens, V / t] tensors at its peak; each MTP depth's (all of it, or its output layer's and
+        # loss's where its layers stand alone)
+        depth, depth_output = _mtp_depth(cfg, cpu=cpu, norm=norm, vocab=vocab)
+        output = (norm if standalone is None else 0.0) + 2 * s * b * h * scale + 4 * copies * s * b * vocab
+        output += depths * (depth_output + (depth if standalone is None else 0.0))
     if _split_backward(par.pipeline_schedule):
         if pipelining_outputs:
             raise ValueError("torch.distributed.pipelining's kept outputs are modelled for 1F1B and interleaving")
@@ -350,10 +357,11 @@ def _split_backward_stage(cfg, pp_rank: int, chunk_bytes: list[float], one_embed
                             sum(n * d for n, d in zip(bw, deferred)))
 
 
-def _mtp_depth(cfg, *, cpu: bool, norm: float, vocab: float) -> float:
-    """One multi-token-prediction depth (on the loss stage, one microbatch): its transformer layer, the two input
-    norms' and the final norm's inputs (``norm`` bytes each), the projection's concatenated input (``2h``), and as
-    the decoder's output, the output layer's input and the fp32 softmax over the vocabulary shard."""
+def _mtp_depth(cfg, *, cpu: bool, norm: float, vocab: float) -> tuple[float, float]:
+    """One multi-token-prediction depth, one microbatch, as (its layers' part, its output's part): its transformer
+    layer, the two input norms' and the final norm's inputs (``norm`` bytes each) and the projection's
+    concatenated input (``2h``); and as the decoder's output, the output layer's input and the fp32 softmax over
+    the vocabulary shard (on the loss stage, also when the layers stand on a stage of their own)."""
     from ..model.mtp import mtp_layer_config
 
     m, par = cfg.model, cfg.parallel
@@ -362,7 +370,7 @@ def _mtp_depth(cfg, *, cpu: bool, norm: float, vocab: float) -> float:
     layer_cfg = cfg if not m.moe.num_experts else dataclasses.replace(cfg, model=mtp_layer_config(m))
     moe = bool(layer_cfg.model.moe.num_experts)
     layer = _layer(layer_cfg, moe=moe, cpu=cpu, recompute=m.recompute.recompute_granularity)
-    return layer + 3 * norm + 4 * s * b * h * scale + 2 * s * b * h * scale + 4 * s * b * vocab
+    return layer + 3 * norm + 4 * s * b * h * scale, 2 * s * b * h * scale + 4 * s * b * vocab
 
 
 __all__ = ["StageActivations", "stage_activations", "per_op_selective_layer", "SELECTIVE_POLICIES",

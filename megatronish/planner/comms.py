@@ -98,11 +98,16 @@ def step_collectives(cfg, rank: int, chunks, ctx) -> list[Collective]:
     e = 4 if o.params_dtype.itemsize == 4 else 2
     sp, tp = cfg.sequence_parallel, par.tp
     layers = [i for c in range(v) for i in par.layer_range(m.num_layers, coords["pp"], c)]
-    depths = (m.mtp_num_layers or 0) if coords["pp"] == par.loss_pp_rank else 0
+    # the MTP depths' layers sit on a standalone MTP stage's rank, else with the loss; their outputs' logits and
+    # losses are always the loss stage's
+    mtp = par.mtp_stage if m.mtp_num_layers else None
+    depth_rank = par.loss_pp_rank if mtp is None else par.place_stage(mtp)[0]
+    depths = (m.mtp_num_layers or 0) if coords["pp"] == depth_rank else 0
+    outputs = (m.mtp_num_layers or 0) if last else 0
     n_moe = sum(is_moe_layer(m, i) for i in layers) if m.moe.num_experts else 0
     if depths and m.moe.num_experts and is_moe_layer(m, m.num_layers - 1):  # MTP's layers: MoE as the last one
         n_moe += depths
-    n_dense = len(layers) - n_moe
+    n_dense = len(layers) + depths - n_moe
     full = m.recompute.recompute_granularity == "full"
     out: list[Collective] = []
 
@@ -115,21 +120,30 @@ def step_collectives(cfg, rank: int, chunks, ctx) -> list[Collective]:
     act = s * b * h * e
     if tp > 1:
         per_mb = sum(_tp_layer_counts(cfg, moe)[sp] * k for moe, k in ((False, n_dense), (True, n_moe)))
+        # each MTP depth: its look-up of the shifted tokens (the vocabulary-parallel embedding's, as the first
+        # stage's), eh_proj's [., 2h] input (column-parallel) and its output gathered over TP; each depth's output
+        # layer and cross entropy (as the decoder's, on the loss stage)
         if sp:
             ag = rs = per_mb
             if first:
                 rs += 1
                 ag += 1 + (m.attention.position_embedding_type == "learned_absolute")
             if last:
-                ag += 1
-                rs += 1
+                ag += 1 + outputs
+                rs += 1 + outputs
+            ag += 3 * depths  # the look-up's backward, eh_proj's output gathered, its scatter's backward
+            rs += depths  # the look-up
             add("tp", "all_gather", act, M * ag)
             add("tp", "reduce_scatter", act, M * rs)
+            add("tp", "all_gather", 2 * act, M * depths)  # eh_proj's input
+            add("tp", "reduce_scatter", 2 * act, M * depths)  # and its gradient
         else:
-            add("tp", "all_reduce", act, M * (per_mb + first + last))
+            add("tp", "all_reduce", act, M * (per_mb + first + last + outputs + depths))
+            add("tp", "all_reduce", 2 * act, M * depths)  # eh_proj's input gradient
+            add("tp", "all_gather", act, M * depths)  # eh_proj's output
         if last:
-            add("tp", "all_reduce", s * b * 4, M)
-            add("tp", "all_reduce", 2 * s * b * 4, M)
+            add("tp", "all_reduce", s * b * 4, M * (1 + outputs))
+            add("tp", "all_reduce", 2 * s * b * 4, M * (1 + outputs))
     if par.cp > 1:
         n = par.cp
         kv = ring_kv_elements(cfg)
@@ -142,7 +156,8 @@ def step_collectives(cfg, rank: int, chunks, ctx) -> list[Collective]:
         _moe(cfg, ctx, add, s, b, h, e, M, n_moe, full, p, layers, depths)
     if p > 1:
         pipe = act // (tp if sp else 1)
-        add("pp", "p2p", pipe, M * pipeline_sends(par, coords["pp"]), role="pp_p2p")
+        for blocks, sends in sorted(pipeline_send_blocks(par, coords["pp"]).items()):
+            add("pp", "p2p", pipe * blocks, M * sends, role="pp_p2p")
         add("pp", "broadcast", 8, 1 + (m.mtp_num_layers or 0))  # the loss, and each MTP depth's
     if last and _size(ctx, "dp_cp") > 1:
         add("dp_cp", "all_reduce", 8 * (1 + depths))  # (each MTP depth's loss and token count)
@@ -174,11 +189,20 @@ def pipeline_sends(par, pp_rank: int) -> int:
     """Activations and gradients pipeline rank ``pp_rank`` sends per microbatch: each local chunk's forward output
     unless its stage is the last, and its input gradient unless its stage is the first, when the neighbouring
     stage is on another rank (in a V, rank ``p-1`` hands stage ``p-1``'s output to its own stage ``p``)."""
-    n, out = par.pp * par.vp, 0
+    return sum(pipeline_send_blocks(par, pp_rank).values())
+
+
+def pipeline_send_blocks(par, pp_rank: int) -> dict:
+    """:func:`pipeline_sends` by size: ``{[s, b, h] blocks a message carries: sends per microbatch}``. From a
+    standalone MTP stage on the messages carry ``1 + D`` blocks along the sequence (``ParallelDims.
+    stage_message_blocks``): a forward send its own stage's output, a gradient its input's (the stage before's
+    output)."""
+    n, out = par.pp * par.vp, {}
     for c in range(par.vp):
         st = par.stage_of(pp_rank, c)
-        out += st < n - 1 and par.place_stage(st + 1)[0] != pp_rank
-        out += st > 0 and par.place_stage(st - 1)[0] != pp_rank
+        for to, blocks in ((st + 1, par.stage_message_blocks(st)), (st - 1, par.stage_message_blocks(st - 1))):
+            if 0 <= to < n and par.place_stage(to)[0] != pp_rank:
+                out[blocks] = out.get(blocks, 0) + 1
     return out
 
 
@@ -321,8 +345,8 @@ def _ddp(cfg, ctx, chunks, add, first: bool, last: bool) -> None:
             if dist_opt:
                 pb = bucket.param_buffer
                 add(group, "all_gather", pb.numel() * pb.element_size(), n=bucket.world, role="param_gather")
-    m = cfg.model  # the tied output layer's, or MTP's look-up copy on the last stage
-    if cfg.parallel.pp > 1 and (not m.untie_embeddings_and_output_weights or m.mtp_num_layers) and (first or last):
+    m = cfg.model  # the tied output layer's, or MTP's look-up copy on the last stage or a standalone MTP stage
+    if cfg.parallel.pp > 1 and (not m.untie_embeddings_and_output_weights or m.mtp_num_layers):
         for chunk in chunks:
             for q in chunk.module.parameters():
                 if getattr(q, "shared_embedding", False):
@@ -345,4 +369,5 @@ def _optimizer(cfg, ctx, add, n_moe_model: bool) -> None:
 
 
 __all__ = ["Collective", "ROLES", "step_collectives", "rank_collectives", "ring_kv_elements", "pipeline_sends",
+           "pipeline_send_blocks",
            "bytes_by_kind", "KIND_OF", "group_span", "GroupSizes", "ddp_estimate", "fsdp_estimate"]

@@ -188,15 +188,17 @@ def _zero_bubble_fraction(schedule: str, p: int, m: int) -> float:
 
 def stage_imbalance(cfg, output_share: float) -> float:
     """The slowest pipeline rank's compute over the mean rank's: each rank's layers (``ParallelDims`` gives the
-    uneven first and last ranks' own numbers) plus, on the rank holding the loss, the output layer and the MTP
-    depths (``output_share`` of the FLOPs, together; the depths' layers counted as layers)."""
+    uneven first and last ranks' own numbers) plus, on the rank holding the loss, the output layers (``output_share``
+    of the FLOPs), and the MTP depths' layers (counted as layers) on that rank or on a standalone MTP stage's."""
     par, m = cfg.parallel, cfg.model
     if par.pp == 1:
         return 1.0
     L, D = m.num_layers, m.mtp_num_layers or 0
+    mtp = par.mtp_stage if D else None
+    depth_rank = par.loss_pp_rank if mtp is None else par.place_stage(mtp)[0]
     layers = [par.rank_num_layers(L, r) for r in range(par.pp)]
     per_layer = (1.0 - output_share) / (L + D)
-    work = [n * per_layer + (output_share + D * per_layer if r == par.loss_pp_rank else 0.0)
+    work = [(n + (D if r == depth_rank else 0)) * per_layer + (output_share if r == par.loss_pp_rank else 0.0)
             for r, n in enumerate(layers)]
     return max(work) * par.pp / sum(work)
 

@@ -1,7 +1,8 @@
 """The planner's per-rank bytes against the real run's: for many layouts (dense GPT-2 and Llama, MoE with EP and
 ETP, CP, PP and VP, FSDP2, the distributed optimizer, 16-bit, recompute, multi-latent attention with DeepSeek's
-MoE (shared experts, sigmoid router with expert bias, dense first layer) and multi-token prediction, MLA over a CP
-2 ring, the zbv pipeline whose V puts the loss on rank 0) the
+MoE (shared experts, sigmoid router with expert bias, dense first layer) and multi-token prediction (with the loss
+under TP 2 + SP, and on a standalone MTP stage), MLA over a CP 2 ring, the zbv pipeline whose V puts the loss on
+rank 0) the
 parameters, gradients and optimizer state that ``setup`` builds on 4 gloo ranks and one ``train_step`` fills
 (distinct storages) equal the bytes the planner counts on the rank's meta model exactly, and one step's saved
 activations (``saved_tensors_hooks``) are within 10% of its activation prediction (the CPU terms). The bytes of
@@ -62,6 +63,13 @@ LAYOUTS = {
     "mla deepseek-moe pp2 ep2": ["--num-layers", "4", *MLA, *DEEPSEEK_MOE, PP, "2", "--expert-model-parallel-size",
                                  "2"],
     "mtp llama pp2 dp2": ["--num-layers", "2", *LLAMA, "--mtp-num-layers", "2", PP, "2"],
+    # the depths' TP collectives (look-up, eh_proj, output layer, cross entropy) with the loss
+    "mtp llama tp2 pp2 sp": ["--num-layers", "2", *LLAMA, "--mtp-num-layers", "1", PP, "2", TP, "2",
+                             "--sequence-parallel"],
+    # a standalone MTP stage (Megatron-LM's DeepSeek-V3 layout's shape): the depths, the final norm and an
+    # embedding copy on stage 2, two-block messages from it on, each depth's logits and loss on stage 3
+    "mtp llama pp4 standalone": ["--num-layers", "2", *LLAMA, "--mtp-num-layers", "1", PP, "4",
+                                 "--pipeline-model-parallel-layout", "Et|t|m|L"],
     "mla cp2 dp2": ["--num-layers", "2", *MLA, CP, "2", "--cp-comm-type", "p2p", "--attention-dropout", "0"],
     "gpt2 pp2 tp2 sp zbv tied": ["--num-layers", "4", PP, "2", TP, "2", "--sequence-parallel", "--pipeline-schedule",
                                  "zbv"],
