@@ -326,10 +326,38 @@ def stage_activations(cfg, pp_rank: int = 0, *, cpu: bool = False, loss: str = "
         if pipelining_outputs:
             raise ValueError("torch.distributed.pipelining's kept outputs are modelled for 1F1B and interleaving")
         return _split_backward_stage(cfg, pp_rank, chunk_bytes, one_embedding, output, peak_extra)
+    if v > 1 and not pipelining_outputs:
+        return _interleaved_stage(cfg, pp_rank, chunk_bytes, one_embedding, output, peak_extra)
     kept = 0.0
     if pipelining_outputs and par.pp > 1 and pp_rank == par.loss_pp_rank:
         kept = cfg.num_microbatches * 4 * s * b * m.padded_vocab_size(t) / t
     return StageActivations(per_chunk * flight, embedding, output, flight, peak_extra, kept_outputs=kept)
+
+
+@functools.lru_cache(maxsize=64)
+def _interleaved_orders(p: int, v: int, m: int) -> tuple:
+    """Each rank's ``(op, chunk)`` steps of the interleaved 1F1B schedule (cached: the planner asks for every
+    stage)."""
+    from ..parallel.pipeline.schedules import schedule_table
+
+    return tuple(tuple((op, c) for op, _, c in schedule_table(p, v, m, r)) for r in range(p))
+
+
+def _interleaved_stage(cfg, pp_rank: int, chunk_bytes: list[float], one_embedding: float, output: float,
+                       recompute: float) -> StageActivations:
+    """An interleaved stage: the peak of its schedule's walk, each chunk holding its own layers (chunks need not
+    be equal: a layout's), the embedding with global stage 0 and the output layer and loss with the last stage,
+    each as many times as that chunk has microbatches between their forward and backward at the peak."""
+    par = cfg.parallel
+    v, last = len(chunk_bytes), par.pp * par.vp - 1
+    stages = [par.stage_of(pp_rank, c) for c in range(v)]
+    emb = [one_embedding if st == 0 else 0.0 for st in stages]
+    out = [output if st == last else 0.0 for st in stages]
+    held = [x + e + o for x, e, o in zip(chunk_bytes, emb, out)]
+    steps = _interleaved_orders(par.pp, v, cfg.num_microbatches)[pp_rank]
+    fb, _, most = split_backward_peak(steps, held, [0.0] * v)
+    return StageActivations(sum(n * x for n, x in zip(fb, chunk_bytes)), sum(n * e for n, e in zip(fb, emb)),
+                            sum(n * o for n, o in zip(fb, out)), most, recompute)
 
 
 def _split_backward(schedule: str | None) -> bool:

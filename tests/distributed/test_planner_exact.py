@@ -68,6 +68,9 @@ LAYOUTS = {
                              "--sequence-parallel"],
     # a standalone MTP stage (Megatron-LM's DeepSeek-V3 layout's shape): the depths, the final norm and an
     # embedding copy on stage 2, two-block messages from it on, each depth's logits and loss on stage 3
+    # ... beside a decoder chunk: interleaved chunks of unequal size (the embedding's and the MTP stage on rank 0)
+    "mtp llama tp2 pp2 vp2 standalone": ["--num-layers", "2", *LLAMA, "--mtp-num-layers", "1", PP, "2", TP, "2",
+                                         "--sequence-parallel", "--pipeline-model-parallel-layout", "Et|t|m|L"],
     "mtp llama pp4 standalone": ["--num-layers", "2", *LLAMA, "--mtp-num-layers", "1", PP, "4",
                                  "--pipeline-model-parallel-layout", "Et|t|m|L"],
     "mla cp2 dp2": ["--num-layers", "2", *MLA, CP, "2", "--cp-comm-type", "p2p", "--attention-dropout", "0"],
