@@ -10,7 +10,6 @@ should run many checks inside one call.
 from __future__ import annotations
 
 import importlib.util
-import math
 import multiprocessing as mp
 import os
 import socket
@@ -170,16 +169,11 @@ def global_tensors(models, parallel, *, grads: bool = False, optimizer=None,
                              (owner, torch.full_like(value, float(rank)).masked_fill(~mask, float(world)))):
                 _place(dst, p, src, parallel)
         spans[name] = (hi, lo, owner)
-    flat = [t.reshape(-1) for hi, lo, owner in spans.values() for t in (-hi, lo, owner)]
-    if flat:
-        packed = torch.cat(flat)
-        comm.all_reduce(packed, op=dist.ReduceOp.MIN)
-        at = 0
-        for name, shape in entries:
-            n = math.prod(shape)
-            neg_hi, lo, owner = (packed[at + i * n: at + (i + 1) * n].view(shape) for i in range(3))
-            spans[name] = (-neg_hi, lo, owner)
-            at += 3 * n
+    reduced = _all_reduce_packed([t for hi, lo, owner in spans.values() for t in (-hi, lo, owner)],
+                                 dist.ReduceOp.MIN)
+    for i, name in enumerate(spans):
+        neg_hi, lo, owner = reduced[3 * i: 3 * i + 3]
+        spans[name] = (-neg_hi, lo, owner)
     mine_of = {}
     for name, shape in entries:
         hi, lo, owner = spans[name]
@@ -199,21 +193,30 @@ def global_tensors(models, parallel, *, grads: bool = False, optimizer=None,
             p, value, mask = local[name]
             src = value.masked_fill(~mask, 0.0)
             for piece in param_pieces(p, src, p.desc, parallel):
-                region, first = mine, owner
-                for dim, (at, n) in enumerate(zip(piece.offsets, piece.tensor.shape)):
-                    region, first = region.narrow(dim, at, n), first.narrow(dim, at, n)
-                region.copy_(torch.where(first == rank, piece.tensor, region))
+                region = _region(mine, piece)
+                region.copy_(torch.where(_region(owner, piece) == rank, piece.tensor, region))
         mine_of[name] = mine
-    if mine_of:
-        packed = torch.cat([t.reshape(-1) for t in mine_of.values()])
-        comm.all_reduce(packed)
-        at, out = 0, {}
-        for name, shape in entries:
-            n = math.prod(shape)
-            out[name] = packed[at: at + n].view(shape).clone()
-            at += n
-        return out
-    return {}
+    return {name: t.clone() for name, t in zip(mine_of, _all_reduce_packed(list(mine_of.values())))}
+
+
+def _all_reduce_packed(tensors: list, op=None) -> list:
+    """``tensors`` all-reduced (``op``, SUM by default) in one collective: views of the packed result."""
+    if not tensors:
+        return []
+    packed = torch.cat([t.reshape(-1) for t in tensors])
+    comm.all_reduce(packed, op=dist.ReduceOp.SUM if op is None else op)
+    out, at = [], 0
+    for t in tensors:
+        out.append(packed[at: at + t.numel()].view(t.shape))
+        at += t.numel()
+    return out
+
+
+def _region(t: torch.Tensor, piece) -> torch.Tensor:
+    """The view of the global ``t`` that ``piece`` (a ``param_pieces`` entry) covers."""
+    for dim, (at, n) in enumerate(zip(piece.offsets, piece.tensor.shape)):
+        t = t.narrow(dim, at, n)
+    return t
 
 
 def _place(dst: torch.Tensor, p, src: torch.Tensor, parallel) -> None:
@@ -221,7 +224,4 @@ def _place(dst: torch.Tensor, p, src: torch.Tensor, parallel) -> None:
     from .checkpoint.state import param_pieces
 
     for piece in param_pieces(p, src, p.desc, parallel):
-        region = dst
-        for dim, (at, n) in enumerate(zip(piece.offsets, piece.tensor.shape)):
-            region = region.narrow(dim, at, n)
-        region.copy_(piece.tensor)
+        _region(dst, piece).copy_(piece.tensor)

@@ -343,6 +343,12 @@ class ParallelDims:
         """The pipeline rank holding the last stage (output layer and loss): ``p-1``, or 0 in a V."""
         return 0 if self.v_shape else self.pp - 1
 
+    @property
+    def mtp_pp_rank(self) -> int:
+        """The pipeline rank holding the multi-token-prediction layers: a standalone MTP stage's, else the loss's."""
+        mtp = self.mtp_stage
+        return self.loss_pp_rank if mtp is None else self.place_stage(mtp)[0]
+
     # ------------------------------------------------------------------ degrees and coordinates
     @property
     def dp(self) -> int:

@@ -100,9 +100,7 @@ def step_collectives(cfg, rank: int, chunks, ctx) -> list[Collective]:
     layers = [i for c in range(v) for i in par.layer_range(m.num_layers, coords["pp"], c)]
     # the MTP depths' layers sit on a standalone MTP stage's rank, else with the loss; their outputs' logits and
     # losses are always the loss stage's
-    mtp = par.mtp_stage if m.mtp_num_layers else None
-    depth_rank = par.loss_pp_rank if mtp is None else par.place_stage(mtp)[0]
-    depths = (m.mtp_num_layers or 0) if coords["pp"] == depth_rank else 0
+    depths = (m.mtp_num_layers or 0) if coords["pp"] == par.mtp_pp_rank else 0
     outputs = (m.mtp_num_layers or 0) if last else 0
     n_moe = sum(is_moe_layer(m, i) for i in layers) if m.moe.num_experts else 0
     if depths and m.moe.num_experts and is_moe_layer(m, m.num_layers - 1):  # MTP's layers: MoE as the last one
@@ -162,7 +160,7 @@ def step_collectives(cfg, rank: int, chunks, ctx) -> list[Collective]:
     if last and _size(ctx, "dp_cp") > 1:
         add("dp_cp", "all_reduce", 8 * (1 + depths))  # (each MTP depth's loss and token count)
     if chunks is not None:
-        _ddp(cfg, ctx, chunks, add, first, last)
+        _ddp(cfg, ctx, chunks, add)
     _optimizer(cfg, ctx, add, n_moe_model=bool(m.moe.num_experts))
     if getattr(cfg.train, "rerun_mode", "disabled") != "disabled":  # the rerun check's four flags
         add("world", "all_reduce", 16, n=par.world_size)
@@ -328,7 +326,7 @@ def _moe(cfg, ctx, add, s, b, h, e, M, n_moe, full, p, layers, depths) -> None:
         add("tp_dp_cp", "all_reduce", 4 * here * E, n=every)
 
 
-def _ddp(cfg, ctx, chunks, add, first: bool, last: bool) -> None:
+def _ddp(cfg, ctx, chunks, add) -> None:
     dist_opt = cfg.optim.use_distributed_optimizer
     for chunk in chunks:
         module = chunk.module

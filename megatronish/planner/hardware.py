@@ -277,9 +277,8 @@ def probe_op_overhead() -> float:
     return _timed(chain, 0.05, 5, True) / 33
 
 
-# the kinds probe_gloo times: (sequential steps, the share of the full tensor each rank moves) of each at n = 2,
-# as planner/perf.py's ring prices them
-GLOO_KINDS = {"all_reduce": (2, 1.0), "all_gather": (1, 0.5), "reduce_scatter": (1, 0.5)}
+# the collective kinds probe_gloo times apart
+GLOO_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 def probe_gloo() -> dict:
@@ -290,12 +289,14 @@ def probe_gloo() -> dict:
     time: 0.03 ms between two threads of one process, 0.3 to 0.5 ms between processes here). For each kind the
     median of an 8-byte tensor's collective is its steps' latency, the median of a 4 MiB one's (the full tensor:
     the all-gather's output, the reduce-scatter's input) less that moves its share of the bytes
-    (:data:`GLOO_KINDS`, ``planner/perf.py``'s ring); 15 of each after two warm-ups, the slower rank's. Gloo's
-    all-gather and reduce-scatter take about as long as its all-reduce of the same full tensor, or longer (where
-    the ring would take half): each kind is priced at its own rates."""
+    (``planner/perf.py``'s ring at 2 ranks, :func:`~megatronish.planner.perf.ring_moved`); 15 of each after two
+    warm-ups, the slower rank's. Gloo's all-gather and reduce-scatter take about as long as its all-reduce of the
+    same full tensor, or longer (where the ring would take half): each kind is priced at its own rates."""
     import multiprocessing
     import os
     import tempfile
+
+    from .perf import ring_moved
 
     ctx = multiprocessing.get_context("fork")
     with tempfile.TemporaryDirectory() as d:
@@ -310,12 +311,13 @@ def probe_gloo() -> dict:
         for proc in procs:
             proc.join(timeout=30)
     links = {}
-    for kind, (steps, share) in GLOO_KINDS.items():
+    for kind in GLOO_KINDS:
         small = max(r[kind][0] for r in results)
         large = max(r[kind][1] for r in results)
+        moved, steps = ring_moved(kind, 2, 2 ** 22)
         latency = small / steps
         seconds = max(large - steps * latency, 1e-9)
-        links[kind] = [share * 2 ** 22 / seconds / 1e9, latency]
+        links[kind] = [moved / seconds / 1e9, latency]
     return links
 
 

@@ -89,7 +89,7 @@ SCORE_ACCESSES = {"forward": 7, "backward": 5, "dropout_forward": 6, "dropout_ba
 OVERLAP_COST = 0.2
 
 
-def _moved(kind: str, n: int, nbytes: float) -> tuple[float, int]:
+def ring_moved(kind: str, n: int, nbytes: float) -> tuple[float, int]:
     """(bytes moved per rank, sequential steps) of one collective of ``nbytes`` over ``n`` ranks."""
     if n <= 1:
         return 0.0, 0
@@ -117,7 +117,7 @@ def price(c, hw, par, rank: int, eff: float | None = None) -> float:
     """Seconds of the ``count`` collectives ``c`` (a ``comms.Collective``) of ``rank``."""
     if c.n <= 1 or not c.count:
         return 0.0
-    moved, steps = _moved(c.kind, c.n, c.nbytes)
+    moved, steps = ring_moved(c.kind, c.n, c.nbytes)
     bw, lat = link(hw, par, rank, c.group, eff, c.kind)
     one = moved / bw + steps * lat
     if c.kind == "all_reduce":  # NCCL's tree for small messages: 2 B over 2 log2(n) hops
@@ -194,11 +194,9 @@ def stage_imbalance(cfg, output_share: float) -> float:
     if par.pp == 1:
         return 1.0
     L, D = m.num_layers, m.mtp_num_layers or 0
-    mtp = par.mtp_stage if D else None
-    depth_rank = par.loss_pp_rank if mtp is None else par.place_stage(mtp)[0]
     layers = [par.rank_num_layers(L, r) for r in range(par.pp)]
     per_layer = (1.0 - output_share) / (L + D)
-    work = [(n + (D if r == depth_rank else 0)) * per_layer + (output_share if r == par.loss_pp_rank else 0.0)
+    work = [(n + (D if r == par.mtp_pp_rank else 0)) * per_layer + (output_share if r == par.loss_pp_rank else 0.0)
             for r, n in enumerate(layers)]
     return max(work) * par.pp / sum(work)
 
@@ -431,6 +429,6 @@ def step_time(cfg, hw, state, colls=None, rank: int | None = None, *, tp_overlap
             "comm_s": comm_s, "comm_by_role_s": by_role, "comm_bytes": comm_bytes}
 
 
-__all__ = ["step_time", "collectives", "price", "link", "attention_core_flops", "bubble_fraction",
+__all__ = ["step_time", "collectives", "price", "link", "ring_moved", "attention_core_flops", "bubble_fraction",
            "stage_imbalance", "tp_forward_share", "fsdp_exposed", "OVERLAP_COST", "GEMM_EFFICIENCY",
            "ATTENTION_EFFICIENCY", "MEMORY_EFFICIENCY", "LINK_EFFICIENCY", "EFFICIENCIES"]

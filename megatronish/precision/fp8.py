@@ -246,8 +246,8 @@ class _Fp8Linear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = fp8_matmul(gq, sg, wq.t().contiguous(), sw).to(ctx.dtypes[0]).view(ctx.shape)  # [s*b, in]
         if ctx.needs_input_grad[1] and ctx.store is not None and ctx.store.deferring:
-            g_bias = g2 if ctx.has_bias else None  # the unquantized grad_output is kept only for a bias
-            ctx.store.put(ctx.params, lambda: _fp8_weight_grads(gq, sg, xq, sx, g_bias, ctx.dtypes[1], ctx.has_bias))
+            g_bias, dtype, has_bias = (g2 if ctx.has_bias else None), ctx.dtypes[1], ctx.has_bias  # not ctx itself
+            ctx.store.put(ctx.params, lambda: _fp8_weight_grads(gq, sg, xq, sx, g_bias, dtype, has_bias))
             return dx, None, None, None, None
         if ctx.needs_input_grad[1]:
             dw = _fp8_weight_grads(gq, sg, xq, sx, g2, ctx.dtypes[1], False)[0]

@@ -35,6 +35,7 @@ import contextlib
 
 import torch
 
+from ..errors import ConfigError
 from .fp8 import import_transformer_engine
 
 __all__ = ["import_te", "te_recipe", "fp8_support", "mxfp8_support", "TeLinearHook", "TeManager", "enable_te"]
@@ -86,8 +87,6 @@ def te_recipe(fp8_format: str | None, fp8_recipe: str = "delayed", *, margin: in
     if fp8_format is None:
         return None
     if fp8_recipe not in RECIPES:
-        from ..errors import ConfigError
-
         raise ConfigError(f"--fp8-recipe {fp8_recipe!r} with --transformer-impl transformer_engine: choose one of "
                           f"{', '.join(RECIPES)}")
     r = _recipe_module()
@@ -99,8 +98,6 @@ def te_recipe(fp8_format: str | None, fp8_recipe: str = "delayed", *, margin: in
     cls_name = "Float8CurrentScaling" if fp8_recipe == "tensorwise" else "MXFP8BlockScaling"
     cls = getattr(r, cls_name, None)
     if cls is None:
-        from ..errors import ConfigError
-
         raise ConfigError(f"--fp8-recipe {fp8_recipe}: this Transformer Engine has no recipe.{cls_name} "
                           f"(it needs TE {'2.2' if fp8_recipe == 'tensorwise' else '2.0'} or later); "
                           f"use --fp8-recipe delayed or a newer Transformer Engine")
@@ -199,8 +196,6 @@ def _check_fp8_shapes(linears, multiple: int, fp8_recipe: str) -> None:
     bad = [f"{name} {list(lin.weight.shape)}" for name, lin in linears
            if lin.weight is not None and any(d % multiple for d in lin.weight.shape)]
     if bad:
-        from ..errors import ConfigError
-
         raise ConfigError(f"--fp8-recipe {fp8_recipe} with --transformer-impl transformer_engine: TE's FP8 GEMMs "
                           f"need local weight dimensions divisible by {multiple}; not so for "
                           f"{', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}")

@@ -173,13 +173,24 @@ def test_pretrain_uses_te_layers_for_the_flag(fake_te, monkeypatch):
     assert [c for c in fake_te if c[0] == "autocast"][0][1] is False
 
 
+def _train_one_step(rank, world, calls, argv):
+    """One training step set up from ``argv`` in a process of its own (set-up starts a process group); the kinds
+    of the stand-in TE's calls during the step."""
+    from megatronish.arguments import configs_from_args, parse_args
+    from megatronish.training import pretrain as training
+
+    run, state = training.setup(configs_from_args(parse_args(argv), world))
+    calls.clear()
+    training.train_step(run, state)
+    return [c[0] for c in calls]
+
+
 def test_training_step_runs_each_forward_in_one_te_region(fake_te, monkeypatch):
     """``--transformer-impl transformer_engine`` through the training set-up: the forward step enters TE's
     autocast once a microbatch and the linears run inside it (2 microbatches x 8 linears, 2 autocasts)."""
-    from megatronish.arguments import configs_from_args, parse_args
     from megatronish.precision import fp8, te_layers
+    from megatronish.testing import run_distributed
     from megatronish.training import initialize
-    from megatronish.training import pretrain as training
 
     # the run itself stays on the CPU: TE's CUDA checks (arguments, set-up, import) see the stand-in
     for module in (fp8, initialize):
@@ -189,9 +200,6 @@ def test_training_step_runs_each_forward_in_one_te_region(fake_te, monkeypatch):
             "--max-position-embeddings", "8", "--vocab-size", "64", "--tokenizer-type", "NullTokenizer",
             "--mock-data", "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "1",
             "--lr", "1e-3", "--eval-iters", "0", "--transformer-impl", "transformer_engine"]
-    run, state = training.setup(configs_from_args(parse_args(argv), 1))
-    fake_te.clear()
-    training.train_step(run, state)
-    kinds = [c[0] for c in fake_te]
+    kinds = run_distributed(_train_one_step, 1, fake_te, argv)[0]
     assert kinds.count("linear") == 16 and kinds.count("autocast") == 2, kinds
     assert kinds[0] == "autocast" and kinds[9] == "autocast"  # each microbatch: its region, then its 8 linears

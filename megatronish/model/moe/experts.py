@@ -49,12 +49,18 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: list[int], align: 
     offs = torch.tensor(padded, device=x.device).cumsum(0).to(torch.int32)
     if padded == counts:
         return torch._grouped_mm(x, weight.transpose(1, 2), offs=offs)
-    starts = [0]
-    for c in padded[:-1]:
-        starts.append(starts[-1] + c)
-    index = torch.cat([torch.arange(c, device=x.device) + s for c, s in zip(counts, starts)])
+    index = _rows_in_padded(counts, offs.long() - torch.tensor(padded, device=x.device), x.device)
     xp = x.new_zeros((sum(padded), x.size(1))).index_copy(0, index, x)
     return torch._grouped_mm(xp, weight.transpose(1, 2), offs=offs).index_select(0, index)
+
+
+def _rows_in_padded(counts: list[int], starts: torch.Tensor, device) -> torch.Tensor:
+    """The row of each of the ``sum(counts)`` rows (grouped by expert) in a layout where expert ``e``'s rows start
+    at ``starts[e]``."""
+    n, e = sum(counts), len(counts)
+    expert = torch.repeat_interleave(torch.arange(e, device=device), torch.tensor(counts, device=device))
+    first = torch.tensor([0] + counts[:-1], device=device).cumsum(0)  # each expert's first row, unpadded
+    return starts[expert] + torch.arange(n, device=device) - first[expert]
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], how: str = "grouped") -> torch.Tensor:
@@ -74,10 +80,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], how
         return grouped_mm(x, weight, counts, group_align(x))
     # batched: pad every expert's rows to the largest count, one bmm, and take the real rows back
     most = max(counts)
-    expert = torch.repeat_interleave(torch.arange(e, device=x.device), torch.tensor(counts, device=x.device))
-    starts = torch.tensor([0] + counts[:-1], device=x.device).cumsum(0)
-    slot = torch.arange(n, device=x.device) - starts[expert]
-    index = expert * most + slot  # row of each token in the padded [E * most] layout
+    index = _rows_in_padded(counts, torch.arange(e, device=x.device) * most, x.device)  # in the [E * most] layout
     padded = x.new_zeros((e * most, x.size(1))).index_copy(0, index, x)
     out = torch.bmm(padded.view(e, most, -1), weight.transpose(1, 2))  # [E, most, out]
     return out.reshape(e * most, -1).index_select(0, index)
