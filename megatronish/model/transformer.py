@@ -30,6 +30,8 @@ def _bias_dropout_add(x, bias, residual, p, training):
 class TransformerLayer(nn.Module):
     """``x + drop(attn(norm(x)))`` then ``x + drop(mlp(norm(x)))``; ``layer_number`` is global (0-based)."""
 
+    recompute_contexts = None  # its checkpoints' (forward, recompute) contexts: TE's FP8 state (precision/te_layers)
+
     def __init__(self, config: ModelConfig, layer_number: int, sequence_parallel: bool,
                  params_dtype=torch.float32, device=None, parallel: ParallelContext | None = None,
                  rng_tracker: RNGStatesTracker | None = None):
@@ -62,7 +64,8 @@ class TransformerLayer(nn.Module):
 
     def _mlp(self, y: torch.Tensor):
         if self.recompute_mlp and self.training:
-            return checkpoint(lambda h: _with_bias(*self.mlp(h)), y, tracker=self._rng.value), None
+            return checkpoint(lambda h: _with_bias(*self.mlp(h)), y, tracker=self._rng.value,
+                              contexts=self.recompute_contexts), None
         return self.mlp(y)
 
     def forward(self, x: torch.Tensor, rotary=None, document_ids=None, inference_params=None) -> torch.Tensor:
@@ -85,6 +88,8 @@ class TransformerBlock(nn.Module):
     model-parallel RNG stream (different per TP rank), as in Megatron; ``rng_tracker`` holds the streams (None:
     the current tracker), which full recompute replays.
     """
+
+    recompute_contexts = None  # as TransformerLayer's
 
     def __init__(self, config: ModelConfig, first_layer: int, num_layers: int, post_process: bool,
                  sequence_parallel: bool, params_dtype=torch.float32, device=None,
@@ -124,12 +129,12 @@ class TransformerBlock(nn.Module):
                 k = c.recompute.recompute_num_layers
                 for start in range(0, n, k):
                     x = checkpoint(lambda h, s=start: self._run(s, min(s + k, n), h, rotary, docs), x,
-                                   tracker=tracker)
+                                   tracker=tracker, contexts=self.recompute_contexts)
             else:  # "block": checkpoint the first `recompute_num_layers` layers of this stage one by one
                 k = min(c.recompute.recompute_num_layers, n)
                 for i in range(n):
-                    x = checkpoint(lambda h, i=i: self._run(i, i + 1, h, rotary, docs), x, tracker=tracker) if i < k \
-                        else self._run(i, i + 1, x, rotary, docs)
+                    x = checkpoint(lambda h, i=i: self._run(i, i + 1, h, rotary, docs), x, tracker=tracker,
+                                   contexts=self.recompute_contexts) if i < k else self._run(i, i + 1, x, rotary, docs)
         if self.final_layernorm is not None:
             x = self.final_layernorm(x)
         return x

@@ -141,13 +141,18 @@ def _restore_rng(tracker: RNGStatesTracker, states):
 class CheckpointFunction(torch.autograd.Function):
     """Run ``function(*args)`` without keeping activations; in backward, restore every RNG state seen at
     forward time (CPU, device, tracker streams), recompute with grad, and backpropagate. Recomputed dropout
-    masks are therefore identical to the forward ones."""
+    masks are therefore identical to the forward ones. ``contexts`` (or None): a callable returning the
+    ``(forward, recompute)`` context managers of this call, made at forward time and entered around the first
+    forward and around the recompute (as ``torch.utils.checkpoint``'s ``context_fn``; Transformer Engine's FP8
+    state, ``TeManager.recompute_contexts``)."""
 
     @staticmethod
-    def forward(ctx, function, tracker, *args):
+    def forward(ctx, function, tracker, contexts, *args):
         ctx.function, ctx.tracker = function, tracker
         ctx.rng_states = _capture_rng(tracker)
-        with torch.no_grad():
+        forward_ctx, ctx.recompute_ctx = contexts() if contexts is not None else (
+            contextlib.nullcontext(), contextlib.nullcontext())
+        with torch.no_grad(), forward_ctx:
             outputs = function(*args)
         ctx.save_for_backward(*[a if torch.is_tensor(a) else None for a in args])
         ctx.non_tensor = [None if torch.is_tensor(a) else a for a in args]
@@ -161,7 +166,7 @@ class CheckpointFunction(torch.autograd.Function):
         now = _capture_rng(ctx.tracker)
         _restore_rng(ctx.tracker, ctx.rng_states)
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), ctx.recompute_ctx:
                 outputs = ctx.function(*inputs)
         finally:
             _restore_rng(ctx.tracker, now)
@@ -169,10 +174,11 @@ class CheckpointFunction(torch.autograd.Function):
             outputs = (outputs,)
         pairs = [(o, g) for o, g in zip(outputs, grads) if torch.is_tensor(o) and o.requires_grad]
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return (None, None, *[x.grad if torch.is_tensor(x) else None for x in inputs])
+        return (None, None, None, *[x.grad if torch.is_tensor(x) else None for x in inputs])
 
 
-def checkpoint(function, *args, tracker: RNGStatesTracker | None = None):
+def checkpoint(function, *args, tracker: RNGStatesTracker | None = None, contexts=None):
     """Activation checkpointing of ``function(*args)`` with RNG replay of the CPU and device generators and of
-    ``tracker``'s streams (None: the current tracker; see :class:`CheckpointFunction`)."""
-    return CheckpointFunction.apply(function, tracker_or_current(tracker), *args)
+    ``tracker``'s streams (None: the current tracker) and ``contexts`` around the two forwards (see
+    :class:`CheckpointFunction`)."""
+    return CheckpointFunction.apply(function, tracker_or_current(tracker), contexts, *args)

@@ -18,11 +18,13 @@ FP8 recipes (Megatron's ``--fp8-recipe`` names) map onto TE's ``transformer_engi
 The training forward runs inside one TE autocast (:meth:`TeManager.autocast`, entered by the forward step around
 the model's forward, as Megatron-LM's ``get_fp8_context`` does): the hooked calls then run in that region, so TE
 takes the first of them for the region's first FP8 module, reduces the forward amaxes once at the region's end and
-the backward ones once, in the first module's backward. A call outside any region (generation, and the forward
-that recompute runs again inside the backward) enters its own autocast; TE then takes each such linear for a first
-module (an autocast's exit restores that flag), so with ``delayed`` its backward reduces and updates the backward
-amaxes: right for Megatron's default history (length 1, ``most_recent``), while a longer history advances once per
-such linear.
+the backward ones once, in the first module's backward. A call outside any region (generation) enters its own
+autocast; TE then takes each such linear for a first module (an autocast's exit restores that flag), so with
+``delayed`` its backward reduces and updates the backward amaxes: right for Megatron's default history (length 1,
+``most_recent``), while a longer history advances once per such linear. Recompute (``--recompute-granularity``,
+``--recompute-modules mlp``/``moe``/``shared_experts``) enters TE's activation-recompute phases around both
+forwards (:meth:`TeManager.recompute_contexts`), as TE's own ``checkpoint`` and Megatron-LM with TE do: the recomputed
+forward reads back the scales the first one used and runs in one autocast of the run's recipe.
 TE updates its scales itself, so :meth:`TeManager.update` does nothing; the delayed-scaling amax histories live in
 TE's modules and are not checkpointed (a resumed run starts them afresh).
 
@@ -157,14 +159,34 @@ class TeManager:
         """One TE autocast around a whole forward: the hooked linears run in it without their own (the forward
         amaxes are reduced once, at its end, and the backward ones once per microbatch)."""
         hooks = [lin.fp8 for lin in self.linears.values()]
+        before = [h.in_region for h in hooks]
         with te_autocast(self.recipe, self.group):
             for h in hooks:
                 h.in_region = True
             try:
                 yield
             finally:
-                for h in hooks:
-                    h.in_region = False
+                for h, was in zip(hooks, before):
+                    h.in_region = was
+
+    def recompute_contexts(self):
+        """The ``(forward, recompute)`` contexts of one checkpointed call (``parallel/random.py``'s
+        ``checkpoint(..., contexts=)``), entered as TE's own ``checkpoint`` enters them: the first forward in TE's
+        ``activation_recompute_forward`` (its FP8 modules keep a copy of their scales and amax histories, and TE
+        notes the region's first-module flag), the recompute in its recompute phase (those copies are read back,
+        so both forwards quantize alike) and, where the first forward ran in the region, in an autocast of the
+        same recipe with the hooked linears inside it."""
+        from transformer_engine.pytorch.distributed import activation_recompute_forward  # GPU-only, lazy
+
+        in_region = any(lin.fp8.in_region for lin in self.linears.values())
+        forward = activation_recompute_forward(activation_recompute=True, recompute_phase=False)
+        recompute = activation_recompute_forward(activation_recompute=True, recompute_phase=True)
+        return forward, self._recompute(recompute, in_region)
+
+    @contextlib.contextmanager
+    def _recompute(self, phase, in_region: bool):
+        with phase, (self.autocast() if in_region else contextlib.nullcontext()):
+            yield
 
     def update(self) -> None:
         """TE updates its scales in its autocast; nothing to do at the end of a step."""
@@ -217,4 +239,8 @@ def enable_te(model: torch.nn.Module, fp8_format: str | None = None, fp8_recipe:
         linears[name] = lin
     if not linears:
         raise ValueError("enable_te: the model has no parallel linear layers inside transformer layers")
-    return TeManager(recipe, linears, group, fp8_recipe if fp8_format else None)
+    manager = TeManager(recipe, linears, group, fp8_recipe if fp8_format else None)
+    for module in model.modules():  # the recomputing modules' checkpoints enter TE's recompute phases
+        if hasattr(type(module), "recompute_contexts"):
+            module.recompute_contexts = manager.recompute_contexts
+    return manager

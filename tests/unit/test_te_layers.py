@@ -62,9 +62,18 @@ def _fake_te(calls):
         calls.append(("autocast", enabled, recipe, amax_reduction_group))
         yield
 
+    @contextlib.contextmanager
+    def activation_recompute_forward(activation_recompute=False, recompute_phase=False):
+        calls.append(("recompute_region", activation_recompute, recompute_phase))
+        yield
+        calls.append(("recompute_region_end",))
+
     te = types.ModuleType("transformer_engine")
     pt = types.ModuleType("transformer_engine.pytorch")
     pt.Linear, pt.autocast = Linear, autocast
+    dist = types.ModuleType("transformer_engine.pytorch.distributed")
+    dist.activation_recompute_forward = activation_recompute_forward
+    pt.distributed = dist
     common = types.ModuleType("transformer_engine.common")
     recipe = types.ModuleType("transformer_engine.common.recipe")
     recipe.Format = types.SimpleNamespace(E4M3="E4M3", HYBRID="HYBRID")
@@ -72,7 +81,7 @@ def _fake_te(calls):
         setattr(recipe, name, type(name, (_Recipe,), {}))
     te.pytorch, te.common, common.recipe = pt, common, recipe
     return {"transformer_engine": te, "transformer_engine.pytorch": pt, "transformer_engine.common": common,
-            "transformer_engine.common.recipe": recipe}
+            "transformer_engine.common.recipe": recipe, "transformer_engine.pytorch.distributed": dist}
 
 
 @pytest.fixture
@@ -86,9 +95,9 @@ def fake_te(monkeypatch):
     return calls
 
 
-def _model():
+def _model(**recompute):
     cfg = llama(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
-                vocab_size=64, seq_length=8, max_position_embeddings=8)
+                vocab_size=64, seq_length=8, max_position_embeddings=8, **recompute)
     set_random_seed(3, 0, 0)
     (m,) = build_model_chunks(cfg, ParallelContext.single(), device="cpu")
     m.init_parameters(3)
@@ -144,6 +153,45 @@ def test_te_layers_keep_names_parameters_and_gradients(fake_te, monkeypatch):
     _loss_and_grads(m)
     assert [c[1:] for c in fake_te if c[0] == "autocast"] == [(True, r, None)] * 8
     assert mgr.state_dict()["recipe"]["fp8_recipe"] == "delayed"
+
+
+@pytest.mark.parametrize("recompute", [
+    dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    dict(recompute_granularity="selective", recompute_modules=("mlp",)),
+], ids=["full", "selective-mlp"])
+def test_te_recompute_enters_te_recompute_phases(fake_te, monkeypatch, recompute):
+    """Recompute under TE: the checkpointed first forward runs in TE's activation-recompute region (its FP8
+    modules keep their scales), the recomputed forward in its recompute phase and in one autocast of the recipe
+    with the hooked linears inside it (none opens its own), as TE's own checkpoint does; gradients unchanged."""
+    from megatronish.precision import te_layers
+
+    want_loss, want_grads = _loss_and_grads(_model(**recompute))
+    m = _model(**recompute)
+    with monkeypatch.context() as cuda:
+        cuda.setenv("MEGATRONISH_DEVICE", "cuda")
+        mgr = te_layers.enable_te(m, "hybrid", "delayed")
+    fake_te.clear()
+    loss, grads = _loss_and_grads(m, mgr.autocast)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
+    for n, g in want_grads.items():
+        torch.testing.assert_close(grads[n], g, rtol=1e-5, atol=1e-7, msg=n)
+    kinds = [c[0] for c in fake_te]
+    linears_per_call = 4 if recompute["recompute_granularity"] == "full" else 2  # a layer, or its MLP
+    region = ["recompute_region", *["linear"] * linears_per_call, "recompute_region_end"]
+    first, second = ("recompute_region", True, False), ("recompute_region", True, True)
+    # forward: the run's region, then per layer its checkpoint's region around its linears (attention's outside
+    # the selective MLP checkpoint); backward, last layer first: the recompute phase, its autocast, its linears
+    if recompute["recompute_granularity"] == "full":
+        assert kinds == ["autocast", *region, *region, "recompute_region", "autocast", *["linear"] * 4,
+                         "recompute_region_end", "recompute_region", "autocast", *["linear"] * 4,
+                         "recompute_region_end"], kinds
+    else:
+        assert kinds == ["autocast", "linear", "linear", *region, "linear", "linear", *region,
+                         "recompute_region", "autocast", "linear", "linear", "recompute_region_end",
+                         "recompute_region", "autocast", "linear", "linear", "recompute_region_end"], kinds
+    assert [c for c in fake_te if c[0] == "recompute_region"] == [first, first, second, second]
+    assert all(c[1:] == (True, mgr.recipe, None) for c in fake_te if c[0] == "autocast")
+    assert not any(lin.fp8.in_region for lin in mgr.linears.values())
 
 
 def test_te_recipes_map_megatron_flags(fake_te, monkeypatch):

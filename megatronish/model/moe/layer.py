@@ -54,6 +54,8 @@ class SharedExperts(MLP):
 
 
 class MoELayer(nn.Module):
+    recompute_contexts = None  # as TransformerLayer's
+
     def __init__(self, config, sequence_parallel: bool, output_init_std: float, params_dtype=torch.float32,
                  device=None, parallel=None, layer_number: int = 0, rng_tracker=None):
         super().__init__()
@@ -77,7 +79,7 @@ class MoELayer(nn.Module):
         ``--recompute-modules moe`` keeps the layer's input only and runs it all again in backward (routing,
         dispatch, experts, shared experts); ``shared_experts`` does so for the shared experts alone."""
         if self.recompute_moe and self.training:
-            return checkpoint(self._forward, x, tracker=self._rng.value), None
+            return checkpoint(self._forward, x, tracker=self._rng.value, contexts=self.recompute_contexts), None
         return self._forward(x), None
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -87,7 +89,8 @@ class MoELayer(nn.Module):
         out = self.dispatcher.combine(self.experts(rows, counts, row_probs)).view(s, b, h)
         if self.shared_experts is not None:
             if self.recompute_shared_experts and self.training:
-                shared = checkpoint(lambda y: self.shared_experts(y)[0], x, tracker=self._rng.value)
+                shared = checkpoint(lambda y: self.shared_experts(y)[0], x, tracker=self._rng.value,
+                                    contexts=self.recompute_contexts)
             else:
                 shared, _ = self.shared_experts(x)
             out = out + shared
