@@ -24,7 +24,7 @@ The zero-bubble schedules (``zb-h1``, ``zbv``, ``dualpipev``) split each backwar
 chunk-microbatch's ``B`` its activations are freed except what its deferred weight GEMMs need, the input ``X`` and
 output gradient ``dY`` of every tensor-parallel linear (:func:`deferred_weight_bytes`: QKV, projection, FC1, FC2,
 the output layer on the loss stage; MLA's up-projections), held until its ``W``. The peak is found by walking the
-rank's action list (``parallel/pipeline/zero_bubble.build_compute_order``): ``F`` adds a chunk-microbatch's
+rank's action list (``parallel/pipeline/walk.py``): ``F`` adds a chunk-microbatch's
 activations, ``B`` trades them for its deferred bytes, ``W`` frees those; the largest sum is the stage's peak,
 ``StageActivations.deferred`` the deferred part of it.
 
@@ -35,11 +35,12 @@ loss's fp32 copies of the logits (:func:`loss_fp32_copies`), torchtitan's per-op
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 from ..model.moe.layer import is_moe_layer
-from ..training.memory import activation_bytes_per_layer, cpu_activation_bytes_per_layer
+from ..parallel.pipeline.walk import rank_orders
+from ..parallel.pipeline.walk import walk_peak as split_backward_peak
+from ..training.memory import activation_bytes_per_layer, cpu_activation_bytes_per_layer, deferred_weight_bytes
 from ..training.memory import attention_sizes as _attention_sizes
 from ..training.memory import mla_latents as _mla_latents
 
@@ -76,60 +77,6 @@ def in_flight(p: int, v: int, r: int, m: int, schedule: str | None = None) -> in
     if v == 1:
         return min(m, p - r)
     return min(m * v, 2 * (p - r - 1) + (v - 1) * p + 1)
-
-
-def deferred_weight_bytes(cfg, layers, *, loss_stage: bool = False) -> float:
-    """Bytes one microbatch of a chunk holds from its ``B`` to its ``W`` under a split backward: for each linear
-    whose weight GEMM is deferred, its input ``X`` and output gradient ``dY`` (``dW = dY^T X``), in the parameters'
-    dtype. Per token of a dense layer: QKV ``h`` (the gathered input under SP) and ``(h + 2 kv) / t``; projection
-    ``h_attn / t`` and ``h``; FC1 ``h`` and ``f' / t`` (``f' = 2f`` with SwiGLU); FC2 ``f / t`` and ``h``. MLA
-    replaces QKV by its query projection (or up-projection from the query latent) and its key/value up-projection
-    (the down-projections are replicated and not deferred). ``loss_stage``: the output layer, ``h`` and ``V / t``,
-    and each MTP depth's projection (``2h``, ``h / t``), layer and output layer. A mixture-of-experts layer's
-    routed experts are not deferred (and the split backward refuses MoE)."""
-    m, par = cfg.model, cfg.parallel
-    s, b, h, t = m.seq_length // par.cp, cfg.train.micro_batch_size, m.hidden_size, par.tp
-    at = m.attention
-    if at.multi_latent_attention:
-        a, dq = m.num_attention_heads, at.qk_head_dim + at.qk_pos_emb_head_dim
-        q_in = at.q_lora_rank if at.q_lora_rank is not None else h
-        attn = q_in + a * dq / t + at.kv_lora_rank + a * (at.qk_head_dim + at.v_head_dim) / t
-        attn += a * at.v_head_dim / t + h
-    else:
-        kv, h_attn = m.num_query_groups * m.kv_channels, m.num_attention_heads * m.kv_channels
-        attn = h + (h_attn + 2 * kv) / t + h_attn / t + h
-    f = m.ffn_hidden_size
-    mlp = h + f * (2 if m.swiglu else 1) / t + f / t + h
-    per_token = sum(attn + (0.0 if is_moe_layer(m, i) else mlp) for i in layers)
-    if loss_stage:
-        vocab = m.padded_vocab_size(t) / t
-        per_token += h + vocab + (m.mtp_num_layers or 0) * (2 * h + h / t + attn + mlp + h + vocab)
-    return per_token * s * b * cfg.optim.params_dtype.itemsize
-
-
-@functools.lru_cache(maxsize=64)
-def _compute_orders(schedule: str, p: int, m: int) -> tuple:
-    """Each rank's ``(op, chunk)`` steps of a zero-bubble schedule (cached: the planner asks for every stage)."""
-    from ..parallel.pipeline.zero_bubble import build_compute_order
-
-    return tuple(tuple((a.op, a.chunk) for a in order) for order in build_compute_order(schedule, p, m))
-
-
-def split_backward_peak(steps, held: list[float], deferred: list[float]) -> tuple[list[int], list[int], int]:
-    """Walk one rank's ``(op, chunk)`` steps: ``F`` holds ``held[c]`` bytes, ``B`` trades them for
-    ``deferred[c]``, ``W`` frees those. Returns the chunk-microbatches per chunk between ``F`` and ``B`` and between
-    ``B`` and ``W`` when the sum is largest (the first such moment), and the most ever between ``F`` and ``B``."""
-    v = len(held)
-    fb, bw = [0] * v, [0] * v
-    best, at, most = -1.0, ([0] * v, [0] * v), 0
-    for op, c in steps:
-        fb[c] += (op == "F") - (op == "B")
-        bw[c] += (op == "B") - (op == "W")
-        total = sum(n * x for n, x in zip(fb, held)) + sum(n * x for n, x in zip(bw, deferred))
-        if total > best:
-            best, at = total, (list(fb), list(bw))
-        most = max(most, sum(fb))
-    return at[0], at[1], most
 
 
 def attention_core_path(cfg, *, cpu: bool) -> str:
@@ -334,15 +281,6 @@ def stage_activations(cfg, pp_rank: int = 0, *, cpu: bool = False, loss: str = "
     return StageActivations(per_chunk * flight, embedding, output, flight, peak_extra, kept_outputs=kept)
 
 
-@functools.lru_cache(maxsize=64)
-def _interleaved_orders(p: int, v: int, m: int) -> tuple:
-    """Each rank's ``(op, chunk)`` steps of the interleaved 1F1B schedule (cached: the planner asks for every
-    stage)."""
-    from ..parallel.pipeline.schedules import schedule_table
-
-    return tuple(tuple((op, c) for op, _, c in schedule_table(p, v, m, r)) for r in range(p))
-
-
 def _interleaved_stage(cfg, pp_rank: int, chunk_bytes: list[float], one_embedding: float, output: float,
                        recompute: float) -> StageActivations:
     """An interleaved stage: the peak of its schedule's walk, each chunk holding its own layers (chunks need not
@@ -354,7 +292,7 @@ def _interleaved_stage(cfg, pp_rank: int, chunk_bytes: list[float], one_embeddin
     emb = [one_embedding if st == 0 else 0.0 for st in stages]
     out = [output if st == last else 0.0 for st in stages]
     held = [x + e + o for x, e, o in zip(chunk_bytes, emb, out)]
-    steps = _interleaved_orders(par.pp, v, cfg.num_microbatches)[pp_rank]
+    steps = rank_orders("interleaved-1f1b", par.pp, v, cfg.num_microbatches)[pp_rank]
     fb, _, most = split_backward_peak(steps, held, [0.0] * v)
     return StageActivations(sum(n * x for n, x in zip(fb, chunk_bytes)), sum(n * e for n, e in zip(fb, emb)),
                             sum(n * o for n, o in zip(fb, out)), most, recompute)
@@ -378,7 +316,7 @@ def _split_backward_stage(cfg, pp_rank: int, chunk_bytes: list[float], one_embed
     deferred = [deferred_weight_bytes(cfg, par.layer_range(m.num_layers, pp_rank, c), loss_stage=st == last)
                 for c, st in enumerate(stages)]
     held = [x + e + o for x, e, o in zip(chunk_bytes, emb, out)]
-    steps = _compute_orders(par.pipeline_schedule, par.pp, cfg.num_microbatches)[pp_rank]
+    steps = rank_orders(par.pipeline_schedule, par.pp, v, cfg.num_microbatches)[pp_rank]
     fb, bw, most = split_backward_peak(steps, held, deferred)
     return StageActivations(sum(n * x for n, x in zip(fb, chunk_bytes)), sum(n * e for n, e in zip(fb, emb)),
                             sum(n * o for n, o in zip(fb, out)), most, recompute,

@@ -33,7 +33,11 @@ multiplies this by ``1 + (p-1)/(p*v)``. Embedding input/dropout (``8sb + sbh`` p
 tokens and the hidden state into ``enorm``/``hnorm``, the ``2h`` concatenation into ``eh_proj``, the input of
 ``final_layernorm``: ``10sbh``, ``/t`` with SP) and its own logits and loss (``4sbh(1 + V/h)``); the report is then
 the fuller of the first stage and the last (which keeps one microbatch of its ``L/p`` layers in flight under 1F1B,
-``(v-1)p + 1`` of its chunks interleaved).
+``(v-1)p + 1`` of its chunks interleaved). That closed form is :func:`activation_bytes`; the run's report
+(:func:`theoretical_memory`) walks its own schedule on every pipeline rank instead
+(:func:`pipeline_activation_bytes`): the same terms, each on the stage that holds it (a layout's uneven stages,
+its standalone MTP stage), each schedule's own microbatches in flight (ZB-H1, ZBV and DualPipeV too, with the
+split backward's deferred weight-gradient inputs), and the fullest rank reported.
 
 Measured: on CUDA the allocator's peak (``torch.cuda.max_memory_allocated``); on CPU the peak bytes of tensors
 saved for backward (``torch.autograd.graph.saved_tensors_hooks``), distinct storages only and parameters
@@ -48,7 +52,9 @@ import torch
 
 from .. import device
 from ..config import default_ffn_hidden_size
+from ..model.moe.layer import is_moe_layer
 from ..optim.clip_grads import is_expert
+from ..parallel.pipeline.walk import schedule_of
 
 _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 
@@ -178,18 +184,11 @@ def mla_latents(m) -> tuple[float, int]:
     return q + kv, norms
 
 
-def activation_bytes(model_cfg, *, micro_batch_size: int, tp: int = 1, pp: int = 1, vp: int = 1, cp: int = 1,
-                     sequence_parallel: bool = False, num_microbatches: int | None = None,
-                     padded_vocab_size: int | None = None, stage_layers: tuple[int, int] | None = None,
-                     scores: bool = True) -> float:
-    """Peak activation bytes of the fullest pipeline stage's rank for one iteration: the first, or with
-    ``--mtp-num-layers`` the last if its depths make it fuller. Under context parallelism a rank holds ``s / cp``
-    tokens of every sequence. ``stage_layers``: the first and the last pipeline rank's transformer layers (all
-    their chunks; :meth:`~megatronish.parallel.dims.ParallelDims.rank_num_layers`) when the split is uneven;
-    by default ``L / pp`` each. ``scores``: whether the attention core keeps its score matrix
-    (:func:`activation_bytes_per_layer`). Multi-latent attention's query, key, value and projection input
-    (:func:`attention_sizes`) replace the formula's, and its replicated latents (:func:`mla_latents`) are added."""
-    m = model_cfg
+def _activation_terms(m, *, micro_batch_size: int, tp: int, cp: int, sequence_parallel: bool,
+                      padded_vocab_size: int | None, scores: bool) -> tuple[float, float, float, float]:
+    """The formula's bytes for one microbatch: a transformer layer, the embedding's input and dropout (``8sb +
+    sbh``), the output layer's input and the loss's logits (``4sbh(1 + V/h)/t``), and one MTP depth's layer and
+    inputs (``10sbh``, ``/t`` with SP)."""
     s, b, h = m.seq_length // cp, micro_batch_size, m.hidden_size
     per_layer = activation_bytes_per_layer(s, b, h, m.num_attention_heads, t=tp,
                                            sequence_parallel=sequence_parallel,
@@ -203,6 +202,28 @@ def activation_bytes(model_cfg, *, micro_batch_size: int, tp: int = 1, pp: int =
         kv = m.num_query_groups * m.kv_channels
         per_layer += 2 * (q + k + v + proj - 2 * h - 2 * kv) * s * b / tp
         per_layer += mla_latents(m)[0] * s * b / (tp if sequence_parallel else 1)
+    sbh = s * b * h / (tp if sequence_parallel else 1)
+    vocab = padded_vocab_size or m.padded_vocab_size(tp)
+    output = 4 * s * b * h * (1 + vocab / h) / tp  # output layer input and the loss's logits
+    return per_layer, 8 * s * b + sbh, output, per_layer + 10 * sbh
+
+
+def activation_bytes(model_cfg, *, micro_batch_size: int, tp: int = 1, pp: int = 1, vp: int = 1, cp: int = 1,
+                     sequence_parallel: bool = False, num_microbatches: int | None = None,
+                     padded_vocab_size: int | None = None, stage_layers: tuple[int, int] | None = None,
+                     scores: bool = True) -> float:
+    """Peak activation bytes of the fullest pipeline stage's rank for one iteration, in closed form from the
+    degrees alone: the first stage, or with ``--mtp-num-layers`` the last if its depths make it fuller (the run's
+    own report walks its schedule instead, :func:`pipeline_activation_bytes`, which equals this on the first
+    stage for 1F1B and interleaving). Under context parallelism a rank holds ``s / cp`` tokens of every sequence.
+    ``stage_layers``: the first and the last pipeline rank's transformer layers (all their chunks) when the split
+    is uneven; by default ``L / pp`` each. ``scores``: whether the attention core keeps its score matrix
+    (:func:`activation_bytes_per_layer`). Multi-latent attention's query, key, value and projection input
+    (:func:`attention_sizes`) replace the formula's, and its replicated latents (:func:`mla_latents`) are added."""
+    m = model_cfg
+    per_layer, embedding, output, depth = _activation_terms(
+        m, micro_batch_size=micro_batch_size, tp=tp, cp=cp, sequence_parallel=sequence_parallel,
+        padded_vocab_size=padded_vocab_size, scores=scores)
     if pp == 1:
         in_flight = 1.0
     elif vp > 1:
@@ -210,21 +231,83 @@ def activation_bytes(model_cfg, *, micro_batch_size: int, tp: int = 1, pp: int =
     else:
         in_flight = min(num_microbatches or pp, pp)
     first_layers, last_layers = stage_layers or (m.num_layers / pp, m.num_layers / pp)
-    total = per_layer * first_layers * in_flight
-    total += (8 * s * b + s * b * h / (tp if sequence_parallel else 1)) * in_flight  # embedding input, dropout
-    v = padded_vocab_size or m.padded_vocab_size(tp)
-    output = 4 * s * b * h * (1 + v / h) / tp  # output layer input and the loss's logits
+    total = (per_layer * first_layers + embedding) * in_flight
     if pp == 1:
         total += output
     depths = m.mtp_num_layers or 0
     if not depths:
         return total
-    mtp = depths * (per_layer + 10 * s * b * h / (tp if sequence_parallel else 1) + output)  # on the last stage
+    mtp = depths * (depth + output)  # on the last stage
     if pp == 1:
         return total + mtp
     chunks = min((vp - 1) * pp + 1, (num_microbatches or pp) * vp) if vp > 1 else 1  # in flight on the last stage
     last = per_layer * last_layers / vp * chunks + output + mtp
     return max(total, last)
+
+
+def pipeline_activation_bytes(cfg, *, scores: bool = True) -> list[float]:
+    """The formula's peak activations on each pipeline rank of ``cfg``'s layout and schedule.
+    Each of a rank's chunks holds, per microbatch, the formula's layers (``ParallelDims.layer_range``: uneven and
+    layout splits), global stage 0's chunk the embedding's input and dropout, the last stage's the output layer and
+    loss and each MTP depth's logits and loss, and the MTP depths' stage (a layout's standalone ``m`` stage, else
+    the last) the depths' layers and inputs; the schedule's order is walked (``parallel/pipeline/walk.py``), so
+    1F1B, interleaving, ZB-H1, ZBV and DualPipeV each count their own chunk-microbatches in flight, and under a
+    split backward each ``B`` keeps its deferred weight-gradient inputs (:func:`deferred_weight_bytes`, 16-bit as
+    the formula) until its ``W``."""
+    from ..parallel.pipeline.walk import rank_orders, schedule_of, walk_peak
+    from ..parallel.pipeline.zero_bubble import SCHEDULES
+
+    m, par = cfg.model, cfg.parallel
+    per_layer, embedding, output, depth = _activation_terms(
+        m, micro_batch_size=cfg.train.micro_batch_size, tp=par.tp, cp=par.cp,
+        sequence_parallel=cfg.sequence_parallel, padded_vocab_size=None, scores=scores)
+    depths = m.mtp_num_layers or 0
+    last = par.pp * par.vp - 1
+    mtp_stage = last if par.mtp_stage is None else par.mtp_stage
+    split = schedule_of(par.pipeline_schedule, par.vp) in SCHEDULES
+    orders = rank_orders(par.pipeline_schedule, par.pp, par.vp, cfg.num_microbatches)
+    peaks = []
+    for r in range(par.pp):
+        held, deferred = [], []
+        for c in range(par.vp):
+            stage, layers = par.stage_of(r, c), par.layer_range(m.num_layers, r, c)
+            held.append(per_layer * len(layers) + (embedding if stage == 0 else 0.0)
+                        + ((1 + depths) * output if stage == last else 0.0)
+                        + (depths * depth if stage == mtp_stage else 0.0))
+            deferred.append(deferred_weight_bytes(cfg, layers, loss_stage=stage == last, itemsize=2) if split
+                            else 0.0)
+        fb, bw, _ = walk_peak(orders[r], held, deferred)
+        peaks.append(sum(n * x for n, x in zip(fb, held)) + sum(n * x for n, x in zip(bw, deferred)))
+    return peaks
+
+
+def deferred_weight_bytes(cfg, layers, *, loss_stage: bool = False, itemsize: int | None = None) -> float:
+    """Bytes one microbatch of a chunk holds from its ``B`` to its ``W`` under a split backward: for each linear
+    whose weight GEMM is deferred, its input ``X`` and output gradient ``dY`` (``dW = dY^T X``), in the parameters'
+    dtype. Per token of a dense layer: QKV ``h`` (the gathered input under SP) and ``(h + 2 kv) / t``; projection
+    ``h_attn / t`` and ``h``; FC1 ``h`` and ``f' / t`` (``f' = 2f`` with SwiGLU); FC2 ``f / t`` and ``h``. MLA
+    replaces QKV by its query projection (or up-projection from the query latent) and its key/value up-projection
+    (the down-projections are replicated and not deferred). ``loss_stage``: the output layer, ``h`` and ``V / t``,
+    and each MTP depth's projection (``2h``, ``h / t``), layer and output layer. A mixture-of-experts layer's
+    routed experts are not deferred. ``itemsize``: bytes an element (None: the parameters')."""
+    m, par = cfg.model, cfg.parallel
+    s, b, h, t = m.seq_length // par.cp, cfg.train.micro_batch_size, m.hidden_size, par.tp
+    at = m.attention
+    if at.multi_latent_attention:
+        a, dq = m.num_attention_heads, at.qk_head_dim + at.qk_pos_emb_head_dim
+        q_in = at.q_lora_rank if at.q_lora_rank is not None else h
+        attn = q_in + a * dq / t + at.kv_lora_rank + a * (at.qk_head_dim + at.v_head_dim) / t
+        attn += a * at.v_head_dim / t + h
+    else:
+        kv, h_attn = m.num_query_groups * m.kv_channels, m.num_attention_heads * m.kv_channels
+        attn = h + (h_attn + 2 * kv) / t + h_attn / t + h
+    f = m.ffn_hidden_size
+    mlp = h + f * (2 if m.swiglu else 1) / t + f / t + h
+    per_token = sum(attn + (0.0 if is_moe_layer(m, i) else mlp) for i in layers)
+    if loss_stage:
+        vocab = m.padded_vocab_size(t) / t
+        per_token += h + vocab + (m.mtp_num_layers or 0) * (2 * h + h / t + attn + mlp + h + vocab)
+    return per_token * s * b * (cfg.optim.params_dtype.itemsize if itemsize is None else itemsize)
 
 
 def theoretical_memory(cfg, num_params: int, num_expert_params: int = 0) -> dict:
@@ -248,15 +331,17 @@ def theoretical_memory(cfg, num_params: int, num_expert_params: int = 0) -> dict
                                    fsdp=fsdp)
 
     bpp, expert_bpp = per_param(par.dp * par.cp if fsdp else par.dp), per_param(par.expert_dp)
-    act = activation_bytes(cfg.model, micro_batch_size=cfg.train.micro_batch_size, tp=par.tp, pp=par.pp,
-                           vp=par.vp, cp=par.cp, sequence_parallel=cfg.sequence_parallel,
-                           num_microbatches=cfg.num_microbatches,
-                           stage_layers=(par.rank_num_layers(cfg.model.num_layers, 0),
-                                         par.rank_num_layers(cfg.model.num_layers, par.pp - 1)),
-                           scores=attention_core_kind(cfg.model, par.cp, device.current_device().type) != "flash")
+    scores = attention_core_kind(cfg.model, par.cp, device.current_device().type) != "flash"
+    act, fullest = activation_bytes(cfg.model, micro_batch_size=cfg.train.micro_batch_size, tp=par.tp, cp=par.cp,
+                                    sequence_parallel=cfg.sequence_parallel, scores=scores), 0
+    if par.pp > 1:
+        peaks = pipeline_activation_bytes(cfg, scores=scores)
+        fullest = peaks.index(max(peaks))
+        act = peaks[fullest]
     weights = bpp * (num_params - num_expert_params) + expert_bpp * num_expert_params
     return {"num_params": num_params, "num_expert_params": num_expert_params, "bytes_per_param": bpp,
-            "bytes_per_expert_param": expert_bpp, "weights_and_optimizer": weights, "activations": act}
+            "bytes_per_expert_param": expert_bpp, "weights_and_optimizer": weights, "activations": act,
+            "fullest_pp_rank": fullest}
 
 
 def _mb(x: float) -> str:
@@ -272,6 +357,9 @@ def report_theoretical_memory(cfg, optimizer, models, print_fn=print) -> dict:
     est["num_mtp_params"] = sum(p.numel() for m in models for name, p in m.named_parameters()
                                 if name.startswith("mtp.") or ".mtp." in name)  # the last stage's depths
     o = cfg.optim
+    par = cfg.parallel
+    stage = "one stage" if par.pp == 1 else \
+        f"the fullest pipeline rank {est['fullest_pp_rank']} under {schedule_of(par.pipeline_schedule, par.vp)}"
     kind = ("distributed " if o.use_distributed_optimizer else "") + o.optimizer
     experts = ""
     if n_expert:
@@ -284,8 +372,8 @@ def report_theoretical_memory(cfg, optimizer, models, print_fn=print) -> dict:
     print_fn(f"theoretical memory per rank: weights+grads+optimizer {_mb(est['weights_and_optimizer'])} "
              f"({n} params x {est['bytes_per_param']:.2f} B/param{experts}; "
              f"{str(o.params_dtype).replace('torch.', '')} "
-             f"params, {str(o.grad_dtype).replace('torch.', '')} grads, {kind}); activations (fullest stage, "
-             f"Korthikanti et al.) {_mb(est['activations'])}; "
+             f"params, {str(o.grad_dtype).replace('torch.', '')} grads, {kind}); activations (Korthikanti et al., "
+             f"{stage}) {_mb(est['activations'])}; "
              f"total {_mb(est['weights_and_optimizer'] + est['activations'])}")
     return est
 
@@ -426,6 +514,7 @@ class ActivationMeter:
 
 
 __all__ = ["bytes_per_parameter", "activation_bytes_per_layer", "activation_bytes", "interleave_factor",
+           "pipeline_activation_bytes", "deferred_weight_bytes",
            "attention_sizes", "mla_latents",
            "theoretical_memory", "report_theoretical_memory", "measured_state_bytes", "SavedActivationCounter",
            "ActivationMeter"]

@@ -98,6 +98,71 @@ def test_theoretical_memory_reads_the_uneven_first_stage():
     assert acts["layout"] == pytest.approx(acts["first 5"])
 
 
+def _report_cfg(extra, world=4, layers=8):
+    from megatronish.arguments import configs_from_args, parse_args
+
+    base = ["--num-layers", str(layers), "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--vocab-size", "1000", "--mock-data", "--tokenizer-type",
+            "NullTokenizer", "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-3",
+            "--attention-dropout", "0", "--hidden-dropout", "0"]
+    return configs_from_args(parse_args(base + extra), world)
+
+
+def test_report_walks_each_schedule_on_every_pipeline_rank():
+    """The run's report walks its schedule on every pipeline rank (``pipeline_activation_bytes``): for 1F1B its
+    first rank is Megatron's closed form, for interleaving too but for which chunks hold the embedding; ZB-H1 and ZBV hold their own microbatches (and the split
+    backward's deferred weight-gradient inputs, ``deferred_weight_bytes``); a layout's standalone MTP stage holds
+    the depths where they run."""
+    from megatronish.training.memory import (_activation_terms, deferred_weight_bytes, pipeline_activation_bytes,
+                                             theoretical_memory)
+
+    def terms(cfg):
+        par = cfg.parallel
+        return _activation_terms(cfg.model, micro_batch_size=2, tp=par.tp, cp=par.cp,
+                                 sequence_parallel=cfg.sequence_parallel, padded_vocab_size=None, scores=True)
+
+    pp4 = ["--pipeline-model-parallel-size", "4", "--global-batch-size", "16"]  # 8 microbatches
+    one = _report_cfg(pp4)
+    layer, emb, out, depth = terms(one)
+    closed = dict(micro_batch_size=2, pp=4, num_microbatches=8)
+    peaks = pipeline_activation_bytes(one)
+    assert peaks[0] == pytest.approx(activation_bytes(one.model, **closed))  # p microbatches of L/p layers
+    assert peaks == pytest.approx([4 * (2 * layer + emb), 3 * 2 * layer, 2 * 2 * layer, 2 * layer + out])
+    # interleaved (v 2, one layer a chunk): rank 0 holds 11 chunk-microbatches at its peak, as the closed form's
+    # 4 x 1.375 stages, but 8 of them are stage 0's, with the embedding's tensors (the closed form: 5.5)
+    inter = _report_cfg(pp4 + ["--num-layers-per-virtual-pipeline-stage", "1"])
+    assert activation_bytes(inter.model, vp=2, **closed) == pytest.approx(11 * layer + 5.5 * emb)
+    assert pipeline_activation_bytes(inter)[0] == pytest.approx(11 * layer + 8 * emb)
+    assert theoretical_memory(inter, 1000)["fullest_pp_rank"] == 0
+
+    # ZB-H1 at p 2, m 4, rank 0: F F B F B W F B W W B W. With H (a microbatch's layers) larger than D (its
+    # deferred tensors) the peak is after the second F: 2 H + D (rank 1, the loss's: F B F B W ...: H + 2 D at most)
+    zbh1 = _report_cfg(["--pipeline-model-parallel-size", "2", "--global-batch-size", "8",
+                        "--pipeline-schedule", "zb-h1"], world=2, layers=2)
+    layer, emb, out, _ = terms(zbh1)
+    d0, d1 = (deferred_weight_bytes(zbh1, [i], loss_stage=i == 1, itemsize=2) for i in (0, 1))
+    h0, h1 = layer + emb, layer + out
+    assert d0 < h0 and d1 < h1
+    assert pipeline_activation_bytes(zbh1) == pytest.approx([2 * h0 + d0, max(h1 + d1, 2 * d1)])
+    # ZBV at p 2, m 4: rank 0 holds stage 0 (the embedding) and stage 3 (the loss). F0 F0 F0 F1 B1 W1 ...: with the
+    # loss's chunk the larger, the peak is three forwards of stage 0 and one of stage 3
+    zbv = _report_cfg(["--pipeline-model-parallel-size", "2", "--global-batch-size", "8",
+                       "--pipeline-schedule", "zbv"], world=2, layers=4)
+    layer, emb, out, _ = terms(zbv)
+    h0, h3 = layer + emb, layer + out
+    assert h3 > h0 and deferred_weight_bytes(zbv, [3], loss_stage=True, itemsize=2) < h3
+    assert pipeline_activation_bytes(zbv)[0] == pytest.approx(3 * h0 + h3)
+    # rank 1 (stages 1 and 2): F0 F1 F0 F1 B1 ...: four layers' microbatches at its peak
+    assert pipeline_activation_bytes(zbv)[1] == pytest.approx(4 * layer)
+
+    # DeepSeek-V3's kind of layout: the MTP depth on its own stage, before the loss's (1F1B: p - r in flight)
+    mtp = _report_cfg(pp4 + ["--pipeline-model-parallel-layout", "Et*4|t*4|m|L", "--mtp-num-layers", "1",
+                             "--position-embedding-type", "rope"])
+    layer, emb, out, depth = terms(mtp)
+    assert pipeline_activation_bytes(mtp) == pytest.approx([4 * (4 * layer + emb), 3 * 4 * layer, 2 * depth,
+                                                            2 * out])
+
+
 def _measure(rank, world):
     from megatronish.model.transformer import TransformerLayer
     from megatronish.parallel import groups
