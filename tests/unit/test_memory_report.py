@@ -110,11 +110,15 @@ def _report_cfg(extra, world=4, layers=8):
 
 def test_report_walks_each_schedule_on_every_pipeline_rank():
     """The run's report walks its schedule on every pipeline rank (``pipeline_activation_bytes``): for 1F1B its
-    first rank is Megatron's closed form, for interleaving too but for which chunks hold the embedding; ZB-H1 and ZBV hold their own microbatches (and the split
-    backward's deferred weight-gradient inputs, ``deferred_weight_bytes``); a layout's standalone MTP stage holds
-    the depths where they run."""
-    from megatronish.training.memory import (_activation_terms, deferred_weight_bytes, pipeline_activation_bytes,
-                                             theoretical_memory)
+    first rank is Megatron's closed form, for interleaving too but for which chunks hold the embedding; ZB-H1 and
+    ZBV hold their own microbatches (and the split backward's deferred weight-gradient inputs,
+    ``deferred_weight_bytes``); a layout's standalone MTP stage holds the depths where they run."""
+    from megatronish.training.memory import (
+        _activation_terms,
+        deferred_weight_bytes,
+        pipeline_activation_bytes,
+        theoretical_memory,
+    )
 
     def terms(cfg):
         par = cfg.parallel
