@@ -1,5 +1,6 @@
 """Zero-bubble schedules with the split backward give the single-process model: under ZB-H1 at PP 2 and PP 4, ZBV
-(two chunks per rank in a V: the hand-over on the last rank and both tied-embedding copies on rank 0) at PP 2, and
+(two chunks per rank in a V: the hand-over on the last rank and both tied-embedding copies on rank 0) at PP 2 and
+PP 4, and
 DualPipeV (the same V, 2p microbatches or more) at PP 2 and PP 4, combined with TP 2 + sequence parallelism, full
 recompute, data parallelism with overlapped (hook-launched) gradient reduction, the distributed optimizer's
 reduce-scatter and ``--calculate-per-token-loss``, the loss and every gradient equal one process running the same
@@ -190,6 +191,7 @@ CASES = [
     ("gpt2", "zbv", 2, 2, True, False, False, False, EVEN),  # V at TP 2 + SP x PP 2, tied embeddings
     ("llama", "zbv", 1, 2, False, False, True, True, EVEN, {"overlap": True}),  # V at PP 2 x DP 2, distributed
     # optimizer, per-token loss, receives posted ahead
+    ("llama", "zbv", 1, 4, False, False, False, False, (8, None, None), {"microbatches": 8}),  # V at PP 4: 8 stages
     ("gpt2", "dualpipev", 2, 2, True, False, False, False, EVEN),  # TP 2 + SP x PP 2, tied embeddings, m = 2p
     ("llama", "dualpipev", 1, 4, False, False, False, False, (8, None, None), {"overlap": True, "microbatches": 8}),
     ("llama", "interleaved-1f1b", 2, 2, True, False, False, False, EVEN, {"overlap": True}),  # steady state halves
