@@ -4,17 +4,18 @@ PP 4, and
 DualPipeV (the same V, 2p microbatches or more) at PP 2 and PP 4, combined with TP 2 + sequence parallelism, full
 recompute, data parallelism with overlapped (hook-launched) gradient reduction, the distributed optimizer's
 reduce-scatter and ``--calculate-per-token-loss``, the loss and every gradient equal one process running the same
-microbatches (fp32, rtol 1e-5), and so do the parameters after a few SGD (momentum) steps. Each rank executes
+microbatches (fp32, rtol 1e-5), and so do the parameters after 8 SGD (momentum) steps. Each rank executes
 exactly its action list's F/B/W order. One group of 4 ranks runs every case. The same checks cover uneven layer
 splits (``--decoder-first/last-pipeline-num-layers``: 7 layers over PP 2 as 3+4 and 4+3, 10 over PP 4 as 1+3+3+3,
-10 over PP 2 with 2 chunks as 4+6) under 1F1B, interleaved 1F1B, ZB-H1 and ZBV, and layouts with an empty
+10 over PP 2 with 2 chunks as 4+6) under 1F1B, interleaved 1F1B, ZB-H1 and ZBV (and interleaved 1F1B at PP 4 x VP 2),
+and layouts with an empty
 (pass-through) stage: ZB-H1 ``Et||tt|tL`` at PP 4 (rank 1 holds nothing), ZBV ``Et|t||ttL`` (the V's turn on the
 last rank empty) and DualPipeV ``E|tt||ttL`` at PP 2. Receives posted ahead
 (``--overlap-p2p-communication``) give the same numbers under DualPipeV at PP 4, ZBV and interleaved 1F1B (whose
 steady state then exchanges in two halves). Through the training step, in the same group: ZB-H1 at CP 2 x PP 2, ZBV
 with mixture of experts at EP 2 x PP 2 (distributed optimizer, overlapped bucket reduction), ZBV with FSDP2 at
 DP 2 x PP 2 (also with an empty stage, ``Et|tt||tL``) and DualPipeV at TP 2 + SP x PP 2 with selective recompute
-equal one process (losses, every iteration's reduced gradients, the parameters after the steps); ZBV under FP8
+equal one process (losses, every iteration's reduced gradients, the parameters after 8 iterations); ZBV under FP8
 (delayed scaling, its wgrad GEMMs deferred to W) at DP 2 x PP 2 equals 1F1B in the same layout."""
 import pytest
 import torch
@@ -40,7 +41,7 @@ from tests.distributed.test_context_parallel import FLAVORS as CP_FLAVORS
 from tests.distributed.test_pipeline_parity import FLAVORS as PARITY_FLAVORS
 from tests.distributed.test_pipeline_parity import _forward_step as mean_loss_forward_step
 
-SEED, MBS, S, V, H, NUM_MB, STEPS, WORLD = 1234, 2, 16, 100, 32, 4, 2, 4
+SEED, MBS, S, V, H, NUM_MB, STEPS, WORLD = 1234, 2, 16, 100, 32, 4, 8, 4
 FLAVORS = {name: (lambda layers=4, make=make: make().replace(num_layers=layers))
            for name, make in PARITY_FLAVORS.items()}
 
@@ -191,10 +192,11 @@ CASES = [
     ("gpt2", "zbv", 2, 2, True, False, False, False, EVEN),  # V at TP 2 + SP x PP 2, tied embeddings
     ("llama", "zbv", 1, 2, False, False, True, True, EVEN, {"overlap": True}),  # V at PP 2 x DP 2, distributed
     # optimizer, per-token loss, receives posted ahead
-    ("llama", "zbv", 1, 4, False, False, False, False, (8, None, None), {"microbatches": 8}),  # V at PP 4: 8 stages
+    ("llama", "zbv", 1, 4, False, False, False, False, (8, None, None)),  # V at PP 4: 8 stages
     ("gpt2", "dualpipev", 2, 2, True, False, False, False, EVEN),  # TP 2 + SP x PP 2, tied embeddings, m = 2p
     ("llama", "dualpipev", 1, 4, False, False, False, False, (8, None, None), {"overlap": True, "microbatches": 8}),
     ("llama", "interleaved-1f1b", 2, 2, True, False, False, False, EVEN, {"overlap": True}),  # steady state halves
+    ("llama", "interleaved-1f1b", 1, 4, False, False, False, False, (8, None, None)),  # PP 4 x VP 2
     # uneven splits
     ("llama", "1f1b", 1, 2, False, False, False, False, (7, 3, None)),  # 3 + 4
     ("llama", "zb-h1", 1, 2, False, False, True, False, (7, 3, None)),  # 3 + 4, distributed optimizer
