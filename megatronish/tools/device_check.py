@@ -190,7 +190,8 @@ def step_te_fp8(rehearsal: bool) -> dict:
         te_layers.import_te()
     except ConfigError as e:
         reason = str(e)
-        for name in ("te_bf16", "te_fp8_delayed", "te_fp8_current", "te_mxfp8", "te_vs_emulated"):
+        for name in ("te_bf16", "te_fp8_delayed", "te_fp8_current", "te_mxfp8", "te_vs_emulated",
+                     "te_fp8_recompute"):
             checks[name] = _sub("skipped", reason)
         if rehearsal:
             return _result("failed" if failures else "ran", "; ".join(failures), checks=checks)
@@ -241,6 +242,29 @@ def step_te_fp8(rehearsal: bool) -> dict:
     except Exception as e:
         failures.append(f"te_vs_emulated: {type(e).__name__}: {e}")
         checks["te_vs_emulated"] = _sub("failed", f"{type(e).__name__}: {e}")
+    # full recompute under TE's FP8 (delayed scaling): the recomputed forward reads back the scales the first one
+    # used (TeManager.recompute_contexts), so the run follows the one without recompute
+    try:
+        runs = {}
+        for name, extra in (("plain", {}), ("recompute", dict(recompute_granularity="full",
+                                                               recompute_method="uniform", recompute_num_layers=1))):
+            model = _build(_llama(**dims, **extra), dtype, dev)
+            mgr = te_layers.enable_te(model, "hybrid", "delayed")
+            losses = _train(model, 4, batch, dev, autocast=mgr.autocast)  # the scales move after the first step
+            ids, labels = _progressions(batch, seq, vocab, 4, dev)
+            with mgr.autocast():
+                loss = model(ids, labels=labels).float().mean()
+            loss.backward()
+            runs[name] = (losses + [loss.item()], torch.cat([p.grad.float().flatten() for p in model.parameters()]))
+        loss_rel = max(abs(a - b) / abs(b) for a, b in zip(runs["recompute"][0], runs["plain"][0]))
+        cos = torch.nn.functional.cosine_similarity(runs["recompute"][1], runs["plain"][1], dim=0).item()
+        ok = loss_rel <= 1e-4 and cos >= 0.99999
+        if not ok:
+            failures.append(f"te_fp8_recompute: loss rel diff {loss_rel:.2e}, gradient cosine {cos:.6f}")
+        checks["te_fp8_recompute"] = _sub("passed" if ok else "failed", loss_rel_diff=loss_rel, grad_cosine=cos)
+    except Exception as e:
+        failures.append(f"te_fp8_recompute: {type(e).__name__}: {e}")
+        checks["te_fp8_recompute"] = _sub("failed", f"{type(e).__name__}: {e}")
     device.synchronize()
     return _result("failed" if failures else "passed", "; ".join(failures), checks=checks)
 
