@@ -151,6 +151,25 @@ def _tail(losses, n=10) -> float:
     return statistics.fmean(losses[-n:])
 
 
+def _flat_grads(model):
+    import torch
+
+    return torch.cat([p.grad.float().flatten() for p in model.parameters()])
+
+
+def _judge(checks: dict, failures: list, name: str, got, want, *, loss_tol: float, cos_tol: float) -> None:
+    """Record check ``name``: ``got`` and ``want`` are (losses, flat gradients); passed when every loss is within
+    ``loss_tol`` relative and the gradients' cosine at least ``cos_tol``."""
+    import torch
+
+    loss_rel = max(abs(a - b) / abs(b) for a, b in zip(got[0], want[0]))
+    cos = torch.nn.functional.cosine_similarity(got[1], want[1], dim=0).item()
+    ok = loss_rel <= loss_tol and cos >= cos_tol
+    if not ok:
+        failures.append(f"{name}: loss rel diff {loss_rel:.2e}, gradient cosine {cos:.6f}")
+    checks[name] = _sub("passed" if ok else "failed", loss_rel_diff=loss_rel, grad_cosine=cos)
+
+
 def step_te_fp8(rehearsal: bool) -> dict:
     import torch
 
@@ -232,13 +251,8 @@ def step_te_fp8(rehearsal: bool) -> dict:
             with ctx() if ctx else contextlib.nullcontext():
                 loss = m(ids, labels=labels).float().mean()
             loss.backward()
-            out[name] = (loss.item(), torch.cat([p.grad.float().flatten() for p in m.parameters()]))
-        loss_rel = abs(out["te"][0] - out["emulated"][0]) / abs(out["emulated"][0])
-        cos = torch.nn.functional.cosine_similarity(out["te"][1], out["emulated"][1], dim=0).item()
-        ok = loss_rel <= 5e-3 and cos >= 0.99
-        if not ok:
-            failures.append(f"te_vs_emulated: loss rel diff {loss_rel:.2e}, gradient cosine {cos:.4f}")
-        checks["te_vs_emulated"] = _sub("passed" if ok else "failed", loss_rel_diff=loss_rel, grad_cosine=cos)
+            out[name] = ([loss.item()], _flat_grads(m))
+        _judge(checks, failures, "te_vs_emulated", out["te"], out["emulated"], loss_tol=5e-3, cos_tol=0.99)
     except Exception as e:
         failures.append(f"te_vs_emulated: {type(e).__name__}: {e}")
         checks["te_vs_emulated"] = _sub("failed", f"{type(e).__name__}: {e}")
@@ -255,13 +269,9 @@ def step_te_fp8(rehearsal: bool) -> dict:
             with mgr.autocast():
                 loss = model(ids, labels=labels).float().mean()
             loss.backward()
-            runs[name] = (losses + [loss.item()], torch.cat([p.grad.float().flatten() for p in model.parameters()]))
-        loss_rel = max(abs(a - b) / abs(b) for a, b in zip(runs["recompute"][0], runs["plain"][0]))
-        cos = torch.nn.functional.cosine_similarity(runs["recompute"][1], runs["plain"][1], dim=0).item()
-        ok = loss_rel <= 1e-4 and cos >= 0.99999
-        if not ok:
-            failures.append(f"te_fp8_recompute: loss rel diff {loss_rel:.2e}, gradient cosine {cos:.6f}")
-        checks["te_fp8_recompute"] = _sub("passed" if ok else "failed", loss_rel_diff=loss_rel, grad_cosine=cos)
+            runs[name] = (losses + [loss.item()], _flat_grads(model))
+        _judge(checks, failures, "te_fp8_recompute", runs["recompute"], runs["plain"], loss_tol=1e-4,
+               cos_tol=0.99999)
     except Exception as e:
         failures.append(f"te_fp8_recompute: {type(e).__name__}: {e}")
         checks["te_fp8_recompute"] = _sub("failed", f"{type(e).__name__}: {e}")
