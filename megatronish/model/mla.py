@@ -78,6 +78,8 @@ class ReplicatedLinear(nn.Module):
 
 
 class MLASelfAttention(CoreAttention):
+    recompute_contexts = None  # as TransformerLayer's: its up-projections' recompute enters TE's FP8 state
+
     def __init__(self, config: ModelConfig, sequence_parallel: bool, output_init_std: float,
                  params_dtype=torch.float32, device=None, parallel: ParallelContext | None = None,
                  layer_number: int = 0, rng_tracker: RNGStatesTracker | None = None):
@@ -159,7 +161,8 @@ class MLASelfAttention(CoreAttention):
             k_rope = copy_to_tensor_model_parallel_region(k_rope, tp_group)
         # --recompute-modules mla_up_proj: keep the latents and the RoPE key, recompute q, k, v in backward
         (q, k, v), block = discard_output(self.recompute_up_proj and self.training, self._up_proj_and_rope,
-                                          q_latent, latent, k_rope, rotary[0], rotary[1])
+                                          q_latent, latent, k_rope, rotary[0], rotary[1],
+                                          contexts=self.recompute_contexts)
         s, b = k_rope.shape[:2]
         with block:
             ctx = self._attention(q, k, v, document_ids)  # [b, heads/t, s, d_v (padded)]

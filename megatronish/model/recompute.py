@@ -13,6 +13,7 @@ saved-activation counter of ``training/memory.py``, an enclosing block), so nest
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -41,7 +42,7 @@ class _RunDiscarded(torch.autograd.Function):
     def forward(ctx, rec, *args):
         ctx.rec = rec
         rec._ctx = weakref.ref(ctx)  # (the graph owns ctx; ctx owns rec)
-        with torch.no_grad():
+        with torch.no_grad(), rec._forward_ctx:
             outs = rec.fn(*args)
         ctx.save_for_backward(*args)
         single = torch.is_tensor(outs)
@@ -68,16 +69,21 @@ class OutputRecompute:
         self._ctx = self._inputs = self._outs = None
         self._storages: dict[int, int] = {}
         self._single = True
+        self._forward_ctx = self._recompute_ctx = contextlib.nullcontext()
 
-    def run(self, fn, *args):
-        """``fn(*args)`` (tensors only), its outputs to be used inside :meth:`discarding`."""
+    def run(self, fn, *args, contexts=None):
+        """``fn(*args)`` (tensors only), its outputs to be used inside :meth:`discarding`. ``contexts``: as
+        ``parallel/random.py``'s ``checkpoint``, the ``(forward, recompute)`` context managers around the two runs
+        of ``fn`` (Transformer Engine's FP8 state)."""
         self.fn = fn
+        if contexts is not None:
+            self._forward_ctx, self._recompute_ctx = contexts()
         return _RunDiscarded.apply(self, *args)
 
     def _recompute(self):
         if self._outs is None:
             inputs = [t.detach().requires_grad_(t.requires_grad) for t in self._ctx().saved_tensors]
-            with torch.enable_grad():
+            with torch.enable_grad(), self._recompute_ctx:
                 outs = self.fn(*inputs)
             self._inputs, self._outs = inputs, ((outs,) if self._single else tuple(outs))
         return self._inputs, self._outs
@@ -105,12 +111,10 @@ class OutputRecompute:
         return torch.autograd.graph.saved_tensors_hooks(self._pack(outer), self._unpack)
 
 
-def discard_output(enabled: bool, fn, *args):
+def discard_output(enabled: bool, fn, *args, contexts=None):
     """``(outputs, block)``: with ``enabled``, :class:`OutputRecompute`'s outputs and its discarding block; else
-    ``fn(*args)`` and a block that does nothing."""
+    ``fn(*args)`` and a block that does nothing. ``contexts``: see :meth:`OutputRecompute.run`."""
     if not enabled:
-        import contextlib
-
         return fn(*args), contextlib.nullcontext()
     rec = OutputRecompute()
-    return rec.run(fn, *args), rec.discarding()
+    return rec.run(fn, *args, contexts=contexts), rec.discarding()

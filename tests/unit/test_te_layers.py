@@ -194,6 +194,43 @@ def test_te_recompute_enters_te_recompute_phases(fake_te, monkeypatch, recompute
     assert not any(lin.fp8.in_region for lin in mgr.linears.values())
 
 
+def test_te_mla_up_projection_recompute_enters_te_recompute_phases(fake_te, monkeypatch):
+    """``--recompute-modules mla_up_proj`` (the output-discarding recompute) under TE: the up-projections' first run
+    in TE's activation-recompute region, their rerun in its recompute phase inside one autocast, gradients
+    unchanged."""
+    from megatronish.precision import te_layers
+
+    def model():
+        cfg = llama(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, vocab_size=64,
+                    seq_length=8, max_position_embeddings=8, multi_latent_attention=True, q_lora_rank=16,
+                    kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=8, v_head_dim=8,
+                    recompute_granularity="selective", recompute_modules=("mla_up_proj",))
+        set_random_seed(3, 0, 0)
+        (m,) = build_model_chunks(cfg, ParallelContext.single(), device="cpu")
+        m.init_parameters(3)
+        return m
+
+    want_loss, want_grads = _loss_and_grads(model())
+    m = model()
+    with monkeypatch.context() as cuda:
+        cuda.setenv("MEGATRONISH_DEVICE", "cuda")
+        mgr = te_layers.enable_te(m, "hybrid", "delayed")
+    fake_te.clear()
+    loss, grads = _loss_and_grads(m, mgr.autocast)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
+    for n, g in want_grads.items():
+        torch.testing.assert_close(grads[n], g, rtol=1e-5, atol=1e-7, msg=n)
+    regions = [c for c in fake_te if c[0] == "recompute_region"]
+    assert regions == [("recompute_region", True, False)] * 2 + [("recompute_region", True, True)] * 2
+    kinds = [c[0] for c in fake_te]
+    first_rerun = kinds.index("recompute_region", kinds.index("recompute_region", kinds.index("recompute_region") + 1)
+                              + 1)
+    # each rerun: its phase, its autocast, the two up-projections (query and key/value) and nothing else
+    assert kinds[first_rerun:first_rerun + 5] == ["recompute_region", "autocast", "linear", "linear",
+                                                  "recompute_region_end"], kinds
+    assert kinds.count("autocast") == 3
+
+
 def test_te_recipes_map_megatron_flags(fake_te, monkeypatch):
     from megatronish.precision import te_layers
 
