@@ -22,9 +22,10 @@ the backward ones once, in the first module's backward. A call outside any regio
 autocast; TE then takes each such linear for a first module (an autocast's exit restores that flag), so with
 ``delayed`` its backward reduces and updates the backward amaxes: right for Megatron's default history (length 1,
 ``most_recent``), while a longer history advances once per such linear. Recompute (``--recompute-granularity``,
-``--recompute-modules mlp``/``moe``/``shared_experts``/``mla_up_proj``) enters TE's activation-recompute phases around both
-forwards (:meth:`TeManager.recompute_contexts`), as TE's own ``checkpoint`` and Megatron-LM with TE do: the recomputed
-forward reads back the scales the first one used and runs in one autocast of the run's recipe.
+``--recompute-modules`` ``mlp``, ``moe``, ``shared_experts``, ``mla_up_proj``) enters TE's activation-recompute
+phases around both forwards (:meth:`TeManager.recompute_contexts`), as TE's own ``checkpoint`` and Megatron-LM with
+TE do: the recomputed forward reads back the scales the first one used and runs in one autocast of the run's
+recipe.
 TE updates its scales itself, so :meth:`TeManager.update` does nothing; the delayed-scaling amax histories live in
 TE's modules and are not checkpointed (a resumed run starts them afresh).
 

@@ -155,6 +155,24 @@ def test_te_layers_keep_names_parameters_and_gradients(fake_te, monkeypatch):
     assert mgr.state_dict()["recipe"]["fp8_recipe"] == "delayed"
 
 
+def _same_through_te(build, monkeypatch, calls):
+    """A model from ``build()`` run without TE, and another run through the stand-in TE (delayed FP8 recipe) in the
+    forward's region: the same loss and gradients. Returns the TE manager; ``calls`` holds the TE run's calls."""
+    from megatronish.precision import te_layers
+
+    want_loss, want_grads = _loss_and_grads(build())
+    m = build()
+    with monkeypatch.context() as cuda:
+        cuda.setenv("MEGATRONISH_DEVICE", "cuda")
+        mgr = te_layers.enable_te(m, "hybrid", "delayed")
+    calls.clear()
+    loss, grads = _loss_and_grads(m, mgr.autocast)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
+    for n, g in want_grads.items():
+        torch.testing.assert_close(grads[n], g, rtol=1e-5, atol=1e-7, msg=n)
+    return mgr
+
+
 @pytest.mark.parametrize("recompute", [
     dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
     dict(recompute_granularity="selective", recompute_modules=("mlp",)),
@@ -163,18 +181,7 @@ def test_te_recompute_enters_te_recompute_phases(fake_te, monkeypatch, recompute
     """Recompute under TE: the checkpointed first forward runs in TE's activation-recompute region (its FP8
     modules keep their scales), the recomputed forward in its recompute phase and in one autocast of the recipe
     with the hooked linears inside it (none opens its own), as TE's own checkpoint does; gradients unchanged."""
-    from megatronish.precision import te_layers
-
-    want_loss, want_grads = _loss_and_grads(_model(**recompute))
-    m = _model(**recompute)
-    with monkeypatch.context() as cuda:
-        cuda.setenv("MEGATRONISH_DEVICE", "cuda")
-        mgr = te_layers.enable_te(m, "hybrid", "delayed")
-    fake_te.clear()
-    loss, grads = _loss_and_grads(m, mgr.autocast)
-    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
-    for n, g in want_grads.items():
-        torch.testing.assert_close(grads[n], g, rtol=1e-5, atol=1e-7, msg=n)
+    mgr = _same_through_te(lambda: _model(**recompute), monkeypatch, fake_te)
     kinds = [c[0] for c in fake_te]
     linears_per_call = 4 if recompute["recompute_granularity"] == "full" else 2  # a layer, or its MLP
     region = ["recompute_region", *["linear"] * linears_per_call, "recompute_region_end"]
@@ -198,8 +205,6 @@ def test_te_mla_up_projection_recompute_enters_te_recompute_phases(fake_te, monk
     """``--recompute-modules mla_up_proj`` (the output-discarding recompute) under TE: the up-projections' first run
     in TE's activation-recompute region, their rerun in its recompute phase inside one autocast, gradients
     unchanged."""
-    from megatronish.precision import te_layers
-
     def model():
         cfg = llama(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, vocab_size=64,
                     seq_length=8, max_position_embeddings=8, multi_latent_attention=True, q_lora_rank=16,
@@ -210,16 +215,7 @@ def test_te_mla_up_projection_recompute_enters_te_recompute_phases(fake_te, monk
         m.init_parameters(3)
         return m
 
-    want_loss, want_grads = _loss_and_grads(model())
-    m = model()
-    with monkeypatch.context() as cuda:
-        cuda.setenv("MEGATRONISH_DEVICE", "cuda")
-        mgr = te_layers.enable_te(m, "hybrid", "delayed")
-    fake_te.clear()
-    loss, grads = _loss_and_grads(m, mgr.autocast)
-    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
-    for n, g in want_grads.items():
-        torch.testing.assert_close(grads[n], g, rtol=1e-5, atol=1e-7, msg=n)
+    _same_through_te(model, monkeypatch, fake_te)
     regions = [c for c in fake_te if c[0] == "recompute_region"]
     assert regions == [("recompute_region", True, False)] * 2 + [("recompute_region", True, True)] * 2
     kinds = [c[0] for c in fake_te]
