@@ -254,7 +254,7 @@ def pipeline_activation_bytes(cfg, *, scores: bool = True) -> list[float]:
     1F1B, interleaving, ZB-H1, ZBV and DualPipeV each count their own chunk-microbatches in flight, and under a
     split backward each ``B`` keeps its deferred weight-gradient inputs (:func:`deferred_weight_bytes`, 16-bit as
     the formula) until its ``W``."""
-    from ..parallel.pipeline.walk import rank_orders, schedule_of, walk_peak
+    from ..parallel.pipeline.walk import rank_orders, walk_peak
     from ..parallel.pipeline.zero_bubble import SCHEDULES
 
     m, par = cfg.model, cfg.parallel
