@@ -4,7 +4,7 @@ The same measurement as ``tests/distributed/test_pipeline_reshard_matrix.py`` (i
 a tiny GPT with equal stages (hidden 64, sequence 32, dropout on, fp32) trains one iteration, then the peak over a
 second iteration is taken from the saved-tensor hooks (what autograd keeps) plus the tensors each queued weight
 GEMM of the split backward keeps from its ``B`` to its ``W``; the planner's figure is
-``planner/activations.stage_activations(cfg, rank, cpu=True)`` (``split_backward_peak`` for zb-h1, zbv and
+``planner/activations.stage_activations(cfg, rank, cpu=True)`` (``walk_peak`` for zb-h1, zbv and
 dualpipev). Every schedule runs on ``--p`` forked gloo ranks with ``--m`` microbatches of 2 sequences and
 ``2 p x --layers-per-stage`` layers: ``--layers-per-stage`` per chunk under the two-chunk schedules (interleaved with
 VP 2, zbv, dualpipev), twice that per rank under 1F1B and zb-h1. The test checks p = 2 (m = 4); this prints p = 4

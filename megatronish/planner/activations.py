@@ -38,8 +38,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..model.moe.layer import is_moe_layer
-from ..parallel.pipeline.walk import rank_orders
-from ..parallel.pipeline.walk import walk_peak as split_backward_peak
+from ..parallel.pipeline.walk import rank_orders, walk_peak
 from ..training.memory import activation_bytes_per_layer, cpu_activation_bytes_per_layer, deferred_weight_bytes
 from ..training.memory import attention_sizes as _attention_sizes
 from ..training.memory import mla_latents as _mla_latents
@@ -293,7 +292,7 @@ def _interleaved_stage(cfg, pp_rank: int, chunk_bytes: list[float], one_embeddin
     out = [output if st == last else 0.0 for st in stages]
     held = [x + e + o for x, e, o in zip(chunk_bytes, emb, out)]
     steps = rank_orders("interleaved-1f1b", par.pp, v, cfg.num_microbatches)[pp_rank]
-    fb, _, most = split_backward_peak(steps, held, [0.0] * v)
+    fb, _, most = walk_peak(steps, held, [0.0] * v)
     return StageActivations(sum(n * x for n, x in zip(fb, chunk_bytes)), sum(n * e for n, e in zip(fb, emb)),
                             sum(n * o for n, o in zip(fb, out)), most, recompute)
 
@@ -317,7 +316,7 @@ def _split_backward_stage(cfg, pp_rank: int, chunk_bytes: list[float], one_embed
                 for c, st in enumerate(stages)]
     held = [x + e + o for x, e, o in zip(chunk_bytes, emb, out)]
     steps = rank_orders(par.pipeline_schedule, par.pp, v, cfg.num_microbatches)[pp_rank]
-    fb, bw, most = split_backward_peak(steps, held, deferred)
+    fb, bw, most = walk_peak(steps, held, deferred)
     return StageActivations(sum(n * x for n, x in zip(fb, chunk_bytes)), sum(n * e for n, e in zip(fb, emb)),
                             sum(n * o for n, o in zip(fb, out)), most, recompute,
                             sum(n * d for n, d in zip(bw, deferred)))
@@ -340,4 +339,4 @@ def _mtp_depth(cfg, *, cpu: bool, norm: float, vocab: float) -> tuple[float, flo
 
 
 __all__ = ["StageActivations", "stage_activations", "per_op_selective_layer", "SELECTIVE_POLICIES",
-           "LOSSES", "loss_fp32_copies", "in_flight", "deferred_weight_bytes", "split_backward_peak"]
+           "LOSSES", "loss_fp32_copies", "in_flight"]

@@ -314,7 +314,9 @@ def test_deferred_weight_gradients_in_the_zero_bubble_peak():
     PP 2 and 4 microbatches (rank 0 ``F0 F1 B0 F2``, rank 1 ``F0 B0 F1``) peaks at 1F1B's activations plus one
     microbatch's deferred bytes."""
     from megatronish.arguments import build_parser, configs_from_args
-    from megatronish.planner.activations import deferred_weight_bytes, split_backward_peak, stage_activations
+    from megatronish.parallel.pipeline.walk import walk_peak
+    from megatronish.planner.activations import stage_activations
+    from megatronish.training.memory import deferred_weight_bytes
 
     flags = BASE + ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--swiglu",
                     "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "96",
@@ -332,9 +334,9 @@ def test_deferred_weight_gradients_in_the_zero_bubble_peak():
             (plain.layers, plain.embedding, plain.output, plain.in_flight)
         assert split.total == pytest.approx(plain.total + split.deferred, rel=1e-12)
     # the walk: F F B F W with 10 bytes held per forward and 4 kept for W peaks at two forwards and one W waiting
-    assert split_backward_peak([("F", 0), ("F", 0), ("B", 0), ("F", 0), ("W", 0)], [10.0], [4.0]) == ([2], [1], 2)
+    assert walk_peak([("F", 0), ("F", 0), ("B", 0), ("F", 0), ("W", 0)], [10.0], [4.0]) == ([2], [1], 2)
     # with more deferred than held (not a real stage) the peak is the moment of the most waiting W
-    assert split_backward_peak([("F", 0), ("B", 0), ("F", 0), ("B", 0), ("W", 0)], [1.0], [5.0]) == ([0], [2], 1)
+    assert walk_peak([("F", 0), ("B", 0), ("F", 0), ("B", 0), ("W", 0)], [1.0], [5.0]) == ([0], [2], 1)
 
 
 def test_attention_core_follows_the_backend():
