@@ -271,30 +271,13 @@ def stage_activations(cfg, pp_rank: int = 0, *, cpu: bool = False, loss: str = "
     if _split_backward(par.pipeline_schedule):
         if pipelining_outputs:
             raise ValueError("torch.distributed.pipelining's kept outputs are modelled for 1F1B and interleaving")
-        return _split_backward_stage(cfg, pp_rank, chunk_bytes, one_embedding, output, peak_extra)
+        return _walked_stage(cfg, pp_rank, chunk_bytes, one_embedding, output, peak_extra, split=True)
     if v > 1 and not pipelining_outputs:
-        return _interleaved_stage(cfg, pp_rank, chunk_bytes, one_embedding, output, peak_extra)
+        return _walked_stage(cfg, pp_rank, chunk_bytes, one_embedding, output, peak_extra, split=False)
     kept = 0.0
     if pipelining_outputs and par.pp > 1 and pp_rank == par.loss_pp_rank:
         kept = cfg.num_microbatches * 4 * s * b * m.padded_vocab_size(t) / t
     return StageActivations(per_chunk * flight, embedding, output, flight, peak_extra, kept_outputs=kept)
-
-
-def _interleaved_stage(cfg, pp_rank: int, chunk_bytes: list[float], one_embedding: float, output: float,
-                       recompute: float) -> StageActivations:
-    """An interleaved stage: the peak of its schedule's walk, each chunk holding its own layers (chunks need not
-    be equal: a layout's), the embedding with global stage 0 and the output layer and loss with the last stage,
-    each as many times as that chunk has microbatches between their forward and backward at the peak."""
-    par = cfg.parallel
-    v, last = len(chunk_bytes), par.pp * par.vp - 1
-    stages = [par.stage_of(pp_rank, c) for c in range(v)]
-    emb = [one_embedding if st == 0 else 0.0 for st in stages]
-    out = [output if st == last else 0.0 for st in stages]
-    held = [x + e + o for x, e, o in zip(chunk_bytes, emb, out)]
-    steps = rank_orders("interleaved-1f1b", par.pp, v, cfg.num_microbatches)[pp_rank]
-    fb, _, most = walk_peak(steps, held, [0.0] * v)
-    return StageActivations(sum(n * x for n, x in zip(fb, chunk_bytes)), sum(n * e for n, e in zip(fb, emb)),
-                            sum(n * o for n, o in zip(fb, out)), most, recompute)
 
 
 def _split_backward(schedule: str | None) -> bool:
@@ -303,19 +286,23 @@ def _split_backward(schedule: str | None) -> bool:
     return schedule in SCHEDULES
 
 
-def _split_backward_stage(cfg, pp_rank: int, chunk_bytes: list[float], one_embedding: float, output: float,
-                          recompute: float) -> StageActivations:
-    """A zero-bubble schedule's stage: the peak of its action list's walk (module docstring), each chunk holding
-    its own layers, the embedding on stage 0 and the output layer and loss on the last stage."""
+def _walked_stage(cfg, pp_rank: int, chunk_bytes: list[float], one_embedding: float, output: float,
+                  recompute: float, *, split: bool) -> StageActivations:
+    """A stage whose peak is its schedule's walk (``parallel/pipeline/walk.py``): interleaving, or with ``split`` a
+    zero-bubble schedule's action list (module docstring). Each chunk holds its own layers (chunks need not be
+    equal: a layout's), the embedding with global stage 0 and the output layer and loss with the last stage, each as
+    many times as that chunk has microbatches between their forward and backward at the peak; under ``split`` each
+    ``B`` keeps its deferred weight-gradient inputs until its ``W``."""
     m, par = cfg.model, cfg.parallel
     v, last = len(chunk_bytes), par.pp * par.vp - 1
     stages = [par.stage_of(pp_rank, c) for c in range(v)]
     emb = [one_embedding if st == 0 else 0.0 for st in stages]
     out = [output if st == last else 0.0 for st in stages]
     deferred = [deferred_weight_bytes(cfg, par.layer_range(m.num_layers, pp_rank, c), loss_stage=st == last)
-                for c, st in enumerate(stages)]
+                if split else 0.0 for c, st in enumerate(stages)]
     held = [x + e + o for x, e, o in zip(chunk_bytes, emb, out)]
-    steps = rank_orders(par.pipeline_schedule, par.pp, v, cfg.num_microbatches)[pp_rank]
+    schedule = par.pipeline_schedule if split else "interleaved-1f1b"
+    steps = rank_orders(schedule, par.pp, v, cfg.num_microbatches)[pp_rank]
     fb, bw, most = walk_peak(steps, held, deferred)
     return StageActivations(sum(n * x for n, x in zip(fb, chunk_bytes)), sum(n * e for n, e in zip(fb, emb)),
                             sum(n * o for n, o in zip(fb, out)), most, recompute,
