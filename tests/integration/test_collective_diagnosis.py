@@ -35,6 +35,9 @@ from megatronish.training.initialize import init_distributed
 
 TIMEOUT_S = 3.0  # the process groups' timeout
 LIMIT_S = 30.0
+# Both ranks wait under the same timeout: the one that times out first ends its process, so the other may see its
+# peer's connection close before its own timeout. Either is what happened; the diagnosis must not depend on which.
+CAUSE = "(?:timed out|connection closed by a peer|connection reset by a peer)"
 
 
 def _skip(rank, ctx):
@@ -140,7 +143,7 @@ def test_mismatched_collectives_name_the_collective_and_the_rank_elsewhere(tmp_p
 
     skip = lines["skip"]
     assert re.search(r"collective all_reduce #3 on group tp \[0, 1\] \(\[4, 8\] float32\) at "
-                     r"megatronish/parallel/mappings\.py:\d+ in _all_reduce did not complete on rank 0 \(timed out\): "
+                     rf"megatronish/parallel/mappings\.py:\d+ in _all_reduce did not complete on rank 0 \({CAUSE}\): "
                      r"rank 1 never reached it; rank 1's last collectives: all_reduce #1 on tp at .*; "
                      r"all_reduce #2 on tp at .*; barrier #1 on world at "
                      r"tests/integration/test_collective_diagnosis\.py:\d+ in _skip;", skip), skip
@@ -148,5 +151,5 @@ def test_mismatched_collectives_name_the_collective_and_the_rank_elsewhere(tmp_p
     mixed = lines["gather_vs_scatter"]
     assert re.search(r"collective all_gather #2 on group tp \[0, 1\] \(\[4, 3\] float32\) at "
                      r"megatronish/parallel/mappings\.py:\d+ in _gather_along did not complete on rank 0 "
-                     r"\(timed out\): rank 1 issued reduce_scatter_tensor at megatronish/parallel/mappings\.py:\d+ "
+                     rf"\({CAUSE}\): rank 1 issued reduce_scatter_tensor at megatronish/parallel/mappings\.py:\d+ "
                      r"in _reduce_scatter_first there instead", mixed), mixed
