@@ -11,20 +11,26 @@ code written against Megatron's ``parallel_state``: they read the context that t
 from __future__ import annotations
 
 from . import comm_log
-from .context import ParallelContext
+from .context import ParallelContext, reusing_groups
 from .dims import ParallelDims
 
 __all__ = ["initialize_model_parallel", "destroy_model_parallel", "is_initialized", "get_context"]
 
 # The one reference the accessor layer keeps: the context most recently built on this process.
 _current: list[ParallelContext] = []
+# The process groups this process has made, by (kind, ranks, timeout, backend), with the world they were made in
+# under "world": torch.distributed keeps every group (its connections and threads) until destroyed, so a context
+# built again with the same ranks takes the same groups instead of making more.
+_made: dict = {}
 
 
 def initialize_model_parallel(dims: ParallelDims, timeout_minutes: float = 10.0, backend: str | None = None,
                               ) -> ParallelContext:
     """Create every group of every kind (collective; ``torch.distributed`` must be initialized) and return the
-    context holding them. Each group is registered under its kind with :mod:`~megatronish.parallel.comm_log`."""
-    ctx = ParallelContext.build(dims, timeout_minutes=timeout_minutes, backend=backend)
+    context holding them. Each group is registered under its kind with :mod:`~megatronish.parallel.comm_log`. A
+    group of the same kind, ranks, timeout and backend that an earlier call on this process made is taken again
+    (every rank makes the same calls, so every rank takes the same groups)."""
+    ctx = ParallelContext.build(dims, timeout_minutes=timeout_minutes, backend=backend, new_group=reusing_groups(_made))
     for kind, group in ctx.group_map.items():  # the records of collectives name each group by its kind
         comm_log.register_group(group, kind, ctx.ranks(kind))
     _current[:] = [ctx]

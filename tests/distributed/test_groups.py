@@ -60,6 +60,22 @@ def _worker(rank, world):
         x = torch.tensor([float(rank)])
         dist.all_reduce(x, group=ctx.group(kind))
         assert x.item() == sum(ctx.ranks(kind)), kind
+    # built again: the groups of the same kind, ranks and timeout are the same objects (torch.distributed keeps
+    # every group it made, with its connections and threads, so a test process building hundreds of contexts would
+    # pile them up); other ranks or another timeout make new ones; they still communicate
+    made = len(dist.distributed_c10d._world.pg_map)
+    again = groups.initialize_model_parallel(dims)
+    assert all(again.group(k) is ctx.group(k) for k in (*ParallelDims.GROUP_KINDS, "io") if ctx.ranks(k))
+    assert len(dist.distributed_c10d._world.pg_map) == made
+    other = groups.initialize_model_parallel(ParallelDims(world_size=world, tp=4))
+    assert other.tp_group is not ctx.tp_group and other.ranks("tp") != ctx.ranks("tp")
+    assert other.group("io") is ctx.group("io")  # the same ranks under another kind's neighbours
+    slow = groups.initialize_model_parallel(dims, timeout_minutes=1.0)
+    assert slow.tp_group is not ctx.tp_group and slow.ranks("tp") == ctx.ranks("tp")
+    for c2 in (again, other, slow):
+        x = torch.tensor([float(rank)])
+        dist.all_reduce(x, group=c2.tp_group)
+        assert x.item() == sum(c2.ranks("tp"))
     return True
 
 

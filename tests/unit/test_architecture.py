@@ -243,6 +243,9 @@ def test_no_module_over_the_line_limit():
 MUTABLE_GLOBALS = {
     ("megatronish.parallel.groups", "_current"): "Megatron's parallel_state accessors, for users' code, read the "
                                                  "context the last initialize_model_parallel returned",
+    ("megatronish.parallel.groups", "_made"): "the process groups this process has made (torch.distributed keeps "
+                                              "each until destroyed): initialize_model_parallel with the same ranks "
+                                              "takes them again instead of making more",
     ("megatronish.parallel.comm_log", "_LOG"): "the per-process ring of collectives a failed rank reports (every "
                                                "collective of the process, whichever object issued it)",
     ("megatronish.parallel.random", "_current"): "Megatron's get_cuda_rng_tracker() (get_rng_tracker), for users' "
