@@ -226,9 +226,11 @@ def stage_activations(cfg, pp_rank: int = 0, *, cpu: bool = False, loss: str = "
     chunk_bytes = []  # each chunk's layers, one microbatch
     peak_extra = 0.0
     vocab = m.padded_vocab_size(t) / t
-    norm = 2 * s * b * h * scale  # the final norm's input (on CPU an RMSNorm keeps fp32 copies)
+    # the final norm's input, over TP under SP as the residual stream is (on CPU an RMSNorm keeps fp32 copies)
+    norm_tokens = s * b / (t if cfg.sequence_parallel else 1)
+    norm = 2 * norm_tokens * h * scale
     if cpu and m.normalization == "RMSNorm":
-        norm = 8 * s * b * h + 4 * s * b
+        norm = 8 * norm_tokens * h + 4 * norm_tokens
     depths = m.mtp_num_layers or 0
     standalone = par.mtp_stage if depths else None  # the MTP depths on a stage of their own, before the loss's
     for c in range(v):
