@@ -203,6 +203,17 @@ def per_op_selective_layer(cfg) -> float:
     return (cfg.optim.params_dtype.itemsize * saved + 4 * a / t) * s * b
 
 
+def final_norm_bytes(cfg, *, cpu: bool = False) -> float:
+    """What the final norm keeps for its backward, one microbatch: its input, ``s/t`` tokens under SP (the residual
+    stream it normalizes is split over TP; the output layer gathers the norm's output), all ``s`` otherwise. On CPU
+    an RMSNorm keeps fp32 copies of its input and output and the fp32 ``rstd`` instead."""
+    m, par = cfg.model, cfg.parallel
+    tokens = m.seq_length // par.cp * cfg.train.micro_batch_size / (par.tp if cfg.sequence_parallel else 1)
+    if cpu and m.normalization == "RMSNorm":
+        return 8 * tokens * m.hidden_size + 4 * tokens
+    return 2 * tokens * m.hidden_size * (2.0 if cfg.optim.params_dtype.itemsize == 4 else 1.0)
+
+
 def stage_activations(cfg, pp_rank: int = 0, *, cpu: bool = False, loss: str = "megatron",
                       selective: str = "megatron", pipelining_outputs: bool = False) -> StageActivations:
     """Peak activation bytes of a rank of pipeline stage ``pp_rank`` (module docstring). ``loss``: whose loss
@@ -226,11 +237,7 @@ def stage_activations(cfg, pp_rank: int = 0, *, cpu: bool = False, loss: str = "
     chunk_bytes = []  # each chunk's layers, one microbatch
     peak_extra = 0.0
     vocab = m.padded_vocab_size(t) / t
-    # the final norm's input, over TP under SP as the residual stream is (on CPU an RMSNorm keeps fp32 copies)
-    norm_tokens = s * b / (t if cfg.sequence_parallel else 1)
-    norm = 2 * norm_tokens * h * scale
-    if cpu and m.normalization == "RMSNorm":
-        norm = 8 * norm_tokens * h + 4 * norm_tokens
+    norm = final_norm_bytes(cfg, cpu=cpu)
     depths = m.mtp_num_layers or 0
     standalone = par.mtp_stage if depths else None  # the MTP depths on a stage of their own, before the loss's
     for c in range(v):
@@ -328,4 +335,4 @@ def _mtp_depth(cfg, *, cpu: bool, norm: float, vocab: float) -> tuple[float, flo
 
 
 __all__ = ["StageActivations", "stage_activations", "per_op_selective_layer", "SELECTIVE_POLICIES",
-           "LOSSES", "loss_fp32_copies", "in_flight"]
+           "LOSSES", "loss_fp32_copies", "in_flight", "final_norm_bytes"]

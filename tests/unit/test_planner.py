@@ -439,3 +439,52 @@ def test_pipeline_sends_and_the_loss_stage_follow_the_placement(schedule):
             assert len(loss) == (2 if r == loss_rank else 0), (p, r, loss)
         plain = dataclasses.replace(par, pipeline_schedule=None, vp=1)
         assert [pipeline_sends(plain, r) for r in range(p)] == [1] + [2] * (p - 2) + [1]
+
+
+def _final_norm_saved(rank, world, argv):
+    """Bytes the final norm saves for its backward in one forward on this rank (distinct storages, parameters
+    excluded), the rank's model built from ``argv`` at TP ``world``."""
+    import torch
+
+    from megatronish.arguments import configs_from_args, parse_args
+    from megatronish.model.build import build_model_chunks
+    from megatronish.parallel import groups
+    from megatronish.parallel.random import set_random_seed
+
+    cfg = configs_from_args(parse_args(argv), world)
+    ctx = groups.initialize_model_parallel(cfg.parallel)
+    set_random_seed(1, tp_rank=ctx.tp_rank)
+    model = build_model_chunks(cfg.model, ctx, sequence_parallel=cfg.sequence_parallel)[0]
+    model.init_parameters(1)
+    norm, params = model.decoder.final_layernorm, {p.data_ptr() for p in model.parameters()}
+    inside, saved = [False], {}
+    norm.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
+    norm.register_forward_hook(lambda *_: inside.__setitem__(0, False))
+
+    def pack(t):
+        if inside[0] and t.data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    ids = torch.zeros(cfg.train.micro_batch_size, cfg.model.seq_length, dtype=torch.long)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids, labels=ids)
+    groups.destroy_model_parallel()
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("norm", ["LayerNorm", "RMSNorm"])
+def test_final_norm_input_follows_sequence_parallelism(norm):
+    """The final norm's saved bytes on each rank against :func:`final_norm_bytes` (CPU terms): at TP 2 with SP the
+    norm sees ``s/t`` tokens, without SP all ``s`` (LayerNorm's per-token mean and rstd, 8 bytes a token, are not
+    counted: 2/h of the input)."""
+    from megatronish.arguments import configs_from_args, parse_args
+    from megatronish.planner.activations import final_norm_bytes
+    from megatronish.testing import run_distributed
+
+    argv = [a for a in BASE if a != "--bf16"] + ["--normalization", norm, "--tensor-model-parallel-size", "2",
+                                                  "--micro-batch-size", "2", "--hidden-dropout", "0"]
+    for sp in ([], ["--sequence-parallel"]):
+        got = run_distributed(_final_norm_saved, 2, argv + sp)
+        predicted = final_norm_bytes(configs_from_args(parse_args(argv + sp), 2), cpu=True)
+        assert got[0] == got[1] == pytest.approx(predicted, rel=2 / 64 + 1e-9), (sp, got, predicted)
