@@ -22,7 +22,7 @@ from datetime import timedelta
 
 from .dims import ParallelDims
 
-__all__ = ["GROUP_KINDS", "FakeGroup", "ParallelContext", "Shared", "reusing_groups", "group_size", "group_rank"]
+__all__ = ["GROUP_KINDS", "FakeGroup", "ParallelContext", "Shared", "group_size", "group_rank"]
 
 # The group kinds, in creation order (fixed; every rank walks it identically): ParallelDims' one list. "io" is
 # a gloo group over the whole world, created last, that checkpoint I/O uses (its collectives may run from a
@@ -50,24 +50,6 @@ class FakeGroup:
         raise RuntimeError(f"a fake process group (ranks {list(self.ranks)}) cannot communicate ({name}); "
                            "ParallelContext.fake is for shapes and plans: build the real context with "
                            "groups.initialize_model_parallel to run collectives")
-
-
-def reusing_groups(made: dict):
-    """A ``new_group`` for :meth:`ParallelContext.build` that takes the group ``made`` holds for the same kind,
-    ranks, timeout and backend, and makes (and keeps there) the ones it lacks; ``made["world"]`` is the default
-    group they were made under (a new world empties it)."""
-    import torch.distributed as dist
-
-    def new_group(kind, ranks, timeout, backend):
-        if made.get("world") is not dist.group.WORLD:
-            made.clear()
-            made["world"] = dist.group.WORLD
-        key = (kind, None if ranks is None else tuple(ranks), timeout, backend)
-        if key not in made:
-            made[key] = dist.new_group(ranks, timeout=timeout, backend=backend)
-        return made[key]
-
-    return new_group
 
 
 class Shared:
@@ -112,11 +94,11 @@ class ParallelContext:
     # ------------------------------------------------------------------------------------------ construction
     @classmethod
     def build(cls, dims: ParallelDims, *, timeout_minutes: float = 10.0, backend: str | None = None,
-              new_group=None) -> "ParallelContext":
+              made: dict | None = None) -> "ParallelContext":
         """Create every group of every kind (collective over the world; ``torch.distributed`` initialized). The
-        ``cp_inner``/``cp_outer`` kinds have groups only when ``dims.cp_inner`` is set. ``new_group(kind, ranks,
-        timeout, backend)``: makes each group (``ranks`` None: the world), every rank calling it in the same
-        order; by default ``torch.distributed.new_group``."""
+        ``cp_inner``/``cp_outer`` kinds have groups only when ``dims.cp_inner`` is set. ``made``: the groups made
+        before, by (kind, ranks, timeout, backend), with ``made["world"]`` the default group they were made under;
+        a group found there is taken again, one not found is made and kept there (a new world empties it)."""
         import torch.distributed as dist
 
         if not dist.is_initialized():
@@ -126,16 +108,24 @@ class ParallelContext:
                                f"{dist.get_world_size()} ranks")
         rank = dist.get_rank()
         timeout = timedelta(minutes=timeout_minutes)
-        if new_group is None:
-            def new_group(kind, ranks, timeout, backend):
-                return dist.new_group(ranks, timeout=timeout, backend=backend)
+        made = {} if made is None else made
+        if made.get("world") is not dist.group.WORLD:
+            made.clear()
+            made["world"] = dist.group.WORLD
+
+        def new_group(kind, ranks, backend):
+            key = (kind, None if ranks is None else tuple(ranks), timeout, backend)
+            if key not in made:
+                made[key] = dist.new_group(ranks, timeout=timeout, backend=backend)
+            return made[key]
+
         group_map, rank_map = {}, {}
         for kind in GROUP_KINDS:
             for ranks in dims.groups(kind):
-                group = new_group(kind, ranks, timeout, backend)
+                group = new_group(kind, ranks, backend)
                 if rank in ranks:  # the embedding kinds cover pipeline ends only: other ranks keep none
                     group_map[kind], rank_map[kind] = group, tuple(ranks)
-        group_map[_IO] = new_group(_IO, None, timeout, "gloo")
+        group_map[_IO] = new_group(_IO, None, "gloo")
         rank_map[_IO] = tuple(range(dims.world_size))
         return cls(dims, rank, group_map, rank_map)
 

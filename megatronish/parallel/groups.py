@@ -11,7 +11,7 @@ code written against Megatron's ``parallel_state``: they read the context that t
 from __future__ import annotations
 
 from . import comm_log
-from .context import ParallelContext, reusing_groups
+from .context import ParallelContext
 from .dims import ParallelDims
 
 __all__ = ["initialize_model_parallel", "destroy_model_parallel", "is_initialized", "get_context"]
@@ -30,7 +30,7 @@ def initialize_model_parallel(dims: ParallelDims, timeout_minutes: float = 10.0,
     context holding them. Each group is registered under its kind with :mod:`~megatronish.parallel.comm_log`. A
     group of the same kind, ranks, timeout and backend that an earlier call on this process made is taken again
     (every rank makes the same calls, so every rank takes the same groups)."""
-    ctx = ParallelContext.build(dims, timeout_minutes=timeout_minutes, backend=backend, new_group=reusing_groups(_made))
+    ctx = ParallelContext.build(dims, timeout_minutes=timeout_minutes, backend=backend, made=_made)
     for kind, group in ctx.group_map.items():  # the records of collectives name each group by its kind
         comm_log.register_group(group, kind, ctx.ranks(kind))
     _current[:] = [ctx]

@@ -310,8 +310,7 @@ def _walked_stage(cfg, pp_rank: int, chunk_bytes: list[float], one_embedding: fl
     deferred = [deferred_weight_bytes(cfg, par.layer_range(m.num_layers, pp_rank, c), loss_stage=st == last)
                 if split else 0.0 for c, st in enumerate(stages)]
     held = [x + e + o for x, e, o in zip(chunk_bytes, emb, out)]
-    schedule = par.pipeline_schedule if split else "interleaved-1f1b"
-    steps = rank_orders(schedule, par.pp, v, cfg.num_microbatches)[pp_rank]
+    steps = rank_orders(par.pipeline_schedule, par.pp, v, cfg.num_microbatches)[pp_rank]
     fb, bw, most = walk_peak(steps, held, deferred)
     return StageActivations(sum(n * x for n, x in zip(fb, chunk_bytes)), sum(n * e for n, e in zip(fb, emb)),
                             sum(n * o for n, o in zip(fb, out)), most, recompute,

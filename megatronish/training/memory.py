@@ -54,7 +54,7 @@ from .. import device
 from ..config import default_ffn_hidden_size
 from ..model.moe.layer import is_moe_layer
 from ..optim.clip_grads import is_expert
-from ..parallel.pipeline.walk import schedule_of
+from ..parallel.pipeline.walk import rank_orders, schedule_of, walk_peak
 
 _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 
@@ -254,7 +254,6 @@ def pipeline_activation_bytes(cfg, *, scores: bool = True) -> list[float]:
     1F1B, interleaving, ZB-H1, ZBV and DualPipeV each count their own chunk-microbatches in flight, and under a
     split backward each ``B`` keeps its deferred weight-gradient inputs (:func:`deferred_weight_bytes`, 16-bit as
     the formula) until its ``W``."""
-    from ..parallel.pipeline.walk import rank_orders, walk_peak
     from ..parallel.pipeline.zero_bubble import SCHEDULES
 
     m, par = cfg.model, cfg.parallel
