@@ -9,6 +9,7 @@ import pytest
 
 from megatronish.data.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
 from megatronish.testing import subprocess_env
+from support.launch import run_job
 from support.tokenizer_files import make_hf_tokenizer_json
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -71,9 +72,8 @@ def test_deepseek_v3_example_flags_validate(env):
 def test_deepseek_v3_tiny_example_runs(tmp_path):
     """examples/deepseek_v3/tiny.sh on CPU: trains at EP 2, exports to transformers, and transformers' logits
     equal ours (its compare step exits 1 otherwise)."""
-    proc = subprocess.run(["bash", os.path.join(REPO, "examples", "deepseek_v3", "tiny.sh"), "--train-iters", "4"],
-                          env={**subprocess_env(), "PYTHON": sys.executable, "OUT": str(tmp_path)},
-                          capture_output=True, text=True, timeout=300)
+    proc = run_job(["bash", os.path.join(REPO, "examples", "deepseek_v3", "tiny.sh"), "--train-iters", "4"],
+                   env={**subprocess_env(), "PYTHON": sys.executable, "OUT": str(tmp_path)}, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "DeepseekV3ForCausalLM: max |logits - ours|" in proc.stdout
     assert (tmp_path / "hf" / "config.json").is_file()

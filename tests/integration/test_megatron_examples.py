@@ -15,6 +15,7 @@ import pytest
 from megatronish.config import rampup_global_batch_size
 from megatronish.data.tokenizers import gpt2_files
 from megatronish.testing import subprocess_env
+from support.launch import run_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -97,7 +98,7 @@ def _run(argv, nproc, tmp_path):
     env.pop("RANK", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            os.path.join(ROOT, "pretrain_gpt.py"), *argv]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_job(cmd, cwd=tmp_path, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc.stdout
 

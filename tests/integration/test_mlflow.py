@@ -12,6 +12,7 @@ from test_pretrain_cli import FLAGS, ROOT, _env
 
 from megatronish.arguments import configs_from_args, parse_args
 from megatronish.tools.pretrain_gpt import main
+from support.launch import run_job
 
 SINGLE = FLAGS[:-3]  # one process: no TP
 
@@ -55,9 +56,9 @@ def test_mlflow_run_holds_the_metrics_file_and_resumes(tmp_path, monkeypatch):
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     # resumed from iteration 10 on two processes (TP 2, sequence parallel): only the logging rank writes
-    second = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             os.path.join(ROOT, "pretrain_gpt.py"), *FLAGS, *common, "--metrics-file", str(m2)],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    second = run_job([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                      os.path.join(ROOT, "pretrain_gpt.py"), *FLAGS, *common, "--metrics-file", str(m2)],
+                     cwd=ROOT, env=env, timeout=120)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "MLflow: continuing run" in second.stdout
 

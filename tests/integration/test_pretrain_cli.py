@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from megatronish.testing import subprocess_env
+from support.launch import cpu_env, run_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -21,16 +21,14 @@ TRAIN_KEYS = {"iteration", "consumed_samples", "lm_loss", "lr", "grad_norm", "lo
 
 
 def _env():
-    env = subprocess_env(OMP_NUM_THREADS="1", MEGATRONISH_DEVICE="cpu")
-    env.pop("RANK", None)
-    return env
+    return cpu_env()
 
 
 def test_torchrun_trains_and_writes_metrics(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
            os.path.join(ROOT, "pretrain_gpt.py"), *FLAGS, "--metrics-file", str(metrics)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    proc = run_job(cmd, env=_env(), timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "iteration       30/      30" in proc.stdout and "lm loss:" in proc.stdout
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -64,7 +62,7 @@ def test_torchrun_interleaved_pipeline_with_timeline(tmp_path):
                           "--metrics-file", str(metrics), "--pipeline-timeline", str(trace)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
            os.path.join(ROOT, "pretrain_gpt.py"), *flags]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    proc = run_job(cmd, env=_env(), timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     train = [json.loads(line) for line in metrics.read_text().splitlines() if "split" not in line]
     assert [r["iteration"] for r in train] == [5, 10] and train[-1]["lm_loss"] < train[0]["lm_loss"]
@@ -86,7 +84,7 @@ def test_torchrun_mixture_of_experts_logs_its_metrics(tmp_path):
            "--moe-per-layer-logging", "--train-iters", "10", "--eval-iters", "0"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
            os.path.join(ROOT, "pretrain_gpt.py"), *FLAGS, *moe, "--metrics-file", str(metrics)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    proc = run_job(cmd, env=_env(), timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if "iteration " in line and "lm loss:" in line]
     assert len(lines) == 2

@@ -1,8 +1,11 @@
 """Launching ``pretrain_gpt.py`` jobs from tests and watching them: a CPU environment for child processes, torchrun's
 workers (their pids and ranks), whether a process is alive, waiting for an iteration's log line, and the losses a
-``--metrics-file`` recorded."""
+``--metrics-file`` recorded; and running a job to its end, with every process's Python stacks when it does not end
+in time."""
 import json
 import os
+import signal
+import subprocess
 import sys
 import time
 
@@ -68,3 +71,44 @@ def metrics_losses(path, every: bool = False):
     with open(path) as f:
         records = [(r["iteration"], r["lm_loss"]) for r in map(json.loads, f) if "split" not in r]
     return records if every else dict(records)
+
+
+def _tree(pid):
+    """``pid`` and every process below it (a launcher, its workers, their data loader workers)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            todo += children(p)
+        except OSError:
+            pass
+    return out
+
+
+def run_job(cmd, *, timeout, env=None, cwd=ROOT, **kw) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` for a job (a launcher and its workers) that must end
+    within ``timeout`` seconds. One that does not fails the test with every process's Python stacks: the job runs with
+    ``PYTHONFAULTHANDLER`` set, and each of its processes gets SIGABRT, which makes it print every thread's stack
+    before it ends, so a rare hang in CI says where each rank stood."""
+    env = dict(os.environ if env is None else env, PYTHONFAULTHANDLER="1")
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **kw)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for pid in reversed(_tree(proc.pid)):  # the launcher last: it must not end its workers before they print
+            try:
+                os.kill(pid, signal.SIGABRT)
+            except ProcessLookupError:
+                pass
+        time.sleep(3)
+        for pid in _tree(proc.pid):  # torchrun starts its workers in sessions of their own
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        out, err = proc.communicate()
+        raise AssertionError(f"{' '.join(map(str, cmd[:6]))} ... did not end in {timeout} s; its output, with each "
+                             f"process's stacks:\n{out[-6000:]}\n{err[-20000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
