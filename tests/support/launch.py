@@ -97,12 +97,16 @@ def run_job(cmd, *, timeout, env=None, cwd=ROOT, **kw) -> subprocess.CompletedPr
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        for pid in reversed(_tree(proc.pid)):  # the launcher last: it must not end its workers before they print
+        # one process at a time, so that their stacks do not interleave; the launcher last, so that it does not end
+        # its workers before they print
+        for pid in reversed(_tree(proc.pid)):
             try:
                 os.kill(pid, signal.SIGABRT)
             except ProcessLookupError:
-                pass
-        time.sleep(3)
+                continue
+            deadline = time.monotonic() + 3
+            while alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
         for pid in _tree(proc.pid):  # torchrun starts its workers in sessions of their own
             try:
                 os.kill(pid, signal.SIGKILL)
