@@ -99,7 +99,8 @@ def run_job(cmd, *, timeout, env=None, cwd=ROOT, **kw) -> subprocess.CompletedPr
     except subprocess.TimeoutExpired:
         # one process at a time, so that their stacks do not interleave; the launcher last, so that it does not end
         # its workers before they print
-        for pid in reversed(_tree(proc.pid)):
+        tree = _tree(proc.pid)  # taken once: a process whose parent ended is no longer below the launcher
+        for pid in reversed(tree):
             try:
                 os.kill(pid, signal.SIGABRT)
             except ProcessLookupError:
@@ -107,7 +108,7 @@ def run_job(cmd, *, timeout, env=None, cwd=ROOT, **kw) -> subprocess.CompletedPr
             deadline = time.monotonic() + 3
             while alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.05)
-        for pid in _tree(proc.pid):  # torchrun starts its workers in sessions of their own
+        for pid in tree:  # torchrun starts its workers in sessions of their own
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
