@@ -8,11 +8,11 @@ import sys
 
 import pytest
 import torch.distributed as dist
-from test_pretrain_cli import FLAGS, ROOT, _env
+from test_pretrain_cli import FLAGS, ROOT
 
 from megatronish.arguments import configs_from_args, parse_args
 from megatronish.tools.pretrain_gpt import main
-from support.launch import run_job
+from support.launch import cpu_env, run_job
 
 SINGLE = FLAGS[:-3]  # one process: no TP
 
@@ -47,7 +47,7 @@ def _expected(*metrics_files):
 def test_mlflow_run_holds_the_metrics_file_and_resumes(tmp_path, monkeypatch):
     pytest.importorskip("mlflow")
     save, m1, m2 = tmp_path / "ck", tmp_path / "m1.jsonl", tmp_path / "m2.jsonl"
-    env = _env()
+    env = cpu_env()
     env.pop("MLFLOW_TRACKING_URI", None)  # the default store: <--save>/mlruns
     common = ["--train-iters", "20", "--save", str(save), "--load", str(save), "--mlflow-experiment-name", "tiny",
               "--mlflow-run-name", "gpt-tiny"]

@@ -20,15 +20,11 @@ TRAIN_KEYS = {"iteration", "consumed_samples", "lm_loss", "lr", "grad_norm", "lo
               "tokens_per_sec", "tflops", "skipped_iterations"}
 
 
-def _env():
-    return cpu_env()
-
-
 def test_torchrun_trains_and_writes_metrics(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
            os.path.join(ROOT, "pretrain_gpt.py"), *FLAGS, "--metrics-file", str(metrics)]
-    proc = run_job(cmd, env=_env(), timeout=300)
+    proc = run_job(cmd, env=cpu_env(), timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "iteration       30/      30" in proc.stdout and "lm loss:" in proc.stdout
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -47,7 +43,7 @@ def test_bad_flag_is_one_line_before_process_groups():
     single = FLAGS[:-3]  # one process: no TP
     cmd = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *single, "--global-batch-size", "6",
            "--micro-batch-size", "4"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     err = proc.stderr.strip().splitlines()
     assert len(err) == 1 and "--global-batch-size" in err[0], proc.stderr
@@ -62,14 +58,14 @@ def test_torchrun_interleaved_pipeline_with_timeline(tmp_path):
                           "--metrics-file", str(metrics), "--pipeline-timeline", str(trace)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
            os.path.join(ROOT, "pretrain_gpt.py"), *flags]
-    proc = run_job(cmd, env=_env(), timeout=300)
+    proc = run_job(cmd, env=cpu_env(), timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     train = [json.loads(line) for line in metrics.read_text().splitlines() if "split" not in line]
     assert [r["iteration"] for r in train] == [5, 10] and train[-1]["lm_loss"] < train[0]["lm_loss"]
     events = json.loads(trace.read_text())
     assert {e["pid"] for e in events["traceEvents"] if e.get("ph") == "X"} == {0, 1, 2, 3}
     plot = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plot_timeline.py"), str(trace), "-o", str(png)],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+                          cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=120)
     assert plot.returncode == 0, plot.stderr
     assert png.stat().st_size > 1000 and "bubble" in plot.stdout
 
@@ -84,7 +80,7 @@ def test_torchrun_mixture_of_experts_logs_its_metrics(tmp_path):
            "--moe-per-layer-logging", "--train-iters", "10", "--eval-iters", "0"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
            os.path.join(ROOT, "pretrain_gpt.py"), *FLAGS, *moe, "--metrics-file", str(metrics)]
-    proc = run_job(cmd, env=_env(), timeout=300)
+    proc = run_job(cmd, env=cpu_env(), timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if "iteration " in line and "lm loss:" in line]
     assert len(lines) == 2

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from support.launch import run_job
+from support.launch import alive, run_job
 
 JOB = """
 import os, sys, threading, time
@@ -38,10 +38,8 @@ def test_a_job_that_does_not_end_shows_every_stack_and_is_killed(tmp_path):
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if str(script).encode() in f.read():
-                    with open(f"/proc/{pid}/stat") as s:
-                        if s.read().rsplit(")", 1)[-1].split()[0] != "Z":
-                            left.append(pid)
+                if str(script).encode() in f.read() and alive(int(pid)):
+                    left.append(pid)
         except OSError:
             pass
     assert not left
